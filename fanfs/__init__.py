@@ -1,0 +1,1 @@
+"""fanfs: a transient distributed file system for deep-learning training I/O."""

@@ -1,0 +1,313 @@
+"""The catalog: every entry of a prepared image, as compact numpy columns plus one string table.
+
+Invariants (checked by `Catalog.from_bytes`, documented in docs/format.md):
+- Entry 0 is the root directory; inode = entry index + 1 (FUSE's root inode is 1).
+- A directory's children are contiguous (`child_start`, `child_count`) and sorted by name bytes,
+  so readdir is a slice and lookup a binary search.
+- Regular files point into a partition (`part`, `data_off`, `stored_len`) that lies within the
+  partition's recorded size; symlinks keep their target in the string table.
+The catalog is immutable after load: it needs no locks and is shared by every task and thread.
+Memory: 69 bytes per entry in the columns plus the names, no Python object per entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import stat
+import struct
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NewType
+
+import numpy as np
+
+from fanfs.errors import CorruptCatalog, ImageError, ImageVersionError
+
+EntryId = NewType("EntryId", int)
+PartitionId = NewType("PartitionId", int)
+
+MAGIC = b"FANFSCAT"
+VERSION = 1
+CATALOG_NAME = "catalog.fanfs"
+NO_PARTITION = 0xFFFFFFFF
+
+# Codec ids stored per file. New codecs get new ids; a reader refuses ids it does not know.
+CODEC_RAW = 0
+CODEC_ZSTD = 1
+CODEC_NAMES = {CODEC_RAW: "raw", CODEC_ZSTD: "zstd"}
+
+S_IFMT = 0o170000  # the file-type bits of st_mode (stat.S_IFMT is a function)
+
+# Partition flags (bit set).
+PART_BROADCAST = 1
+
+# magic, version, header_crc, n_entries, n_partitions, flags, strings_len, meta_len, body_len,
+# body_sha256. header_crc is the CRC-32 of the header with that field zeroed.
+HEADER = struct.Struct("<8sIIQIIQQQ32s")
+
+# Column order and types are part of the format (docs/format.md). Entry columns first.
+ENTRY_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("parent", "<u4"),
+    ("mode", "<u4"),
+    ("mtime_ns", "<i8"),
+    ("size", "<u8"),
+    ("name_off", "<u8"),
+    ("name_len", "<u4"),
+    ("child_start", "<u4"),
+    ("child_count", "<u4"),
+    ("part", "<u4"),
+    ("data_off", "<u8"),  # files: offset in the partition; symlinks: offset in the strings
+    ("stored_len", "<u8"),
+    ("crc", "<u4"),  # CRC-32 of the stored bytes
+    ("codec", "<u1"),
+)
+PARTITION_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("part_size", "<u8"),
+    ("part_files", "<u8"),
+    ("part_flags", "<u4"),
+)
+ALIGN = 8  # every column starts 8-byte aligned so np.frombuffer views need no copy
+
+
+def partition_name(part: int) -> str:
+    return f"part-{part:05d}.pack"
+
+
+def _padded(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _body_layout(n_entries: int, n_partitions: int) -> list[tuple[str, str, int, int]]:
+    """(name, dtype, offset, count) of each column within the body."""
+    layout = []
+    pos = 0
+    for columns, count in ((ENTRY_COLUMNS, n_entries), (PARTITION_COLUMNS, n_partitions)):
+        for name, dtype in columns:
+            layout.append((name, dtype, pos, count))
+            pos += _padded(np.dtype(dtype).itemsize * count)
+    layout.append(("strings", "u1", pos, -1))
+    return layout
+
+
+@dataclass(frozen=True, slots=True)
+class Attr:
+    """The attributes of one entry, as users see them."""
+
+    mode: int
+    size: int
+    mtime_ns: int
+    nlink: int
+
+
+class Catalog:
+    """A loaded, validated catalog. Read-only."""
+
+    def __init__(self, columns: dict[str, np.ndarray], strings: bytes, meta: dict[str, Any]):
+        self.parent = columns["parent"]
+        self.mode = columns["mode"]
+        self.mtime_ns = columns["mtime_ns"]
+        self.size = columns["size"]
+        self.name_off = columns["name_off"]
+        self.name_len = columns["name_len"]
+        self.child_start = columns["child_start"]
+        self.child_count = columns["child_count"]
+        self.part = columns["part"]
+        self.data_off = columns["data_off"]
+        self.stored_len = columns["stored_len"]
+        self.crc = columns["crc"]
+        self.codec = columns["codec"]
+        self.part_size = columns["part_size"]
+        self.part_files = columns["part_files"]
+        self.part_flags = columns["part_flags"]
+        self.strings = strings
+        self.meta = meta
+        self.n_entries = len(self.parent)
+        self.n_partitions = len(self.part_size)
+        fmt = self.mode & S_IFMT
+        self.is_dir = fmt == stat.S_IFDIR
+        self.is_file = fmt == stat.S_IFREG
+        self.is_link = fmt == stat.S_IFLNK
+        # POSIX nlink of a directory: 2 + its subdirectories (find(1) relies on it).
+        self.nlink = np.ones(self.n_entries, dtype=np.uint32)
+        subdirs = np.bincount(self.parent[1:][self.is_dir[1:]], minlength=self.n_entries)
+        self.nlink[self.is_dir] = 2 + subdirs[self.is_dir]
+
+    # -- loading ---------------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, image: Path) -> tuple[Catalog, bytes]:
+        """Read and validate IMAGE's catalog; return it with its raw bytes (for broadcast)."""
+        path = image / CATALOG_NAME
+        if not image.is_dir():
+            raise ImageError(f"{image}: not a fanfs image (no such directory)")
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise ImageError(f"{image}: not a fanfs image (no {CATALOG_NAME})") from None
+        except OSError as e:
+            raise ImageError(f"{path}: cannot read catalog: {e.strerror}") from None
+        return cls.from_bytes(data, str(path)), data
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: str = "catalog") -> Catalog:
+        if len(data) < HEADER.size:
+            raise CorruptCatalog(f"{where}: truncated catalog ({len(data)} bytes)")
+        fields = HEADER.unpack_from(data)
+        magic, version, header_crc, n_entries, n_partitions, _flags = fields[:6]
+        strings_len, meta_len, body_len, body_sha = fields[6:]
+        if magic != MAGIC:
+            raise CorruptCatalog(f"{where}: not a fanfs catalog (bad magic)")
+        if version != VERSION:
+            raise ImageVersionError(
+                f"{where}: image format version {version}, this fanfs reads version {VERSION}"
+            )
+        zeroed = HEADER.pack(*fields[:2], 0, *fields[3:])
+        if zlib.crc32(zeroed) != header_crc:
+            raise CorruptCatalog(f"{where}: corrupt catalog header (checksum mismatch)")
+        layout = _body_layout(n_entries, n_partitions)
+        strings_at = layout[-1][2]
+        if body_len != strings_at + strings_len + meta_len:
+            raise CorruptCatalog(f"{where}: corrupt catalog header (inconsistent sizes)")
+        if len(data) != HEADER.size + body_len:
+            raise CorruptCatalog(
+                f"{where}: truncated catalog ({len(data)} bytes, expected {HEADER.size + body_len})"
+            )
+        body = memoryview(data)[HEADER.size :]
+        if hashlib.sha256(body).digest() != body_sha:
+            raise CorruptCatalog(f"{where}: corrupt catalog (checksum mismatch)")
+        columns = {
+            name: np.frombuffer(body, dtype=dtype, count=count, offset=off)
+            for name, dtype, off, count in layout[:-1]
+        }
+        strings = bytes(body[strings_at : strings_at + strings_len])
+        try:
+            meta = json.loads(bytes(body[strings_at + strings_len :]))
+        except ValueError:
+            raise CorruptCatalog(f"{where}: corrupt catalog metadata") from None
+        catalog = cls(columns, strings, meta)
+        catalog._check_structure(where)
+        return catalog
+
+    def _check_structure(self, where: str) -> None:
+        """Vectorised sanity checks: a catalog that passes cannot send a read out of bounds."""
+        n = self.n_entries
+
+        def bad(what: str) -> CorruptCatalog:
+            return CorruptCatalog(f"{where}: corrupt catalog ({what})")
+
+        if n == 0 or not self.is_dir[0]:
+            raise bad("no root directory")
+        if np.any(self.parent >= n):
+            raise bad("parent out of range")
+        if np.any(self.name_off + self.name_len > len(self.strings)):
+            raise bad("name out of range")
+        if np.any(self.child_start.astype(np.uint64) + self.child_count > n):
+            raise bad("children out of range")
+        if not np.all(np.isin(self.codec, list(CODEC_NAMES))):
+            raise bad("unknown codec")
+        files = self.is_file
+        if np.any(self.part[files] >= self.n_partitions):
+            raise bad("partition out of range")
+        ends = self.data_off[files] + self.stored_len[files]
+        if np.any(ends > self.part_size[self.part[files]]):
+            raise bad("file data beyond its partition")
+        links = self.is_link
+        if np.any(self.data_off[links] + self.size[links] > len(self.strings)):
+            raise bad("symlink target out of range")
+
+    # -- queries (pure, no I/O) ----------------------------------------------------------------
+
+    def name(self, entry: int) -> bytes:
+        off = int(self.name_off[entry])
+        return self.strings[off : off + int(self.name_len[entry])]
+
+    def lookup(self, parent: int, name: bytes) -> int | None:
+        """Binary search of `name` among `parent`'s children (sorted by name bytes)."""
+        lo = int(self.child_start[parent])
+        hi = lo + int(self.child_count[parent])
+        while lo < hi:
+            mid = (lo + hi) // 2
+            mid_name = self.name(mid)
+            if mid_name < name:
+                lo = mid + 1
+            elif mid_name > name:
+                hi = mid
+            else:
+                return mid
+        return None
+
+    def children(self, entry: int) -> range:
+        start = int(self.child_start[entry])
+        return range(start, start + int(self.child_count[entry]))
+
+    def attr(self, entry: int) -> Attr:
+        return Attr(
+            mode=int(self.mode[entry]),
+            size=int(self.size[entry]),
+            mtime_ns=int(self.mtime_ns[entry]),
+            nlink=int(self.nlink[entry]),
+        )
+
+    def symlink_target(self, entry: int) -> bytes:
+        off = int(self.data_off[entry])
+        return self.strings[off : off + int(self.size[entry])]
+
+    def path(self, entry: int) -> bytes:
+        """The entry's path relative to the image root (for logs and reports)."""
+        parts = []
+        while entry != 0:
+            parts.append(self.name(entry))
+            entry = int(self.parent[entry])
+        return b"/".join(reversed(parts))
+
+    def resolve(self, path: bytes) -> int | None:
+        entry = 0
+        for part in path.split(b"/"):
+            if part:
+                found = self.lookup(entry, part)
+                if found is None:
+                    return None
+                entry = found
+        return entry
+
+    def files_in_partition(self, part: int) -> np.ndarray:
+        """Entry ids of the files stored in `part`, in on-disk order."""
+        ids = np.flatnonzero(self.is_file & (self.part == part))
+        return ids[np.argsort(self.data_off[ids], kind="stable")]
+
+    def walk(self) -> Iterator[tuple[int, bytes]]:
+        """(entry, path) of every entry except the root, parents before children."""
+        paths = {0: b""}
+        for entry in range(1, self.n_entries):
+            parent = int(self.parent[entry])
+            prefix = paths[parent]
+            path = prefix + b"/" + self.name(entry) if prefix else self.name(entry)
+            if self.is_dir[entry]:
+                paths[entry] = path
+            yield entry, path
+
+    def memory_bytes(self) -> int:
+        columns = (getattr(self, name) for name, _ in ENTRY_COLUMNS + PARTITION_COLUMNS)
+        return int(sum(c.nbytes for c in columns)) + self.nlink.nbytes + len(self.strings)
+
+
+def encode(
+    columns: dict[str, np.ndarray], strings: bytes, meta: dict[str, Any], flags: int = 0
+) -> bytes:
+    """Serialise a catalog (the inverse of `Catalog.from_bytes`)."""
+    n_entries = len(columns["parent"])
+    n_partitions = len(columns["part_size"])
+    meta_bytes = json.dumps(meta, sort_keys=True).encode()
+    body = bytearray()
+    for name, dtype, off, _count in _body_layout(n_entries, n_partitions)[:-1]:
+        assert len(body) == off
+        raw = np.ascontiguousarray(columns[name], dtype=dtype).tobytes()
+        body += raw + bytes(_padded(len(raw)) - len(raw))
+    body += strings + meta_bytes
+    fields = (MAGIC, VERSION, 0, n_entries, n_partitions, flags, len(strings), len(meta_bytes),
+              len(body), hashlib.sha256(body).digest())  # fmt: skip
+    header_crc = zlib.crc32(HEADER.pack(*fields))
+    return HEADER.pack(*fields[:2], header_crc, *fields[3:]) + bytes(body)

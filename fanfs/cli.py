@@ -1,0 +1,311 @@
+"""`fanfs <subcommand>`: argument parsing, logging set-up and the error-to-exit-code edge.
+
+Options come from the command line, then `FANFS_*` environment variables, then defaults. A
+`FanfsError` prints one line (`fanfs: error: ...`) and exits with its documented code; anything
+else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from fanfs import mounts
+from fanfs.errors import ExitCode, FanfsError, MountpointError, WaitTimeout
+
+log = logging.getLogger("fanfs")
+
+POLL_S = 0.1  # wait/umount poll interval: fast enough for tests, idle enough for 512 nodes
+PROBE_TIMEOUT_S = 2.0  # a daemon that cannot answer a getxattr in 2 s is treated as hung
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(f"FANFS_{name}", default)
+
+
+def configure_logging(verbosity: int, rank: int = 0, size: int = 1) -> None:
+    """One format for every daemon: `rank/size@host` keeps merged logs from many nodes readable."""
+    level = {-1: logging.WARNING, 0: logging.INFO}.get(verbosity, logging.DEBUG)
+    env_level = _env("LOG_LEVEL")
+    if env_level and verbosity == 0:
+        level = logging.getLevelName(env_level.upper())
+    host = os.uname().nodename
+    fmt = f"%(asctime)s {rank}/{size}@{host} %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=level, format=fmt, force=True, stream=sys.stderr)
+
+
+def default_local() -> Path:
+    """A per-user, per-job directory under $TMPDIR (or /tmp)."""
+    base = Path(os.environ.get("TMPDIR") or "/tmp")
+    user = os.environ.get("USER") or str(os.getuid())
+    job = os.environ.get("SLURM_JOB_ID")
+    return base / f"fanfs-{user}" / (f"job{job}" if job else f"pid{os.getpid()}")
+
+
+# -- subcommands -----------------------------------------------------------------------------
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from fanfs.prepare import main_summary, prepare
+
+    try:
+        summary = prepare(
+            Path(args.src),
+            Path(args.image),
+            partitions=args.partitions,
+            compress=args.compress,
+            jobs=args.jobs,
+            force=args.force,
+        )
+    except ValueError as e:  # a bad --compress value
+        raise FanfsError(str(e)) from None
+    main_summary(summary, Path(args.image))
+    return ExitCode.OK
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from fanfs.image import format_info, info
+
+    d = info(Path(args.image))
+    print(json.dumps(d, indent=2) if args.json else format_info(d))
+    return ExitCode.OK
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from fanfs.image import verify
+
+    bad = 0
+    for line in verify(Path(args.image)):
+        print(line, flush=True)
+        bad += 1
+    print(f"verify {args.image}: {'OK' if not bad else f'{bad} problems'}", file=sys.stderr)
+    return ExitCode.FAILED if bad else ExitCode.OK
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    from fanfs.daemon import Daemon, MountConfig
+
+    cfg = MountConfig(
+        image=Path(args.image).absolute(),
+        mountpoint=Path(mounts.canonical(args.mountpoint)),
+        local=Path(args.local).absolute() if args.local else default_local(),
+        keep_local=args.keep_local,
+        cache_bytes=args.cache_mb << 20,
+    )
+    Daemon(cfg).run()
+    return ExitCode.OK
+
+
+def _wait_serving(mountpoint: str, deadline: float) -> dict[str, Any]:
+    while True:
+        entry = mounts.find(mountpoint)
+        if entry is not None and entry.fstype == mounts.FSTYPE:
+            status = mounts.probe_status(
+                mountpoint, max(0.1, min(PROBE_TIMEOUT_S, deadline - time.monotonic()))
+            )
+            if status is not None and status.get("serving"):
+                return status
+        if time.monotonic() >= deadline:
+            raise WaitTimeout(f"{mountpoint}: not serving after waiting")
+        time.sleep(POLL_S)
+
+
+def cmd_wait(args: argparse.Namespace) -> int:
+    _wait_serving(args.mountpoint, time.monotonic() + args.timeout)
+    return ExitCode.OK
+
+
+def _exited(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie has exited
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+def _lazy_unmount(mountpoint: str) -> None:
+    try:
+        subprocess.run(
+            ["fusermount3", "-u", "-z", mountpoint], capture_output=True, timeout=10, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        log.warning("fusermount3 -u -z %s: %s", mountpoint, e)
+
+
+def cmd_umount(args: argparse.Namespace) -> int:
+    mountpoint = mounts.canonical(args.mountpoint)
+    entry = mounts.find(mountpoint)
+    if entry is None or entry.fstype != mounts.FSTYPE:
+        raise MountpointError(f"{mountpoint}: no fanfs mount there")
+    status = mounts.probe_status(mountpoint, PROBE_TIMEOUT_S)
+    if status is None:
+        # The daemon is dead or hung: take the mount away from under it.
+        log.warning("%s: daemon not answering, lazy unmount", mountpoint)
+        _lazy_unmount(mountpoint)
+        return ExitCode.OK
+    pid = int(status["pid"])
+    os.kill(pid, signal.SIGTERM)  # the daemon unmounts and removes its staged copies
+    deadline = time.monotonic() + args.timeout
+    while not _exited(pid):
+        if time.monotonic() >= deadline:
+            _lazy_unmount(mountpoint)
+            raise WaitTimeout(f"{mountpoint}: daemon {pid} did not exit within {args.timeout} s")
+        time.sleep(POLL_S)
+    if mounts.find(mountpoint) is not None:
+        _lazy_unmount(mountpoint)
+    return ExitCode.OK
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    entry = mounts.find(args.mountpoint)
+    if entry is None or entry.fstype != mounts.FSTYPE:
+        raise MountpointError(f"{args.mountpoint}: no fanfs mount there")
+    status = mounts.probe_status(args.mountpoint, PROBE_TIMEOUT_S)
+    if status is None:
+        raise WaitTimeout(f"{args.mountpoint}: daemon not answering")
+    if args.json:
+        print(json.dumps(status, indent=2, sort_keys=True))
+    else:
+        print(format_status(status))
+    return ExitCode.OK
+
+
+def format_status(s: dict[str, Any]) -> str:
+    from fanfs.progress import human_bytes
+
+    st, rd = s["store"], s["reader"]
+    return "\n".join(
+        [
+            f"{s['mountpoint']}: {'serving' if s['serving'] else 'starting'} {s['image']} "
+            f"(rank {s['rank']}/{s['size']}@{s['host']}, pid {s['pid']}, up {s['uptime_s']:.0f} s)",
+            f"catalog:  {s['catalog']['files']} files, "
+            f"{human_bytes(s['catalog']['memory_bytes'])} in memory",
+            f"staging:  {st['partitions_staged']}/{st['partitions_owned']} partitions, "
+            f"{human_bytes(st['bytes_staged'])}/{human_bytes(st['bytes_to_stage'])} "
+            f"to {st['local_dir']}{' (done)' if st['staging_done'] else ''}",
+            f"reads:    {rd['reads']} requests, {rd['local_fetches']} local fetches, "
+            f"{rd['cache_hits']} cache hits, {human_bytes(rd['bytes_served'])} served, "
+            f"{rd['bad_files']} bad files",
+            f"latency:  fetch p50 {rd['fetch_ms_p50']} ms, p90 {rd['fetch_ms_p90']} ms, "
+            f"p99 {rd['fetch_ms_p99']} ms",
+        ]
+    )
+
+
+# -- parser ----------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fanfs", description="Transient distributed file system for deep-learning I/O."
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output")
+    parser.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("prepare", help="pack a dataset directory into a prepared image")
+    p.add_argument("src", metavar="SRC")
+    p.add_argument("image", metavar="IMAGE")
+    p.add_argument(
+        "--partitions",
+        type=_positive,
+        metavar="P",
+        help="number of partition files (default: one per 64 MiB, 16 to 1024)",
+    )
+    p.add_argument(
+        "--compress",
+        default=_env("COMPRESS", "none"),
+        metavar="none|zstd[:LEVEL]",
+        help="per-file compression (default: none)",
+    )
+    p.add_argument(
+        "--jobs",
+        type=_positive,
+        metavar="J",
+        help="reader/compressor threads (default: cores, at most 8)",
+    )
+    p.add_argument("--force", action="store_true", help="replace an existing IMAGE")
+    p.set_defaults(func=cmd_prepare)
+
+    p = sub.add_parser("info", help="describe a prepared image")
+    p.add_argument("image", metavar="IMAGE")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("verify", help="recompute every checksum of a prepared image")
+    p.add_argument("image", metavar="IMAGE")
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("mount", help="serve an image at MOUNTPOINT (foreground)")
+    p.add_argument("image", metavar="IMAGE")
+    p.add_argument("mountpoint", metavar="MOUNTPOINT")
+    p.add_argument(
+        "--local",
+        default=_env("LOCAL"),
+        metavar="DIR",
+        help="where to stage partitions (default: $TMPDIR/fanfs-$USER/<job>)",
+    )
+    p.add_argument(
+        "--keep-local", action="store_true", help="keep the staged copies after unmounting"
+    )
+    p.add_argument(
+        "--cache-mb",
+        type=_positive,
+        default=int(_env("CACHE_MB", "512") or 512),
+        metavar="MB",
+        help="memory cache for decoded files (default: 512)",
+    )
+    p.set_defaults(func=cmd_mount)
+
+    p = sub.add_parser("wait", help="wait until MOUNTPOINT serves")
+    p.add_argument("mountpoint", metavar="MOUNTPOINT")
+    p.add_argument("--timeout", type=float, default=60.0, metavar="S", help="default: 60")
+    p.set_defaults(func=cmd_wait)
+
+    p = sub.add_parser("umount", help="unmount MOUNTPOINT and wait for its daemon to exit")
+    p.add_argument("mountpoint", metavar="MOUNTPOINT")
+    p.add_argument("--timeout", type=float, default=60.0, metavar="S", help="default: 60")
+    p.set_defaults(func=cmd_umount)
+
+    p = sub.add_parser("status", help="statistics of a running mount")
+    p.add_argument("mountpoint", metavar="MOUNTPOINT")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_status)
+    return parser
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {value}")
+    return value
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(-1 if args.quiet else args.verbose)
+    try:
+        code: int = args.func(args)
+        return code
+    except FanfsError as e:
+        print(f"fanfs: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("fanfs: interrupted", file=sys.stderr)
+        return ExitCode.INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

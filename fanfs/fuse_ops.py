@@ -1,0 +1,178 @@
+"""The pyfuse3 adapter: kernel requests in, calls on the catalog and reader, FUSEError out.
+
+Nothing else in fanfs imports pyfuse3. Handlers raise only `FUSEError` (anything else would end
+pyfuse3's main loop); domain errors are mapped here, once.
+
+Speed: the data never changes while mounted, so every reply tells the kernel to keep it for as
+long as the mount lives (entry/attr timeouts, keep_cache). With pyfuse3 patched by
+tools/install_pyfuse3.py, `open` answers ENOSYS: the kernel then stops sending OPEN and RELEASE
+and sends READ with handle 0, which the patch turns into the inode. File handles are always the
+inode, so `read` means the same with or without the patch.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import stat
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import pyfuse3
+
+from fanfs import catalog as cat
+from fanfs.errors import CorruptFile
+from fanfs.reader import Reader
+
+log = logging.getLogger(__name__)
+
+CACHE_TIMEOUT_S = 365 * 24 * 3600.0  # "forever": the image cannot change under a mount
+STATUS_XATTR = b"user.fanfs.status"  # on the root; never listed by listxattr or readdir
+BLKSIZE = 128 << 10  # st_blksize: tools like cp size their buffers from it
+ROOT = pyfuse3.ROOT_INODE  # inode = entry + ROOT (entry 0 is the root directory)
+PATCHED = bool(getattr(pyfuse3, "FANFS_READ_PASSES_INODE", False))
+
+_ACCMODE = os.O_RDONLY | os.O_WRONLY | os.O_RDWR
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
+
+
+async def _erofs(*args: Any, **kwargs: Any) -> NoReturn:
+    raise pyfuse3.FUSEError(errno.EROFS)
+
+
+class FanfsOperations(pyfuse3.Operations):
+    def __init__(self, catalog: cat.Catalog, reader: Reader, status: Callable[[], dict[str, Any]]):
+        super().__init__()
+        self.catalog = catalog
+        self.reader = reader
+        self.status = status
+        self.no_open = PATCHED
+        self.uid = os.getuid()
+        self.gid = os.getgid()
+
+    # -- metadata: all from memory ---------------------------------------------------------
+
+    def _entry(self, inode: int) -> int:
+        entry = inode - ROOT
+        if not 0 <= entry < self.catalog.n_entries:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return entry
+
+    def _attrs(self, entry: int) -> pyfuse3.EntryAttributes:
+        c = self.catalog
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = entry + ROOT
+        a.st_mode = int(c.mode[entry])
+        a.st_nlink = int(c.nlink[entry])
+        a.st_uid = self.uid
+        a.st_gid = self.gid
+        size = int(c.size[entry])
+        a.st_size = size
+        a.st_blksize = BLKSIZE
+        a.st_blocks = (size + 511) // 512
+        mtime = int(c.mtime_ns[entry])
+        a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = mtime
+        a.entry_timeout = CACHE_TIMEOUT_S
+        a.attr_timeout = CACHE_TIMEOUT_S
+        return a
+
+    async def lookup(
+        self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        parent = self._entry(parent_inode)
+        if name == b".":
+            return self._attrs(parent)
+        if name == b"..":
+            return self._attrs(int(self.catalog.parent[parent]))
+        entry = self.catalog.lookup(parent, name) if self.catalog.is_dir[parent] else None
+        if entry is None:
+            # A negative entry cached "forever" too: the tree cannot change.
+            a = pyfuse3.EntryAttributes()
+            a.st_ino = 0
+            a.entry_timeout = CACHE_TIMEOUT_S
+            return a
+        return self._attrs(entry)
+
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self._attrs(self._entry(inode))
+
+    async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
+        entry = self._entry(inode)
+        if not stat.S_ISLNK(int(self.catalog.mode[entry])):
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        return self.catalog.symlink_target(entry)
+
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        entry = self._entry(inode)
+        if not self.catalog.is_dir[entry]:
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        return inode
+
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        # start_id is the position in the children, so readdir resumes with no state.
+        children = self.catalog.children(fh - ROOT)
+        for pos in range(start_id, len(children)):
+            entry = children[pos]
+            if not pyfuse3.readdir_reply(
+                token, self.catalog.name(entry), self._attrs(entry), pos + 1
+            ):
+                return
+
+    async def releasedir(self, fh: int) -> None:
+        pass
+
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        c = self.catalog
+        s = pyfuse3.StatvfsData()
+        s.f_bsize = s.f_frsize = 4096
+        s.f_blocks = int(c.size[c.is_file].sum()) // 4096 + 1
+        s.f_bfree = s.f_bavail = 0
+        s.f_files = c.n_entries
+        s.f_ffree = s.f_favail = 0
+        s.f_namemax = 255
+        return s
+
+    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        if inode == ROOT and name == STATUS_XATTR:
+            return json.dumps(self.status(), sort_keys=True).encode()
+        raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+
+    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
+        return []  # the status attribute stays hidden, so cp -a / rsync -X never copy it
+
+    # -- data ------------------------------------------------------------------------------
+
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        if flags & _WRITE_FLAGS or (flags & _ACCMODE) != os.O_RDONLY:
+            raise pyfuse3.FUSEError(errno.EROFS)
+        entry = self._entry(inode)
+        if self.no_open:
+            raise pyfuse3.FUSEError(errno.ENOSYS)  # kernel: no more OPEN/RELEASE, keep cache
+        if not self.catalog.is_file[entry]:
+            raise pyfuse3.FUSEError(errno.EISDIR)
+        return pyfuse3.FileInfo(fh=inode, keep_cache=True)
+
+    # pyfuse3's stub says bytes; its C code takes any buffer, and a memoryview slice of a
+    # cached file saves one copy per request.
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:  # type: ignore[override]
+        try:
+            return await self.reader.read(fh - ROOT, off, size)
+        except CorruptFile:
+            raise pyfuse3.FUSEError(errno.EIO) from None  # logged once by the reader
+
+    async def release(self, fh: int) -> None:
+        pass
+
+    async def access(self, inode: int, mode: int, ctx: pyfuse3.RequestContext) -> bool:
+        if mode & os.W_OK:
+            raise pyfuse3.FUSEError(errno.EROFS)
+        return True
+
+    # -- every write-type operation: read-only file system ---------------------------------
+    setattr = mknod = mkdir = unlink = rmdir = symlink = rename = link = _erofs
+    create = write = setxattr = removexattr = fsync = fsyncdir = _erofs
+
+    async def flush(self, fh: int) -> None:
+        pass  # close() of a read-only file must not fail

@@ -1,0 +1,376 @@
+"""`fanfs prepare`: pack a dataset directory into a prepared image, atomically.
+
+Pipeline: walk SRC breadth-first (so each directory's children get contiguous, sorted entry
+ids), then read + checksum + compress files on a thread pool (file reads, zlib.crc32 and zstd all
+release the GIL) in a bounded window, and append each result to the partition with the fewest
+stored bytes so far. That greedy choice balances partitions to within one file and spreads
+every directory's files over many partitions. Everything is written into a hidden sibling
+directory that is renamed to IMAGE only when complete; any failure removes it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+import os
+import resource
+import shutil
+import signal
+import stat
+import sys
+import time
+import zlib
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from fanfs import catalog as cat
+from fanfs import codec
+from fanfs.errors import ImageExists, SourceError
+from fanfs.progress import Progress, human_bytes
+
+log = logging.getLogger(__name__)
+
+# Default partition count: one per 64 MiB stored, at least 16 so that a small dataset still
+# spreads over many ranks, at most 1024 so a node never juggles thousands of staged files.
+PART_TARGET_BYTES = 64 << 20
+MIN_PARTITIONS = 16
+MAX_PARTITIONS = 1024
+# Files above this are copied raw in chunks instead of being held whole in memory.
+STREAM_THRESHOLD = 256 << 20
+STREAM_CHUNK = 8 << 20
+# Bytes of file data read ahead of the writer: bounds prepare's memory whatever --jobs is.
+WINDOW_BYTES = 256 << 20
+
+
+@dataclass
+class Tree:
+    """The walked source: catalog columns as Python lists, plus what packing needs."""
+
+    names: list[bytes] = field(default_factory=list)
+    parent: list[int] = field(default_factory=list)
+    mode: list[int] = field(default_factory=list)
+    mtime_ns: list[int] = field(default_factory=list)
+    size: list[int] = field(default_factory=list)
+    child_start: list[int] = field(default_factory=list)
+    child_count: list[int] = field(default_factory=list)
+    links: dict[int, bytes] = field(default_factory=dict)
+    files: list[tuple[int, bytes]] = field(default_factory=list)  # (entry, absolute path)
+    skipped: int = 0
+
+    def add(self, name: bytes, parent: int, st: os.stat_result) -> int:
+        self.names.append(name)
+        self.parent.append(parent)
+        self.mode.append(st.st_mode)
+        self.mtime_ns.append(st.st_mtime_ns)
+        self.size.append(st.st_size)
+        self.child_start.append(0)
+        self.child_count.append(0)
+        return len(self.names) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    files: int
+    dirs: int
+    symlinks: int
+    skipped: int
+    bytes_in: int
+    bytes_stored: int
+    partitions: int
+    seconds: float
+
+    def line(self, image: Path) -> str:
+        ratio = self.bytes_in / self.bytes_stored if self.bytes_stored else 1.0
+        rate = self.bytes_in / max(self.seconds, 1e-9) / 1e6
+        return (
+            f"prepared {image}: {self.files} files, {self.dirs} directories, "
+            f"{self.symlinks} symlinks, {human_bytes(self.bytes_in)} in, "
+            f"{human_bytes(self.bytes_stored)} stored (ratio {ratio:.2f}), "
+            f"{self.partitions} partitions, {self.seconds:.1f} s, {rate:.0f} MB/s"
+        )
+
+
+def _scan(path: bytes) -> list[os.DirEntry[bytes]]:
+    try:
+        with os.scandir(path) as it:
+            return sorted(it, key=lambda e: e.name)
+    except OSError as e:
+        raise SourceError(f"{os.fsdecode(path)}: cannot read directory: {e.strerror}") from None
+
+
+def walk(src: Path) -> Tree:
+    """Breadth-first walk of `src`, not following symlinks."""
+    root = os.fsencode(src)
+    try:
+        st = os.stat(root)
+    except OSError as e:
+        raise SourceError(f"{src}: {e.strerror}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise SourceError(f"{src}: not a directory")
+    tree = Tree()
+    tree.add(b"", 0, st)
+    queue: deque[tuple[int, bytes]] = deque([(0, root)])
+    while queue:
+        parent, path = queue.popleft()
+        tree.child_start[parent] = len(tree.names)
+        for entry in _scan(path):
+            full = os.path.join(path, entry.name)
+            try:
+                est = entry.stat(follow_symlinks=False)
+                target = os.readlink(full) if stat.S_ISLNK(est.st_mode) else None
+            except OSError as e:
+                raise SourceError(f"{os.fsdecode(full)}: {e.strerror}") from None
+            fmt = stat.S_IFMT(est.st_mode)
+            if fmt not in (stat.S_IFDIR, stat.S_IFREG, stat.S_IFLNK):
+                log.warning("skipping %s: not a file, directory or symlink", os.fsdecode(full))
+                tree.skipped += 1
+                continue
+            idx = tree.add(entry.name, parent, est)
+            if fmt == stat.S_IFDIR:
+                queue.append((idx, full))
+            elif fmt == stat.S_IFREG:
+                tree.files.append((idx, full))
+            else:
+                assert target is not None
+                tree.links[idx] = target
+                tree.size[idx] = len(target)
+        tree.child_count[parent] = len(tree.names) - tree.child_start[parent]
+    return tree
+
+
+def default_partitions(total_bytes: int, n_files: int) -> int:
+    wanted = math.ceil(total_bytes / PART_TARGET_BYTES)
+    return max(1, min(max(MIN_PARTITIONS, min(wanted, MAX_PARTITIONS)), n_files))
+
+
+def _read_whole(path: bytes, size: int, codec_id: int, level: int) -> tuple[int, bytes, int]:
+    try:
+        with open(path, "rb") as f:
+            data = f.read(size + 1)
+    except OSError as e:
+        raise SourceError(f"{os.fsdecode(path)}: cannot read: {e.strerror}") from None
+    if len(data) != size:
+        raise SourceError(f"{os.fsdecode(path)}: changed size while preparing")
+    used, stored = codec.encode(data, codec_id, level)
+    return used, stored, zlib.crc32(stored)
+
+
+def _copy_stream(path: bytes, size: int, out: BinaryIO) -> int:
+    """Copy a big file raw in chunks; return the CRC-32 of what was written."""
+    crc = 0
+    done = 0
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(STREAM_CHUNK):
+                crc = zlib.crc32(chunk, crc)
+                out.write(chunk)
+                done += len(chunk)
+    except OSError as e:
+        raise SourceError(f"{os.fsdecode(path)}: cannot read: {e.strerror}") from None
+    if done != size:
+        raise SourceError(f"{os.fsdecode(path)}: changed size while preparing")
+    return crc
+
+
+class _Packer:
+    """Appends stored files to the least-filled partition."""
+
+    def __init__(self, tmp: Path, n_parts: int, n_entries: int):
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft < n_parts + 64 <= hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (n_parts + 64, hard))
+        self.outs = [open(tmp / cat.partition_name(p), "wb") for p in range(n_parts)]  # noqa: SIM115
+        self.fill = [(0, p) for p in range(n_parts)]  # heap of (stored bytes, partition)
+        self.part_size = np.zeros(n_parts, dtype=np.uint64)
+        self.part_files = np.zeros(n_parts, dtype=np.uint64)
+        self.part = np.full(n_entries, cat.NO_PARTITION, dtype=np.uint32)
+        self.data_off = np.zeros(n_entries, dtype=np.uint64)
+        self.stored_len = np.zeros(n_entries, dtype=np.uint64)
+        self.crc = np.zeros(n_entries, dtype=np.uint32)
+        self.codec = np.zeros(n_entries, dtype=np.uint8)
+
+    def _take(self, entry: int, nbytes: int) -> BinaryIO:
+        used, p = heapq.heappop(self.fill)
+        heapq.heappush(self.fill, (used + nbytes, p))
+        self.part[entry] = p
+        self.data_off[entry] = used
+        self.stored_len[entry] = nbytes
+        self.part_size[p] = used + nbytes
+        self.part_files[p] += 1
+        return self.outs[p]
+
+    def add(self, entry: int, codec_id: int, stored: bytes, crc: int) -> None:
+        self._take(entry, len(stored)).write(stored)
+        self.codec[entry] = codec_id
+        self.crc[entry] = crc
+
+    def add_stream(self, entry: int, path: bytes, size: int) -> None:
+        self.crc[entry] = _copy_stream(path, size, self._take(entry, size))
+
+    def close(self) -> None:
+        for out in self.outs:
+            out.flush()
+            os.fsync(out.fileno())
+            out.close()
+
+
+def _results(
+    tree: Tree, codec_id: int, level: int, jobs: int
+) -> Iterator[tuple[int, bytes, int, tuple[int, bytes, int] | None]]:
+    """(entry, path, size, (codec, stored, crc) or None for streamed files), in walk order."""
+    pending: deque[tuple[int, bytes, int, Future[tuple[int, bytes, int]] | None]] = deque()
+    inflight = 0
+    with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="fanfs-prepare") as pool:
+        try:
+            for entry, path in tree.files:
+                size = tree.size[entry]
+                while pending and (inflight + size > WINDOW_BYTES or len(pending) >= 4 * jobs):
+                    done = pending.popleft()
+                    inflight -= done[2]
+                    yield done[0], done[1], done[2], done[3].result() if done[3] else None
+                if size > STREAM_THRESHOLD:
+                    pending.append((entry, path, size, None))
+                else:
+                    job = pool.submit(_read_whole, path, size, codec_id, level)
+                    pending.append((entry, path, size, job))
+                    inflight += size
+            while pending:
+                done = pending.popleft()
+                yield done[0], done[1], done[2], done[3].result() if done[3] else None
+        finally:
+            for _, _, _, left in pending:
+                if left is not None:
+                    left.cancel()
+
+
+def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def prepare(
+    src: Path,
+    image: Path,
+    *,
+    partitions: int | None = None,
+    compress: str = "none",
+    jobs: int | None = None,
+    force: bool = False,
+) -> Summary:
+    codec_id, level = codec.parse_compress(compress)
+    image = image.absolute()
+    src = src.absolute()
+    if image.exists() and not force:
+        raise ImageExists(f"{image}: already exists (use --force to replace it)")
+    if image == src or src in image.parents:
+        raise SourceError(f"{image}: the image must not be inside the source directory")
+    if not image.parent.is_dir():
+        raise SourceError(f"{image.parent}: no such directory")
+    jobs = jobs or min(8, os.cpu_count() or 1)
+    started = time.monotonic()
+    log.info("walking %s", src)
+    tree = walk(src)
+    total = sum(tree.size[e] for e, _ in tree.files)
+    n_parts = partitions or default_partitions(total, len(tree.files))
+    tmp = image.parent / f".{image.name}.partial-{os.getpid()}"
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        tmp.mkdir()
+        packer = _Packer(tmp, n_parts, len(tree.names))
+        progress = Progress("prepare", len(tree.files), total)
+        for entry, path, size, result in _results(tree, codec_id, level, jobs):
+            if result is None:
+                packer.add_stream(entry, path, size)
+            else:
+                packer.add(entry, *result)
+            progress.update(1, size)
+        packer.close()
+        _write_catalog(tmp, tree, packer, compress, src)
+        _publish(tmp, image)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    progress.close()
+    return Summary(
+        files=len(tree.files),
+        dirs=sum(1 for m in tree.mode if stat.S_ISDIR(m)),
+        symlinks=len(tree.links),
+        skipped=tree.skipped,
+        bytes_in=total,
+        bytes_stored=int(packer.part_size.sum()),
+        partitions=n_parts,
+        seconds=time.monotonic() - started,
+    )
+
+
+def _write_catalog(tmp: Path, tree: Tree, packer: _Packer, compress: str, src: Path) -> None:
+    strings = bytearray()
+    name_off = np.zeros(len(tree.names), dtype=np.uint64)
+    for i, name in enumerate(tree.names):
+        name_off[i] = len(strings)
+        strings += name
+    for entry, target in tree.links.items():
+        packer.data_off[entry] = len(strings)
+        strings += target
+    columns: dict[str, Any] = {
+        "parent": tree.parent,
+        "mode": tree.mode,
+        "mtime_ns": tree.mtime_ns,
+        "size": tree.size,
+        "name_off": name_off,
+        "name_len": [len(n) for n in tree.names],
+        "child_start": tree.child_start,
+        "child_count": tree.child_count,
+        "part": packer.part,
+        "data_off": packer.data_off,
+        "stored_len": packer.stored_len,
+        "crc": packer.crc,
+        "codec": packer.codec,
+        "part_size": packer.part_size,
+        "part_files": packer.part_files,
+        "part_flags": np.zeros(len(packer.part_size), dtype=np.uint32),
+    }
+    meta = {
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "source": os.fsdecode(src),
+        "compress": compress,
+        "host": os.uname().nodename,
+    }
+    with open(tmp / cat.CATALOG_NAME, "wb") as f:
+        f.write(cat.encode({k: np.asarray(v) for k, v in columns.items()}, bytes(strings), meta))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _publish(tmp: Path, image: Path) -> None:
+    """Rename the finished image into place; an old image (with --force) goes only after."""
+    old = None
+    if image.exists() or image.is_symlink():
+        old = image.parent / f".{image.name}.old-{os.getpid()}"
+        image.rename(old)
+    tmp.rename(image)
+    dir_fd = os.open(image.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    if old is not None:
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old)
+        else:
+            old.unlink()
+
+
+def main_summary(summary: Summary, image: Path) -> None:
+    if summary.skipped:
+        log.warning("skipped %d special files (sockets, fifos, devices)", summary.skipped)
+    print(summary.line(image), file=sys.stdout, flush=True)

@@ -1,0 +1,170 @@
+"""The partition store: where a partition's bytes come from, the staged local copy or the image.
+
+Staging copies the partitions this daemon serves from the image to the local directory with
+large kernel-side copies (sendfile) in one background thread. Until a partition has landed, its
+reads go to the image, so the mount serves at once. Swapping a partition's fd is one list-item
+assignment, atomic under the GIL, and old fds stay open until `close`, so a reader that picked
+the image fd just before the swap still reads valid bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from fanfs import catalog as cat
+from fanfs.errors import FanfsError, MissingPartition
+from fanfs.progress import human_bytes
+
+log = logging.getLogger(__name__)
+
+COPY_CHUNK = 64 << 20  # per sendfile call: large enough to stream, small enough to stop quickly
+PROGRESS_INTERVAL_S = 10.0
+
+
+def check_partitions(image: Path, catalog: cat.Catalog, parts: Sequence[int]) -> None:
+    """Fail before mounting if a partition file is missing or has the wrong size."""
+    for p in parts:
+        path = image / cat.partition_name(p)
+        try:
+            size = path.stat().st_size
+        except OSError as e:
+            raise MissingPartition(f"{path}: partition missing ({e.strerror})") from None
+        if size != int(catalog.part_size[p]):
+            raise MissingPartition(
+                f"{path}: partition truncated or wrong ({size} bytes, expected "
+                f"{int(catalog.part_size[p])})"
+            )
+
+
+class PartitionStore:
+    def __init__(
+        self,
+        image: Path,
+        catalog: cat.Catalog,
+        local: Path,
+        owned: Sequence[int],
+        keep_local: bool = False,
+    ):
+        self.image = image
+        self.catalog = catalog
+        self.local = local
+        self.owned = list(owned)
+        self.keep_local = keep_local
+        check_partitions(image, catalog, range(catalog.n_partitions))
+        if local.resolve() == image.resolve():
+            raise FanfsError(f"{local}: the local directory must not be the image directory")
+        self._created_local = not local.exists()
+        try:
+            local.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise FanfsError(f"{local}: cannot create local directory: {e.strerror}") from None
+        self._fds: list[int] = [
+            os.open(image / cat.partition_name(p), os.O_RDONLY) for p in range(catalog.n_partitions)
+        ]
+        self._old_fds: list[int] = []
+        self._staged: list[Path] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.staged_parts = 0
+        self.staged_bytes = 0
+        self.stage_total = sum(int(catalog.part_size[p]) for p in self.owned)
+        self.stage_seconds = 0.0
+        self.stage_done = not self.owned
+
+    def pread(self, part: int, offset: int, length: int) -> bytes:
+        data = os.pread(self._fds[part], length, offset)
+        if len(data) != length:
+            raise OSError(5, f"short read from partition {part}")
+        return data
+
+    # -- staging ---------------------------------------------------------------------------
+
+    def start_staging(self) -> None:
+        self._thread = threading.Thread(target=self._stage_all, name="fanfs-stage", daemon=True)
+        self._thread.start()
+
+    def _stage_all(self) -> None:
+        start = time.monotonic()
+        last_log = start
+        try:
+            for p in self.owned:
+                if self._stop.is_set():
+                    return
+                self._stage_one(p)
+                now = time.monotonic()
+                if now - last_log >= PROGRESS_INTERVAL_S:
+                    last_log = now
+                    log.info("staging: %s", self._stage_text(now - start))
+            self.stage_seconds = time.monotonic() - start
+            self.stage_done = True
+            log.info("staged: %s", self._stage_text(self.stage_seconds))
+        except OSError as e:
+            # The image stays the source for every partition not staged: reads keep working.
+            log.error("staging stopped, reading the rest from the image: %s", e)
+
+    def _stage_text(self, seconds: float) -> str:
+        rate = self.staged_bytes / max(seconds, 1e-9) / 1e6
+        return (
+            f"{self.staged_parts}/{len(self.owned)} partitions, "
+            f"{human_bytes(self.staged_bytes)}/{human_bytes(self.stage_total)} "
+            f"in {seconds:.1f} s ({rate:.0f} MB/s) to {self.local}"
+        )
+
+    def _stage_one(self, p: int) -> None:
+        size = int(self.catalog.part_size[p])
+        final = self.local / cat.partition_name(p)
+        tmp = final.with_suffix(".partial")
+        self._staged.append(tmp)
+        with open(tmp, "wb") as out:
+            done = 0
+            while done < size and not self._stop.is_set():
+                sent = os.sendfile(out.fileno(), self._fds[p], done, min(COPY_CHUNK, size - done))
+                if sent == 0:
+                    raise OSError(5, f"partition {p} ended early while staging")
+                done += sent
+                self.staged_bytes += sent
+        if done < size:
+            return
+        os.rename(tmp, final)
+        self._staged[-1] = final
+        fd = os.open(final, os.O_RDONLY)
+        self._old_fds.append(self._fds[p])
+        self._fds[p] = fd  # atomic swap: later reads of this partition are local
+        self.staged_parts += 1
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def statistics(self) -> dict[str, Any]:
+        return {
+            "local_dir": str(self.local),
+            "partitions_owned": len(self.owned),
+            "partitions_staged": self.staged_parts,
+            "bytes_staged": self.staged_bytes,
+            "bytes_to_stage": self.stage_total,
+            "staging_done": self.stage_done,
+            "staging_seconds": round(self.stage_seconds, 3),
+        }
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        for fd in self._fds + self._old_fds:
+            os.close(fd)
+        self._fds = []
+        self._old_fds = []
+        if self.keep_local:
+            return
+        for path in self._staged:
+            path.unlink(missing_ok=True)
+        if self._created_local:
+            try:
+                self.local.rmdir()
+            except OSError as e:
+                log.warning("left %s in place: %s", self.local, e.strerror)

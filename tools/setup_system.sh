@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Installs the Debian packages fanfs needs, only those that are missing.
+# libfuse3-dev, pkg-config and gcc build pyfuse3; fuse3 gives fusermount3; Open MPI is the transport.
+set -euo pipefail
+want=(libfuse3-dev fuse3 pkg-config gcc openmpi-bin libopenmpi-dev)
+missing=()
+for pkg in "${want[@]}"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if ! python3 -c 'import venv, ensurepip' 2>/dev/null; then
+    missing+=(python3-venv)
+fi
+if [ ${#missing[@]} -eq 0 ]; then
+    exit 0
+fi
+echo "fanfs setup: installing system packages: ${missing[*]}"
+sudo=""
+if [ "$(id -u)" -ne 0 ]; then
+    sudo="sudo"
+fi
+$sudo apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}"
