@@ -1,0 +1,115 @@
+"""Shared fixtures: the awkward source tree, prepared images, and real mounts that always go away.
+
+A mount is a real `fanfs mount` daemon in a subprocess. Teardown escalates: `fanfs umount`,
+then SIGTERM, then SIGKILL, then a lazy unmount, so a failing test never leaves a mount behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fanfs import datagen, mounts
+
+FANFS = [str(Path(sys.executable).with_name("fanfs"))]  # the installed entry point
+STEP_TIMEOUT = 120  # any single fanfs command in a test; a hang fails instead of blocking CI
+
+
+def fanfs(
+    *args: str | os.PathLike[str], timeout: float = STEP_TIMEOUT
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*FANFS, *map(str, args)], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+class Mount:
+    def __init__(self, image: Path, mountpoint: Path, local: Path, *extra: str):
+        self.image = image
+        self.mountpoint = mountpoint
+        self.local = local
+        mountpoint.mkdir(parents=True, exist_ok=True)
+        self.log = mountpoint.parent / f"{mountpoint.name}.log"
+        self._log = open(self.log, "w")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(
+            [*FANFS, "mount", str(image), str(mountpoint), "--local", str(local), *extra],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        done = fanfs("wait", mountpoint, "--timeout", "30")
+        if done.returncode != 0:
+            self.stop()
+            raise RuntimeError(f"mount did not come up: {done.stderr}\n{self.log.read_text()}")
+
+    def log_text(self) -> str:
+        return self.log.read_text()
+
+    def stop(self) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            if self.proc.poll() is None and mounts.find(self.mountpoint):
+                fanfs("umount", self.mountpoint, "--timeout", "30", timeout=40)
+        for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+            if self.proc.poll() is not None:
+                break
+            self.proc.send_signal(sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(wait)
+        if mounts.find(self.mountpoint):
+            subprocess.run(
+                ["fusermount3", "-u", "-z", str(self.mountpoint)], timeout=10, check=False
+            )
+        self._log.close()
+
+
+@contextlib.contextmanager
+def mounted(image: Path, mountpoint: Path, local: Path, *extra: str) -> Iterator[Mount]:
+    m = Mount(image, mountpoint, local, *extra)
+    try:
+        yield m
+    finally:
+        m.stop()
+
+
+@pytest.fixture(scope="session")
+def awkward_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    src = tmp_path_factory.mktemp("awkward") / "src"
+    datagen.awkward(src)
+    return src
+
+
+def prepare(src: Path, image: Path, *extra: str) -> Path:
+    done = fanfs("prepare", src, image, *extra)
+    assert done.returncode == 0, done.stderr
+    return image
+
+
+@pytest.fixture(scope="session", params=["none", "zstd"])
+def awkward_image(
+    request: pytest.FixtureRequest, awkward_src: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    image = tmp_path_factory.mktemp(f"img-{request.param}") / "awkward.fanfs"
+    return prepare(awkward_src, image, "--compress", request.param, "--partitions", "7")
+
+
+@pytest.fixture(scope="session")
+def awkward_mount(awkward_image: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mount]:
+    base = tmp_path_factory.mktemp("mnt")
+    with mounted(awkward_image, base / "mnt", base / "local") as m:
+        yield m
+
+
+def wait_until(predicate: object, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if callable(predicate) and predicate():
+            return True
+        time.sleep(0.05)
+    return False

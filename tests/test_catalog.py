@@ -1,0 +1,87 @@
+"""Pure tier: the catalog and prepare's packing, no mount."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+from conftest import prepare
+
+from fanfs import catalog as cat
+from fanfs.prepare import default_partitions
+
+
+def test_every_path_resolves_to_its_own_entry(awkward_image: Path, awkward_src: Path) -> None:
+    c, _ = cat.Catalog.load(awkward_image)
+    seen = 0
+    for entry, path in c.walk():
+        assert c.resolve(path) == entry
+        assert os.path.lexists(os.path.join(os.fsencode(awkward_src), path))
+        seen += 1
+    assert seen == c.n_entries - 1
+    assert c.lookup(0, b"no-such-name") is None
+    assert c.resolve(b"many/c1/nope") is None
+
+
+def test_children_are_contiguous_and_sorted(awkward_image: Path) -> None:
+    c, _ = cat.Catalog.load(awkward_image)
+    for d in np.flatnonzero(c.is_dir):
+        names = [c.name(e) for e in c.children(int(d))]
+        assert names == sorted(names)
+        assert all(int(c.parent[e]) == d for e in c.children(int(d)))
+
+
+def test_catalog_is_compact(awkward_image: Path) -> None:
+    c, raw = cat.Catalog.load(awkward_image)
+    names = sum(len(c.name(e)) for e in range(c.n_entries))
+    assert (c.memory_bytes() - len(c.strings)) / c.n_entries < 80
+    assert len(c.strings) >= names
+    assert cat.Catalog.from_bytes(raw).n_entries == c.n_entries
+
+
+def test_partitions_are_balanced_and_spread(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    rng = np.random.default_rng(3)
+    sizes = rng.integers(1000, 50000, 600)
+    for i, size in enumerate(sizes):
+        d = src / f"class{i % 3}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"{i}.bin").write_bytes(rng.bytes(int(size)))
+    image = prepare(src, tmp_path / "img", "--partitions", "24")
+    c, _ = cat.Catalog.load(image)
+    spread = int(c.part_size.max() - c.part_size.min())
+    assert spread <= int(sizes.max())  # greedy least-filled: within one file
+    for d in ("class0", "class1", "class2"):
+        entry = c.resolve(d.encode())
+        assert entry is not None
+        parts = {int(c.part[e]) for e in c.children(entry)}
+        assert len(parts) == 24  # every directory spread over all partitions
+
+
+def test_prepare_is_deterministic_across_jobs(awkward_src: Path, tmp_path: Path) -> None:
+    a = prepare(awkward_src, tmp_path / "a", "--jobs", "1", "--compress", "zstd")
+    b = prepare(awkward_src, tmp_path / "b", "--jobs", "4", "--compress", "zstd")
+    ca, _ = cat.Catalog.load(a)
+    cb, _ = cat.Catalog.load(b)
+    for name, _dtype in cat.ENTRY_COLUMNS + cat.PARTITION_COLUMNS:
+        assert np.array_equal(getattr(ca, name), getattr(cb, name)), name
+    for p in range(ca.n_partitions):
+        assert (a / cat.partition_name(p)).read_bytes() == (b / cat.partition_name(p)).read_bytes()
+
+
+def test_default_partition_count() -> None:
+    assert default_partitions(0, 0) == 1
+    assert default_partitions(10 << 20, 5) == 5
+    assert default_partitions(10 << 20, 5000) == 16
+    assert default_partitions(100 << 30, 10**6) == 1024
+    assert default_partitions(5 << 30, 10**5) == 80
+
+
+def test_zstd_stores_raw_when_it_does_not_pay(awkward_src: Path, tmp_path: Path) -> None:
+    c, _ = cat.Catalog.load(prepare(awkward_src, tmp_path / "z", "--compress", "zstd"))
+    text = c.resolve(b"sizes/compressible-1m.txt")
+    noise = c.resolve(b"sizes/exact-4096.bin")
+    assert text is not None and noise is not None
+    assert int(c.codec[text]) == cat.CODEC_ZSTD and int(c.stored_len[text]) < 100_000
+    assert int(c.codec[noise]) == cat.CODEC_RAW and int(c.stored_len[noise]) == 4096

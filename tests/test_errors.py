@@ -1,0 +1,295 @@
+"""Every bad input gets one clear line and its documented exit code, and loses nothing."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+from conftest import FANFS, Mount, fanfs, mounted, prepare
+
+from fanfs import catalog as cat
+from fanfs import mounts
+from fanfs.errors import ExitCode
+
+
+def assert_one_line_error(done: subprocess.CompletedProcess[str], code: int, *words: str) -> None:
+    assert done.returncode == code, (done.returncode, done.stderr)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("fanfs: error:")]
+    assert len(errors) == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    for word in words:
+        assert word in errors[0], errors[0]
+
+
+@pytest.fixture
+def small_src(tmp_path: Path) -> Path:
+    src = tmp_path / "src"
+    for i in range(40):
+        d = src / f"c{i % 4}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"f{i}.bin").write_bytes(os.urandom(1000 + 97 * i))
+    return src
+
+
+@pytest.fixture
+def small_image(small_src: Path, tmp_path: Path) -> Path:
+    return prepare(small_src, tmp_path / "small.fanfs", "--partitions", "4")
+
+
+def no_leftovers(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if ".partial-" in p.name or ".old-" in p.name)
+
+
+# -- prepare ---------------------------------------------------------------------------------
+
+
+def test_prepare_missing_source(tmp_path: Path) -> None:
+    done = fanfs("prepare", tmp_path / "nope", tmp_path / "img")
+    assert_one_line_error(done, ExitCode.SOURCE, "nope")
+    assert not (tmp_path / "img").exists()
+
+
+def test_prepare_source_not_a_directory(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    done = fanfs("prepare", tmp_path / "file", tmp_path / "img")
+    assert_one_line_error(done, ExitCode.SOURCE, "not a directory")
+
+
+def test_prepare_unreadable_file_leaves_nothing(small_src: Path, tmp_path: Path) -> None:
+    bad = small_src / "c2" / "f2.bin"
+    bad.chmod(0)
+    # Root reads anything; dropping the DAC override capabilities makes "unreadable" real.
+    drop = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-all"]
+    done = subprocess.run(
+        [*drop, *FANFS, "prepare", str(small_src), str(tmp_path / "img")],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert_one_line_error(done, ExitCode.SOURCE, "f2.bin", "Permission denied")
+    assert not (tmp_path / "img").exists()
+    assert no_leftovers(tmp_path) == []
+
+
+def test_prepare_refuses_existing_image_unless_forced(small_src: Path, small_image: Path) -> None:
+    before = (small_image / cat.CATALOG_NAME).read_bytes()
+    done = fanfs("prepare", small_src, small_image)
+    assert_one_line_error(done, ExitCode.SOURCE, "already exists", "--force")
+    assert (small_image / cat.CATALOG_NAME).read_bytes() == before
+    (small_src / "added.txt").write_text("new")
+    done = fanfs("prepare", small_src, small_image, "--force")
+    assert done.returncode == 0, done.stderr
+    assert cat.Catalog.load(small_image)[0].resolve(b"added.txt") is not None
+    assert no_leftovers(small_image.parent) == []
+
+
+def test_prepare_interrupted_leaves_nothing(awkward_src: Path, tmp_path: Path) -> None:
+    image = tmp_path / "img"
+    # Slow enough to interrupt: the strongest zstd level on the 64 MiB file.
+    proc = subprocess.Popen(
+        [*FANFS, "prepare", str(awkward_src), str(image), "--compress", "zstd:19"],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while not any(".partial-" in p.name for p in tmp_path.iterdir()):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == ExitCode.INTERRUPTED, err
+    assert not image.exists()
+    assert no_leftovers(tmp_path) == []
+
+
+def test_prepare_skips_special_files_with_a_warning(small_src: Path, tmp_path: Path) -> None:
+    os.mkfifo(small_src / "a-fifo")
+    done = fanfs("prepare", small_src, tmp_path / "img")
+    assert done.returncode == 0, done.stderr
+    assert [line for line in done.stderr.splitlines() if "a-fifo" in line and "WARNING" in line]
+    assert cat.Catalog.load(tmp_path / "img")[0].resolve(b"a-fifo") is None
+
+
+def test_prepare_bad_compress_value(small_src: Path, tmp_path: Path) -> None:
+    done = fanfs("prepare", small_src, tmp_path / "img", "--compress", "lz4")
+    assert_one_line_error(done, ExitCode.FAILED, "lz4")
+
+
+# -- broken images: refused before anything is mounted ---------------------------------------
+
+
+def _rewrite_header(image: Path, **changes: int) -> None:
+    path = image / cat.CATALOG_NAME
+    data = bytearray(path.read_bytes())
+    fields = list(cat.HEADER.unpack_from(data))
+    names = ["magic", "version", "header_crc", "n_entries", "n_partitions", "flags"]
+    for name, value in changes.items():
+        fields[names.index(name)] = value
+    fields[2] = 0
+    fields[2] = zlib.crc32(cat.HEADER.pack(*fields))
+    data[: cat.HEADER.size] = cat.HEADER.pack(*fields)
+    path.write_bytes(bytes(data))
+
+
+def _flip_catalog_body(image: Path) -> None:
+    path = image / cat.CATALOG_NAME
+    data = bytearray(path.read_bytes())
+    data[cat.HEADER.size + 3] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def _truncate_catalog(image: Path) -> None:
+    path = image / cat.CATALOG_NAME
+    path.write_bytes(path.read_bytes()[:-10])
+
+
+BROKEN = {
+    "missing image": (lambda img: shutil.rmtree(img), "not a fanfs image"),
+    "no catalog": (lambda img: (img / cat.CATALOG_NAME).unlink(), "not a fanfs image"),
+    "corrupt catalog": (_flip_catalog_body, "corrupt catalog"),
+    "truncated catalog": (_truncate_catalog, "truncated catalog"),
+    "unknown version": (lambda img: _rewrite_header(img, version=99), "version 99"),
+    "missing partition": (lambda img: (img / cat.partition_name(2)).unlink(), "partition missing"),
+    "truncated partition": (
+        lambda img: os.truncate(img / cat.partition_name(1), 10),
+        "partition truncated",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_broken_image_is_refused_before_mounting(
+    small_image: Path, tmp_path: Path, case: str
+) -> None:
+    damage, words = BROKEN[case]
+    damage(small_image)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    done = fanfs("mount", small_image, mnt, "--local", tmp_path / "local", timeout=30)
+    assert_one_line_error(done, ExitCode.IMAGE, words)
+    assert mounts.find(mnt) is None
+    assert not (tmp_path / "local").exists()
+    if case not in ("missing image", "no catalog"):
+        info = fanfs("info", small_image)
+        assert info.returncode == ExitCode.IMAGE or case.endswith("partition")
+
+
+def test_header_rejects_garbage(tmp_path: Path) -> None:
+    img = tmp_path / "img"
+    img.mkdir()
+    (img / cat.CATALOG_NAME).write_bytes(b"not a catalog at all" * 10)
+    done = fanfs("info", img)
+    assert_one_line_error(done, ExitCode.IMAGE, "bad magic")
+    (img / cat.CATALOG_NAME).write_bytes(struct.pack("<8s", cat.MAGIC))
+    assert_one_line_error(fanfs("info", img), ExitCode.IMAGE, "truncated")
+
+
+# -- mount points -----------------------------------------------------------------------------
+
+
+def test_mountpoint_missing(small_image: Path, tmp_path: Path) -> None:
+    done = fanfs("mount", small_image, tmp_path / "nope", "--local", tmp_path / "l")
+    assert_one_line_error(done, ExitCode.MOUNTPOINT, "does not exist")
+
+
+def test_mountpoint_not_a_directory(small_image: Path, tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    done = fanfs("mount", small_image, tmp_path / "file", "--local", tmp_path / "l")
+    assert_one_line_error(done, ExitCode.MOUNTPOINT, "not a directory")
+
+
+def test_mountpoint_already_mounted(small_image: Path, tmp_path: Path) -> None:
+    with mounted(small_image, tmp_path / "mnt", tmp_path / "l1"):
+        done = fanfs("mount", small_image, tmp_path / "mnt", "--local", tmp_path / "l2")
+        assert_one_line_error(done, ExitCode.MOUNTPOINT, "already mounted")
+        assert not (tmp_path / "l2").exists()
+
+
+# -- corruption inside a partition: EIO for that file only ------------------------------------
+
+
+def test_corrupt_byte_gives_eio_for_that_file_only(small_src: Path, tmp_path: Path) -> None:
+    for codec in ("none", "zstd"):
+        image = prepare(small_src, tmp_path / f"img-{codec}", "--compress", codec)
+        c, _ = cat.Catalog.load(image)
+        victim = c.resolve(b"c1/f5.bin")
+        assert victim is not None
+        part = image / cat.partition_name(int(c.part[victim]))
+        data = bytearray(part.read_bytes())
+        data[int(c.data_off[victim]) + int(c.stored_len[victim]) // 2] ^= 0xFF
+        part.write_bytes(bytes(data))
+
+        verify = fanfs("verify", image)
+        assert verify.returncode == ExitCode.FAILED
+        assert verify.stdout.splitlines() == [
+            f"c1/f5.bin: checksum mismatch (partition {int(c.part[victim])})"
+        ]
+
+        with mounted(image, tmp_path / f"mnt-{codec}", tmp_path / f"local-{codec}") as m:
+            for _ in range(2):  # stays EIO, and is logged once
+                with pytest.raises(OSError) as err:
+                    (m.mountpoint / "c1/f5.bin").read_bytes()
+                assert err.value.errno == 5
+            for f in small_src.rglob("*.bin"):
+                if f.name != "f5.bin":
+                    assert (m.mountpoint / f.relative_to(small_src)).read_bytes() == f.read_bytes()
+            assert m.log_text().count("EIO for /c1/f5.bin") == 1
+
+
+# -- wait / umount never hang -----------------------------------------------------------------
+
+
+def test_wait_times_out_on_an_unmounted_directory(tmp_path: Path) -> None:
+    started = time.monotonic()
+    done = fanfs("wait", tmp_path, "--timeout", "0.5")
+    assert_one_line_error(done, ExitCode.TIMEOUT, "not serving")
+    assert time.monotonic() - started < 10
+
+
+def test_umount_of_nothing(tmp_path: Path) -> None:
+    assert_one_line_error(fanfs("umount", tmp_path), ExitCode.MOUNTPOINT, "no fanfs mount")
+
+
+def test_umount_removes_mount_daemon_and_staged_data(small_image: Path, tmp_path: Path) -> None:
+    m = Mount(small_image, tmp_path / "mnt", tmp_path / "local")
+    try:
+        assert fanfs("status", m.mountpoint, "--json").returncode == 0
+        done = fanfs("umount", m.mountpoint)
+        assert done.returncode == 0, done.stderr
+        assert m.proc.wait(5) == 0
+        assert mounts.find(m.mountpoint) is None
+        assert not (tmp_path / "local").exists()
+    finally:
+        m.stop()
+
+
+def test_keep_local_keeps_the_staged_copies(small_image: Path, tmp_path: Path) -> None:
+    with mounted(small_image, tmp_path / "mnt", tmp_path / "local", "--keep-local") as m:
+        assert fanfs("umount", m.mountpoint).returncode == 0
+    staged = sorted(p.name for p in (tmp_path / "local").iterdir())
+    assert staged == [cat.partition_name(p) for p in range(4)]
+
+
+def test_umount_after_the_daemon_was_killed(small_image: Path, tmp_path: Path) -> None:
+    with mounted(small_image, tmp_path / "mnt", tmp_path / "local") as m:
+        m.proc.kill()
+        m.proc.wait(10)
+        assert mounts.find(m.mountpoint) is not None  # a stale mount, as a crash leaves it
+        done = fanfs("umount", m.mountpoint, timeout=30)
+        assert done.returncode == 0, done.stderr
+        assert mounts.find(m.mountpoint) is None
+
+
+def test_sigterm_unmounts_and_cleans_up(small_image: Path, tmp_path: Path) -> None:
+    with mounted(small_image, tmp_path / "mnt", tmp_path / "local") as m:
+        m.proc.send_signal(signal.SIGTERM)
+        assert m.proc.wait(30) == 0
+        assert mounts.find(m.mountpoint) is None
+        assert not (tmp_path / "local").exists()

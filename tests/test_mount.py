@@ -1,0 +1,132 @@
+"""Real mounts of the awkward tree, raw and zstd: what users and their tools see."""
+
+from __future__ import annotations
+
+import errno
+import json
+import mmap
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import Mount, fanfs
+from PIL import Image
+from treecmp import assert_same_tree
+
+
+def test_tree_reads_back_byte_for_byte(awkward_src: Path, awkward_mount: Mount) -> None:
+    n = assert_same_tree(awkward_src, awkward_mount.mountpoint)
+    assert n > 200
+
+
+def test_second_pass_is_served_by_the_kernel(awkward_src: Path, awkward_mount: Mount) -> None:
+    mnt = awkward_mount.mountpoint
+    rel = "sizes/mixed-300k.bin"
+    (mnt / rel).read_bytes()
+    before = json.loads(fanfs("status", mnt, "--json").stdout)["reader"]["reads"]
+    for _ in range(3):
+        assert (mnt / rel).read_bytes() == (awkward_src / rel).read_bytes()
+    after = json.loads(fanfs("status", mnt, "--json").stdout)["reader"]["reads"]
+    assert after == before  # page cache kept across opens: no request reached the daemon
+
+
+def _run(*cmd: str, cwd: Path | None = None) -> bytes:
+    return subprocess.run(cmd, capture_output=True, check=True, timeout=120, cwd=cwd).stdout
+
+
+def test_ls_find_du_stat_agree(awkward_src: Path, awkward_mount: Mount) -> None:
+    mnt = awkward_mount.mountpoint
+
+    def ls(root: Path) -> list[bytes]:
+        out = _run("ls", "-lR", "--time-style=full-iso", ".", cwd=root)
+        return [line for line in out.splitlines() if not line.startswith(b"total ")]
+
+    assert ls(mnt) == ls(awkward_src)
+    fmt = "%P %y %s %m %T@ %l\n"
+    assert sorted(_run("find", str(mnt), "-printf", fmt).splitlines()) == sorted(
+        _run("find", str(awkward_src), "-printf", fmt).splitlines()
+    )
+    assert _run("du", "-sb", ".", cwd=mnt) == _run("du", "-sb", ".", cwd=awkward_src)
+    names = ["sizes/exact-4096.bin", "modes/script.sh", "link-to-dir", "empty-dir"]
+    fmt = "%n %s %a %F %Y %h"
+    assert _run("stat", "-c", fmt, *names, cwd=mnt) == _run(
+        "stat", "-c", fmt, *names, cwd=awkward_src
+    )
+
+
+def test_cat_cp_tar_diff(awkward_src: Path, awkward_mount: Mount, tmp_path: Path) -> None:
+    mnt = awkward_mount.mountpoint
+    assert _run("cat", str(mnt / "with spaces/a file name with spaces.txt")) == b"spaced out\n"
+    _run("cp", "-r", str(mnt), str(tmp_path / "copy"))
+    _run("diff", "-r", "--no-dereference", str(awkward_src), str(tmp_path / "copy"))
+    _run("diff", "-r", "--no-dereference", str(awkward_src), str(mnt))
+    tar_opts = ["--sort=name", "--format=gnu", "--numeric-owner", "-c", "."]
+    assert _run("tar", *tar_opts, cwd=mnt) == _run("tar", *tar_opts, cwd=awkward_src)
+
+
+def test_mmap_numpy_pillow(awkward_src: Path, awkward_mount: Mount) -> None:
+    mnt = awkward_mount.mountpoint
+    rel = "sizes/exact-131072.bin"
+    with open(mnt / rel, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
+        assert mm[:] == (awkward_src / rel).read_bytes()
+        assert mm[70000:70010] == (awkward_src / rel).read_bytes()[70000:70010]
+    assert np.array_equal(
+        np.load(mnt / "arrays/field.npy"), np.load(awkward_src / "arrays/field.npy")
+    )
+    mapped = np.load(mnt / "arrays/field.npy", mmap_mode="r")
+    assert np.array_equal(mapped, np.load(awkward_src / "arrays/field.npy"))
+    del mapped
+    for name in ("noise.png", "noise.jpg"):
+        with Image.open(mnt / "images" / name) as a, Image.open(awkward_src / "images" / name) as b:
+            assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_random_offset_reads_of_the_big_file(awkward_src: Path, awkward_mount: Mount) -> None:
+    rel = "big/over-64mib.bin"
+    size = (awkward_src / rel).stat().st_size
+    rng = np.random.default_rng(7)
+    with open(awkward_src / rel, "rb") as want, open(awkward_mount.mountpoint / rel, "rb") as got:
+        for off in [0, size - 1, size - 5000, *rng.integers(0, size, 20).tolist()]:
+            n = int(rng.integers(1, 300000))
+            assert os.pread(got.fileno(), n, off) == os.pread(want.fileno(), n, off)
+        assert os.pread(got.fileno(), 10, size + 100) == b""
+
+
+WRITES = {
+    "open for writing": lambda p: open(p / "empty-file", "w"),  # noqa: SIM115
+    "open for append": lambda p: open(p / "empty-file", "a"),  # noqa: SIM115
+    "open read-write": lambda p: open(p / "empty-file", "r+"),  # noqa: SIM115
+    "create": lambda p: open(p / "new-file", "x"),  # noqa: SIM115
+    "mkdir": lambda p: os.mkdir(p / "new-dir"),
+    "rmdir": lambda p: os.rmdir(p / "empty-dir"),
+    "unlink": lambda p: os.unlink(p / "empty-file"),
+    "rename": lambda p: os.rename(p / "empty-file", p / "moved"),
+    "symlink": lambda p: os.symlink("x", p / "new-link"),
+    "link": lambda p: os.link(p / "empty-file", p / "hard"),
+    "chmod": lambda p: os.chmod(p / "empty-file", 0o777),
+    "chown": lambda p: os.chown(p / "empty-file", 1, 1),
+    "utime": lambda p: os.utime(p / "empty-file", (1, 1)),
+    "truncate": lambda p: os.truncate(p / "sizes/one-byte.bin", 0),
+    "setxattr": lambda p: os.setxattr(p / "empty-file", "user.x", b"1"),
+    "mkfifo": lambda p: os.mkfifo(p / "fifo"),
+}
+
+
+@pytest.mark.parametrize("op", sorted(WRITES))
+def test_writes_get_erofs(awkward_mount: Mount, op: str) -> None:
+    with pytest.raises(OSError) as err:
+        WRITES[op](awkward_mount.mountpoint)
+    assert err.value.errno == errno.EROFS
+
+
+def test_status_is_hidden_from_listings(awkward_mount: Mount) -> None:
+    mnt = awkward_mount.mountpoint
+    names = set(os.listdir(mnt))
+    assert not any("fanfs" in n for n in names)
+    assert os.listxattr(mnt) == []
+    status = json.loads(os.getxattr(mnt, "user.fanfs.status"))
+    assert status["serving"] and status["pid"] == awkward_mount.proc.pid
+    human = fanfs("status", mnt)
+    assert human.returncode == 0 and "serving" in human.stdout
