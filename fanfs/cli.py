@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fanfs import mounts
+from fanfs import logs, mounts
 from fanfs.errors import ExitCode, FanfsError, MountpointError, WaitTimeout
 
 log = logging.getLogger("fanfs")
@@ -30,25 +30,6 @@ PROBE_TIMEOUT_S = 2.0  # a daemon that cannot answer a getxattr in 2 s is treate
 
 def _env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(f"FANFS_{name}", default)
-
-
-def configure_logging(verbosity: int, rank: int = 0, size: int = 1) -> None:
-    """One format for every daemon: `rank/size@host` keeps merged logs from many nodes readable."""
-    level = {-1: logging.WARNING, 0: logging.INFO}.get(verbosity, logging.DEBUG)
-    env_level = _env("LOG_LEVEL")
-    if env_level and verbosity == 0:
-        level = logging.getLevelName(env_level.upper())
-    host = os.uname().nodename
-    fmt = f"%(asctime)s {rank}/{size}@{host} %(levelname)s %(name)s: %(message)s"
-    logging.basicConfig(level=level, format=fmt, force=True, stream=sys.stderr)
-
-
-def default_local() -> Path:
-    """A per-user, per-job directory under $TMPDIR (or /tmp)."""
-    base = Path(os.environ.get("TMPDIR") or "/tmp")
-    user = os.environ.get("USER") or str(os.getuid())
-    job = os.environ.get("SLURM_JOB_ID")
-    return base / f"fanfs-{user}" / (f"job{job}" if job else f"pid{os.getpid()}")
 
 
 # -- subcommands -----------------------------------------------------------------------------
@@ -65,6 +46,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
             compress=args.compress,
             jobs=args.jobs,
             force=args.force,
+            broadcast=args.broadcast,
         )
     except ValueError as e:  # a bad --compress value
         raise FanfsError(str(e)) from None
@@ -96,10 +78,13 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
     cfg = MountConfig(
         image=Path(args.image).absolute(),
-        mountpoint=Path(mounts.canonical(args.mountpoint)),
-        local=Path(args.local).absolute() if args.local else default_local(),
+        mountpoint=args.mountpoint,
+        local=args.local,
         keep_local=args.keep_local,
         cache_bytes=args.cache_mb << 20,
+        replicas=args.replicas,
+        peer_timeout=args.peer_timeout,
+        linger=args.linger,
     )
     Daemon(cfg).run()
     return ExitCode.OK
@@ -198,6 +183,17 @@ def format_status(s: dict[str, Any]) -> str:
             f"latency:  fetch p50 {rd['fetch_ms_p50']} ms, p90 {rd['fetch_ms_p90']} ms, "
             f"p99 {rd['fetch_ms_p99']} ms",
         ]
+        + (
+            [
+                f"remote:   {rd['remote_fetches']} fetched ({human_bytes(rd['remote_bytes'])}), "
+                f"p50 {rd['remote_ms_p50']} ms, p99 {rd['remote_ms_p99']} ms; "
+                f"{rd['served_to_peers']} served to peers "
+                f"({human_bytes(rd['bytes_served_to_peers'])}); {rd['fallbacks']} image "
+                f"fallbacks, {rd['peer_timeouts']} peer timeouts, dead peers {rd['dead_peers']}"
+            ]
+            if "remote_fetches" in rd
+            else []
+        )
     )
 
 
@@ -234,6 +230,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="reader/compressor threads (default: cores, at most 8)",
     )
     p.add_argument("--force", action="store_true", help="replace an existing IMAGE")
+    p.add_argument(
+        "--broadcast",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="files every node holds in full (e.g. 'val/**'); repeatable",
+    )
     p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser("info", help="describe a prepared image")
@@ -252,10 +255,31 @@ def build_parser() -> argparse.ArgumentParser:
         "--local",
         default=_env("LOCAL"),
         metavar="DIR",
-        help="where to stage partitions (default: $TMPDIR/fanfs-$USER/<job>)",
+        help="where to stage partitions (default: $TMPDIR/fanfs-$USER/<job>-<node>)",
     )
     p.add_argument(
         "--keep-local", action="store_true", help="keep the staged copies after unmounting"
+    )
+    p.add_argument(
+        "--replicas",
+        type=_positive,
+        default=int(_env("REPLICAS", "1") or 1),
+        metavar="R",
+        help="ranks holding each partition (default: 1)",
+    )
+    p.add_argument(
+        "--peer-timeout",
+        type=float,
+        default=float(_env("PEER_TIMEOUT", "5") or 5),
+        metavar="S",
+        help="route around a peer silent this long (default: 5)",
+    )
+    p.add_argument(
+        "--linger",
+        type=float,
+        default=float(_env("LINGER", "60") or 60),
+        metavar="S",
+        help="after unmounting, serve peers at most this long (default: 60)",
     )
     p.add_argument(
         "--cache-mb",
@@ -295,7 +319,7 @@ def _positive(text: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    configure_logging(-1 if args.quiet else args.verbose)
+    logs.configure(-1 if args.quiet else args.verbose)
     try:
         code: int = args.func(args)
         return code

@@ -1,9 +1,16 @@
 """The mount daemon's lifecycle: validate, mount, serve, and always clean up.
 
 Order (S3QL's mount.py): everything that can fail because of a user mistake (image, partitions,
-mount point) is checked before anything is mounted. Each resource registers its cleanup on an
-exit stack the moment it exists, so the unmount and the removal of staged copies happen whatever
-ends the daemon: `fanfs umount` (SIGTERM), SIGINT, an external unmount, or an error.
+mount point) is checked before anything is mounted. Under an MPI launcher these checks are the
+start-up collectives: rank 0 alone reads the catalog and checks the partitions on shared
+storage, then broadcasts the verdict and the catalog bytes; every rank checks its mount point
+and all ranks learn whether any failed, so they all fail together with one clear line instead
+of some hanging. After start-up no collective operation runs (a dead rank must not block one).
+
+Each resource registers its cleanup on an exit stack the moment it exists, so whatever ends
+the daemon (`fanfs umount`/SIGTERM, SIGINT, an external unmount, an error) the mount goes away
+first, then the daemon keeps serving peers until they have unmounted too (`--linger`), then the
+staged copies are deleted.
 """
 
 from __future__ import annotations
@@ -20,12 +27,12 @@ from typing import Any
 import pyfuse3
 import trio
 
-from fanfs import mounts
+from fanfs import logs, mounts, placement
 from fanfs.catalog import Catalog
-from fanfs.errors import MountFailed, MountpointError
+from fanfs.errors import ExitCode, FanfsError, MountFailed, MountpointError
 from fanfs.fuse_ops import PATCHED, FanfsOperations
 from fanfs.reader import Reader
-from fanfs.store import PartitionStore
+from fanfs.store import PartitionStore, check_partitions
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +44,30 @@ READ_AHEAD_KB = 1024
 @dataclass(frozen=True, slots=True)
 class MountConfig:
     image: Path
-    mountpoint: Path
-    local: Path
+    mountpoint: str  # may contain {rank} and {node}
+    local: str | None = None  # likewise; None: a per-user, per-job directory
     keep_local: bool = False
     cache_bytes: int = 512 << 20
+    replicas: int = 1
+    peer_timeout: float = 5.0
+    linger: float = 60.0
+
+
+def node_name(rank: int) -> str:
+    """This daemon's node: from the launcher (Slurm), else its rank; never the hostname."""
+    return os.environ.get("SLURMD_NODENAME") or os.environ.get("SLURM_NODEID") or str(rank)
+
+
+def expand(template: str, rank: int, node: str) -> str:
+    return template.replace("{rank}", str(rank)).replace("{node}", node)
+
+
+def default_local(rank: int, node: str) -> str:
+    base = os.environ.get("TMPDIR") or "/tmp"
+    user = os.environ.get("USER") or str(os.getuid())
+    job = os.environ.get("SLURM_JOB_ID")
+    tail = f"job{job}-{node}" if job else f"pid{os.getpid()}"
+    return f"{base}/fanfs-{user}/{tail}"
 
 
 def check_mountpoint(mountpoint: Path) -> None:
@@ -62,24 +89,40 @@ def _tune_readahead(mountpoint: Path) -> None:
         log.debug("could not raise read_ahead_kb: %s", e)
 
 
+def _error(code: int, message: str) -> FanfsError:
+    err = FanfsError(message)
+    err.exit_code = ExitCode(code)
+    return err
+
+
 class Daemon:
     def __init__(self, cfg: MountConfig):
         self.cfg = cfg
         self.started = time.time()
         self.serving = False
+        self.rank = 0
+        self.size = 1
+        self.world: Any = None
+        self.transport: Any = None
         self.catalog: Catalog | None = None
         self.store: PartitionStore | None = None
         self.reader: Reader | None = None
+        self.mountpoint = Path(cfg.mountpoint)
+        self._mounted = False
 
     def status(self) -> dict[str, Any]:
         assert self.catalog is not None and self.store is not None and self.reader is not None
+        reader = self.reader.statistics()
+        if self.transport is not None:
+            reader.update(self.transport.statistics())
         return {
             "pid": os.getpid(),
             "image": str(self.cfg.image),
-            "mountpoint": str(self.cfg.mountpoint),
-            "rank": 0,
-            "size": 1,
+            "mountpoint": str(self.mountpoint),
+            "rank": self.rank,
+            "size": self.size,
             "host": os.uname().nodename,
+            "node": node_name(self.rank),
             "serving": self.serving,
             "no_open": PATCHED,
             "uptime_s": round(time.time() - self.started, 3),
@@ -89,50 +132,146 @@ class Daemon:
                 "memory_bytes": self.catalog.memory_bytes(),
             },
             "store": self.store.statistics(),
-            "reader": self.reader.statistics(),
+            "reader": reader,
         }
+
+    # -- start-up --------------------------------------------------------------------------
+
+    def _start_world(self) -> None:
+        from fanfs.transport import mpi
+
+        if mpi.launched_size(dict(os.environ)) <= 1:
+            return
+        try:
+            self.world = mpi.World()
+        except RuntimeError as e:
+            raise MountFailed(str(e)) from None
+        self.rank, self.size = self.world.rank, self.world.size
+        logs.set_rank(self.rank, self.size)
+
+    def _load_catalog(self) -> Catalog:
+        """Rank 0 reads and checks the image; everyone gets the catalog or rank 0's error."""
+        if self.world is None:
+            single, _ = Catalog.load(self.cfg.image)
+            check_partitions(self.cfg.image, single, range(single.n_partitions))
+            return single
+        verdict, raw = None, None
+        catalog: Catalog | None = None
+        if self.rank == 0:
+            try:
+                catalog, raw = Catalog.load(self.cfg.image)
+                check_partitions(self.cfg.image, catalog, range(catalog.n_partitions))
+            except FanfsError as e:
+                verdict = (int(e.exit_code), str(e))
+        verdict = self.world.bcast(verdict)
+        if verdict is not None:
+            raise _error(*verdict)
+        raw = self.world.bcast_bytes(raw)
+        if catalog is None:
+            catalog = Catalog.from_bytes(raw, f"{self.cfg.image} (broadcast)")
+        log.info("catalog: %d entries, %d bytes broadcast", catalog.n_entries, len(raw))
+        return catalog
+
+    def _agree(self, error: FanfsError | None) -> None:
+        """Raise if this rank or any other failed a start-up step (a start-up collective)."""
+        if self.world is None:
+            if error is not None:
+                raise error
+            return
+        verdicts = self.world.allgather(
+            None if error is None else (int(error.exit_code), str(error))
+        )
+        if error is not None:
+            raise error
+        for rank, verdict in enumerate(verdicts):
+            if verdict is not None:
+                raise _error(verdict[0], f"rank {rank} failed to start: {verdict[1]}")
 
     def run(self) -> None:
         cfg = self.cfg
-        catalog, _ = Catalog.load(cfg.image)
+        self._start_world()
+        try:
+            self._run()
+        finally:
+            if self.world is not None:
+                if self.transport is not None and self.transport.dead:
+                    # A dead peer can make MPI_Finalize wait forever: leave without it.
+                    log.warning(
+                        "not finalizing MPI: ranks %s are gone", sorted(self.transport.dead)
+                    )
+                else:
+                    self.world.finalize()
+        log.debug("daemon for %s done", cfg.mountpoint)
+
+    def _run(self) -> None:
+        cfg = self.cfg
+        node = node_name(self.rank)
+        self.mountpoint = Path(mounts.canonical(expand(cfg.mountpoint, self.rank, node)))
+        local = Path(
+            os.path.abspath(expand(cfg.local or default_local(self.rank, node), self.rank, node))
+        )
+        catalog = self._load_catalog()
         self.catalog = catalog
-        check_mountpoint(cfg.mountpoint)
+        error = None
+        try:
+            check_mountpoint(self.mountpoint)
+        except FanfsError as e:
+            error = e
+        self._agree(error)
+        owners = placement.place(catalog.part_size, catalog.part_flags, self.size, cfg.replicas)
+        owned = placement.owned_by(owners, self.rank)
         with contextlib.ExitStack() as stack:
-            store = PartitionStore(
-                cfg.image, catalog, cfg.local, range(catalog.n_partitions), cfg.keep_local
-            )
+            store = PartitionStore(cfg.image, catalog, local, owned, cfg.keep_local)
             stack.callback(store.close)
             self.store = store
-            self.reader = Reader(catalog, store, cfg.cache_bytes)
+            if self.world is not None:
+                from fanfs.transport.mpi import MpiTransport
+
+                self.transport = MpiTransport(self.world, cfg.peer_timeout)
+            self.reader = Reader(catalog, store, cfg.cache_bytes, owners, self.transport)
+            if self.transport is not None:
+                self.transport.serve_fn = self.reader.serve
             ops = FanfsOperations(catalog, self.reader, self.status)
             options = set(pyfuse3.default_options)
             options |= {"fsname=fanfs", "subtype=fanfs", "ro", "default_permissions"}
+            error = None
             try:
-                pyfuse3.init(ops, str(cfg.mountpoint), options)
+                pyfuse3.init(ops, str(self.mountpoint), options)
+                self._mounted = True
+                stack.callback(self._unmount)
             except RuntimeError as e:
-                raise MountFailed(f"{cfg.mountpoint}: cannot mount: {e}") from None
-            stack.callback(self._unmount)
-            _tune_readahead(cfg.mountpoint)
+                error = MountFailed(f"{self.mountpoint}: cannot mount: {e}")
+            self._agree(error)
+            _tune_readahead(self.mountpoint)
+            log.info(
+                "rank %d/%d: %d of %d partitions here (%d bytes), mount %s, local %s",
+                self.rank, self.size, len(owned), catalog.n_partitions,
+                sum(int(catalog.part_size[p]) for p in owned), self.mountpoint, local,
+            )  # fmt: skip
             trio.run(self._serve)
 
     def _unmount(self) -> None:
-        log.info("unmounting %s", self.cfg.mountpoint)
-        pyfuse3.close(unmount=True)
+        if self._mounted:
+            self._mounted = False
+            log.info("unmounting %s", self.mountpoint)
+            pyfuse3.close(unmount=True)
 
     async def _serve(self) -> None:
         assert self.store is not None
         async with trio.open_nursery() as nursery:
+            if self.transport is not None:
+                await nursery.start(self.transport.run)
             nursery.start_soon(self._watch_signals)
             self.store.start_staging()
             self.serving = True
-            log.info(
-                "serving %s at %s (%s)",
-                self.cfg.image,
-                self.cfg.mountpoint,
-                "no_open" if PATCHED else "keep_cache opens",
-            )
+            log.info("serving %s at %s (%s)", self.cfg.image, self.mountpoint,
+                     "no_open" if PATCHED else "keep_cache opens")  # fmt: skip
             await pyfuse3.main()
             self.serving = False
+            self._unmount()
+            if self.transport is not None:
+                await self.transport.linger(self.cfg.linger)
+                self.transport.stop()
             nursery.cancel_scope.cancel()
 
     async def _watch_signals(self) -> None:

@@ -10,6 +10,7 @@ directory that is renamed to IMAGE only when complete; any failure removes it.
 
 from __future__ import annotations
 
+import fnmatch
 import heapq
 import logging
 import math
@@ -22,7 +23,7 @@ import sys
 import time
 import zlib
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -146,6 +147,18 @@ def walk(src: Path) -> Tree:
     return tree
 
 
+def _match(tree: Tree, root: bytes, globs: Sequence[str]) -> set[int]:
+    """Entries of the files whose path relative to SRC matches a glob (`*` crosses `/`)."""
+    if not globs:
+        return set()
+    cut = len(root) + 1
+    return {
+        entry
+        for entry, path in tree.files
+        if any(fnmatch.fnmatchcase(os.fsdecode(path[cut:]), g) for g in globs)
+    }
+
+
 def default_partitions(total_bytes: int, n_files: int) -> int:
     wanted = math.ceil(total_bytes / PART_TARGET_BYTES)
     return max(1, min(max(MIN_PARTITIONS, min(wanted, MAX_PARTITIONS)), n_files))
@@ -181,14 +194,24 @@ def _copy_stream(path: bytes, size: int, out: BinaryIO) -> int:
 
 
 class _Packer:
-    """Appends stored files to the least-filled partition."""
+    """Appends stored files to the least-filled partition of their set (normal or broadcast).
 
-    def __init__(self, tmp: Path, n_parts: int, n_entries: int):
+    Partitions 0..n_parts-1 are normal; the n_bcast after them hold the broadcast set.
+    """
+
+    def __init__(self, tmp: Path, n_parts: int, n_bcast: int, n_entries: int):
+        total = n_parts + n_bcast
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft < n_parts + 64 <= hard:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (n_parts + 64, hard))
-        self.outs = [open(tmp / cat.partition_name(p), "wb") for p in range(n_parts)]  # noqa: SIM115
-        self.fill = [(0, p) for p in range(n_parts)]  # heap of (stored bytes, partition)
+        if soft < total + 64 <= hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (total + 64, hard))
+        self.outs = [open(tmp / cat.partition_name(p), "wb") for p in range(total)]  # noqa: SIM115
+        # heaps of (stored bytes, partition), one per set
+        self.fill = [(0, p) for p in range(n_parts)]
+        self.bcast_fill = [(0, p) for p in range(n_parts, total)]
+        self.part_flags = np.zeros(total, dtype=np.uint32)
+        self.part_flags[n_parts:] = cat.PART_BROADCAST
+        self.broadcast: set[int] = set()
+        n_parts = total
         self.part_size = np.zeros(n_parts, dtype=np.uint64)
         self.part_files = np.zeros(n_parts, dtype=np.uint64)
         self.part = np.full(n_entries, cat.NO_PARTITION, dtype=np.uint32)
@@ -198,8 +221,9 @@ class _Packer:
         self.codec = np.zeros(n_entries, dtype=np.uint8)
 
     def _take(self, entry: int, nbytes: int) -> BinaryIO:
-        used, p = heapq.heappop(self.fill)
-        heapq.heappush(self.fill, (used + nbytes, p))
+        heap = self.bcast_fill if entry in self.broadcast else self.fill
+        used, p = heapq.heappop(heap)
+        heapq.heappush(heap, (used + nbytes, p))
         self.part[entry] = p
         self.data_off[entry] = used
         self.stored_len[entry] = nbytes
@@ -263,6 +287,7 @@ def prepare(
     compress: str = "none",
     jobs: int | None = None,
     force: bool = False,
+    broadcast: Sequence[str] = (),
 ) -> Summary:
     codec_id, level = codec.parse_compress(compress)
     image = image.absolute()
@@ -277,13 +302,17 @@ def prepare(
     started = time.monotonic()
     log.info("walking %s", src)
     tree = walk(src)
+    bcast = _match(tree, os.fsencode(src), broadcast)
+    bcast_bytes = sum(tree.size[e] for e in bcast)
     total = sum(tree.size[e] for e, _ in tree.files)
-    n_parts = partitions or default_partitions(total, len(tree.files))
+    n_parts = partitions or default_partitions(total - bcast_bytes, len(tree.files) - len(bcast))
+    n_bcast = min(len(bcast), max(1, math.ceil(bcast_bytes / PART_TARGET_BYTES))) if bcast else 0
     tmp = image.parent / f".{image.name}.partial-{os.getpid()}"
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         tmp.mkdir()
-        packer = _Packer(tmp, n_parts, len(tree.names))
+        packer = _Packer(tmp, n_parts, n_bcast, len(tree.names))
+        packer.broadcast = bcast
         progress = Progress("prepare", len(tree.files), total)
         for entry, path, size, result in _results(tree, codec_id, level, jobs):
             if result is None:
@@ -307,7 +336,7 @@ def prepare(
         skipped=tree.skipped,
         bytes_in=total,
         bytes_stored=int(packer.part_size.sum()),
-        partitions=n_parts,
+        partitions=n_parts + n_bcast,
         seconds=time.monotonic() - started,
     )
 
@@ -337,7 +366,7 @@ def _write_catalog(tmp: Path, tree: Tree, packer: _Packer, compress: str, src: P
         "codec": packer.codec,
         "part_size": packer.part_size,
         "part_files": packer.part_files,
-        "part_flags": np.zeros(len(packer.part_size), dtype=np.uint32),
+        "part_flags": packer.part_flags,
     }
     meta = {
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

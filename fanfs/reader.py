@@ -20,6 +20,7 @@ import os
 import time
 import zlib
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,7 @@ from fanfs import catalog as cat
 from fanfs import codec
 from fanfs.errors import CorruptFile
 from fanfs.store import PartitionStore
+from fanfs.transport import PeerTimeout, Transport
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +42,24 @@ LATENCY_SAMPLES = 4096  # ring buffer of recent fetch latencies for percentiles
 
 
 class Reader:
-    def __init__(self, catalog: cat.Catalog, store: PartitionStore, cache_bytes: int):
+    def __init__(
+        self,
+        catalog: cat.Catalog,
+        store: PartitionStore,
+        cache_bytes: int,
+        owners: Sequence[tuple[int, ...]] | None = None,
+        transport: Transport | None = None,
+    ):
         self.catalog = catalog
         self.store = store
+        self.transport = transport
+        self.rank = transport.rank if transport is not None else 0
+        # owners[p]: ranks holding partition p; without a transport this daemon holds all.
+        self.owners = owners if transport is not None and owners is not None else None
+        if self.owners is None:
+            self._mine = np.ones(catalog.n_partitions, dtype=bool)
+        else:
+            self._mine = np.array([self.rank in o for o in self.owners], dtype=bool)
         self.cache_bytes = cache_bytes
         self._cache: OrderedDict[int, bytes] = OrderedDict()
         self._cached = 0
@@ -56,6 +73,8 @@ class Reader:
         self.bytes_fetched = 0
         self.bytes_served = 0
         self.reads = 0
+        self.fallbacks = 0
+        self.bad_payloads = 0
 
     async def read(self, entry: int, offset: int, size: int) -> bytes | memoryview:
         self.reads += 1
@@ -68,6 +87,11 @@ class Reader:
         self.bytes_served += size
         codec_id = int(self.catalog.codec[entry])
         if codec_id == cat.CODEC_RAW and length > WHOLE_FILE_LIMIT:
+            if not self._mine[int(self.catalog.part[entry])]:
+                got = await self._remote(entry, offset, size)
+                if got is not None:
+                    return got
+                self.fallbacks += 1
             await self._verify_large(entry)
             start = int(self.catalog.data_off[entry]) + offset
             part = int(self.catalog.part[entry])
@@ -105,13 +129,17 @@ class Reader:
             if await self._shared(entry) is None:
                 break
         try:
-            began = time.perf_counter()
-            stored_len = int(self.catalog.stored_len[entry])
-            if stored_len <= INLINE_LIMIT and int(self.catalog.size[entry]) <= INLINE_LIMIT:
-                data = self._fetch(entry)
-            else:
-                data = await self._in_thread(self._fetch, entry)
-            self._record(entry, began, stored_len)
+            data = None
+            if not self._mine[int(self.catalog.part[entry])]:
+                stored = await self._remote(entry, 0, int(self.catalog.stored_len[entry]))
+                if stored is not None:
+                    data = await self._decode(entry, stored)
+                else:
+                    self.fallbacks += 1  # no peer could: read the image (shared storage)
+            if data is None:
+                began = time.perf_counter()
+                data = await self._small_or_threaded(entry, self._fetch, entry)
+                self._record(entry, began, int(self.catalog.stored_len[entry]))
             self._put(entry, data)
             return data
         except (CorruptFile, OSError) as e:
@@ -119,6 +147,68 @@ class Reader:
             raise CorruptFile(self._describe(entry)) from None
         finally:
             self._done(entry)
+
+    async def _small_or_threaded(self, entry: int, fn: Any, *args: Any) -> Any:
+        c = self.catalog
+        if int(c.stored_len[entry]) <= INLINE_LIMIT and int(c.size[entry]) <= INLINE_LIMIT:
+            return fn(*args)
+        return await self._in_thread(fn, *args)
+
+    def _sources(self, entry: int) -> list[int]:
+        """Peers holding `entry`, live ones only, rotated per file to spread load over replicas."""
+        assert self.owners is not None and self.transport is not None
+        ranks = self.owners[int(self.catalog.part[entry])]
+        k = entry % len(ranks)
+        ranks = ranks[k:] + ranks[:k]
+        return [r for r in ranks if r != self.rank and not self.transport.is_dead(r)]
+
+    async def _remote(self, entry: int, offset: int, length: int) -> bytes | None:
+        """Stored bytes of `entry` from the first peer that has them, or None."""
+        assert self.transport is not None
+        for peer in self._sources(entry):
+            try:
+                stored = await self.transport.fetch(peer, entry, offset, length)
+            except PeerTimeout:
+                continue
+            if stored is None:
+                continue
+            if offset or length != int(self.catalog.stored_len[entry]):
+                return stored  # a range of a big raw file: the owner checked the whole file
+            if zlib.crc32(stored) == int(self.catalog.crc[entry]):
+                return stored
+            self.bad_payloads += 1
+            log.warning("bad payload for %s from rank %d, trying another source",
+                        self._describe(entry), peer)  # fmt: skip
+        return None
+
+    async def _decode(self, entry: int, stored: bytes) -> bytes:
+        c = self.catalog
+        args = (stored, int(c.codec[entry]), int(c.size[entry]), int(c.crc[entry]))
+        data: bytes = await self._small_or_threaded(entry, codec.decode, *args)
+        return data
+
+    async def serve(self, entry: int, offset: int, length: int) -> bytes | memoryview | None:
+        """A peer's request for stored bytes of a file this daemon holds; None if it cannot."""
+        c = self.catalog
+        if not (0 <= entry < c.n_entries and c.is_file[entry]):
+            return None
+        part, stored_len = int(c.part[entry]), int(c.stored_len[entry])
+        if not self._mine[part] or offset < 0 or length < 0 or offset + length > stored_len:
+            return None
+        try:
+            if int(c.codec[entry]) == cat.CODEC_RAW and stored_len > WHOLE_FILE_LIMIT:
+                await self._verify_large(entry)
+            cached = self._cache.get(entry)
+            if cached is not None and int(c.codec[entry]) == cat.CODEC_RAW:
+                return memoryview(cached)[offset : offset + length]
+            start = int(c.data_off[entry]) + offset
+            if length <= INLINE_LIMIT:
+                return self.store.pread(part, start, length)
+            data: bytes = await self._in_thread(self.store.pread, part, start, length)
+            return data
+        except (CorruptFile, OSError) as e:
+            log.warning("cannot serve %s to a peer: %s", self._describe(entry), e)
+            return None
 
     def _fetch(self, entry: int) -> bytes:
         c = self.catalog
@@ -188,6 +278,8 @@ class Reader:
             "cache_bytes": self._cached,
             "cache_limit": self.cache_bytes,
             "bad_files": len(self._bad),
+            "fallbacks": self.fallbacks,
+            "bad_payloads": self.bad_payloads,
             "fetch_ms_p50": round(float(pct[0]), 3),
             "fetch_ms_p90": round(float(pct[1]), 3),
             "fetch_ms_p99": round(float(pct[2]), 3),

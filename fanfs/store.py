@@ -56,7 +56,6 @@ class PartitionStore:
         self.local = local
         self.owned = list(owned)
         self.keep_local = keep_local
-        check_partitions(image, catalog, range(catalog.n_partitions))
         if local.resolve() == image.resolve():
             raise FanfsError(f"{local}: the local directory must not be the image directory")
         self._created_local = not local.exists()
@@ -64,9 +63,11 @@ class PartitionStore:
             local.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise FanfsError(f"{local}: cannot create local directory: {e.strerror}") from None
-        self._fds: list[int] = [
-            os.open(image / cat.partition_name(p), os.O_RDONLY) for p in range(catalog.n_partitions)
-        ]
+        # Image fds open on first use: a daemon that owns 8 of 1024 partitions should not
+        # open the other 1016 on the shared file system unless it has to fall back to them.
+        self._fds: list[int] = [-1] * catalog.n_partitions
+        self._open_lock = threading.Lock()
+        self.image_reads = 0
         self._old_fds: list[int] = []
         self._staged: list[Path] = []
         self._stop = threading.Event()
@@ -76,9 +77,23 @@ class PartitionStore:
         self.stage_total = sum(int(catalog.part_size[p]) for p in self.owned)
         self.stage_seconds = 0.0
         self.stage_done = not self.owned
+        self._staged_set = [False] * catalog.n_partitions
+
+    def _fd(self, part: int) -> int:
+        fd = self._fds[part]
+        if fd < 0:
+            with self._open_lock:
+                fd = self._fds[part]
+                if fd < 0:
+                    fd = self._fds[part] = os.open(
+                        self.image / cat.partition_name(part), os.O_RDONLY
+                    )
+        return fd
 
     def pread(self, part: int, offset: int, length: int) -> bytes:
-        data = os.pread(self._fds[part], length, offset)
+        if not self._staged_set[part]:
+            self.image_reads += 1
+        data = os.pread(self._fd(part), length, offset)
         if len(data) != length:
             raise OSError(5, f"short read from partition {part}")
         return data
@@ -124,7 +139,7 @@ class PartitionStore:
         with open(tmp, "wb") as out:
             done = 0
             while done < size and not self._stop.is_set():
-                sent = os.sendfile(out.fileno(), self._fds[p], done, min(COPY_CHUNK, size - done))
+                sent = os.sendfile(out.fileno(), self._fd(p), done, min(COPY_CHUNK, size - done))
                 if sent == 0:
                     raise OSError(5, f"partition {p} ended early while staging")
                 done += sent
@@ -136,6 +151,7 @@ class PartitionStore:
         fd = os.open(final, os.O_RDONLY)
         self._old_fds.append(self._fds[p])
         self._fds[p] = fd  # atomic swap: later reads of this partition are local
+        self._staged_set[p] = True
         self.staged_parts += 1
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -149,6 +165,7 @@ class PartitionStore:
             "bytes_to_stage": self.stage_total,
             "staging_done": self.stage_done,
             "staging_seconds": round(self.stage_seconds, 3),
+            "image_reads": self.image_reads,
         }
 
     def close(self) -> None:
@@ -156,7 +173,8 @@ class PartitionStore:
         if self._thread is not None:
             self._thread.join(timeout=30)
         for fd in self._fds + self._old_fds:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         self._fds = []
         self._old_fds = []
         if self.keep_local:

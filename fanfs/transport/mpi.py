@@ -1,0 +1,383 @@
+"""The MPI transport: remote reads in one round trip. The only module that imports mpi4py.
+
+Protocol (point-to-point on a duplicate of COMM_WORLD, buffer API, no pickle on the data path):
+- request, tag 1: four int64 `(entry, offset, length, reply_tag)`, 32 bytes;
+- reply, tag `reply_tag`: the stored bytes (still compressed) in chunks under 2 GiB, or one
+  empty message when the owner cannot serve them. The requester knows `length` from its own
+  catalog, so it posts the receive before asking: no size message, no probe;
+- bye, tag 2: "I have unmounted". A daemon stops serving only when every peer said bye or is
+  found dead, so no peer loses its source while it still reads.
+Reply tags cycle through [16, TAG_UB) and are never reused while a fetch is outstanding.
+
+Concurrency: one thread (`fanfs-mpi`) makes every MPI call after start-up. Trio tasks hand it
+commands through a thread-safe queue; it answers with `TrioToken.run_sync_soon`, which never
+blocks the MPI thread. The thread blocks on the queue with a timeout that backs off from 50 us
+to 1 ms while idle: a blocking Recv would burn a core, and on 2-core nodes that matters.
+After start-up no collective operation is used, so a dead rank can only cost its own
+requests a peer timeout, after which it is routed around.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import trio
+
+from fanfs.transport import PeerTimeout, ServeFn
+
+log = logging.getLogger(__name__)
+
+TAG_REQUEST = 1
+TAG_BYE = 2
+FIRST_REPLY_TAG = 16
+CHUNK = 1 << 30  # MPI counts are C ints: larger payloads go as several messages
+POLL_MIN_S = 50e-6
+POLL_MAX_S = 1e-3
+LATENCY_SAMPLES = 4096
+
+
+def _mpi() -> Any:
+    import mpi4py
+
+    mpi4py.rc.thread_level = "multiple"
+    mpi4py.rc.finalize = False  # fanfs decides: finalizing with a dead peer can hang
+    from mpi4py import MPI
+
+    return MPI
+
+
+def launched_size(environ: dict[str, str]) -> int:
+    """World size announced by an MPI launcher (mpirun, srun --mpi=pmix), or 1 without one."""
+    for key in ("OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "PMI_SIZE", "MPI_LOCALNRANKS"):
+        if environ.get(key, "").isdigit():
+            return int(environ[key])
+    if "SLURM_STEP_ID" in environ and environ.get("SLURM_STEP_NUM_TASKS", "").isdigit():
+        return int(environ["SLURM_STEP_NUM_TASKS"])
+    return 1
+
+
+class World:
+    """COMM_WORLD for start-up collectives (main thread, before the transport thread starts)."""
+
+    def __init__(self) -> None:
+        MPI = _mpi()
+        self.MPI = MPI
+        provided = MPI.Query_thread()
+        if provided < MPI.THREAD_SERIALIZED:
+            raise RuntimeError(
+                "the MPI library gives thread level "
+                f"{provided}; fanfs needs MPI_THREAD_SERIALIZED or better"
+            )
+        self.comm = MPI.COMM_WORLD.Dup()
+        self.comm.Set_errhandler(MPI.ERRORS_RETURN)
+        self.rank: int = self.comm.Get_rank()
+        self.size: int = self.comm.Get_size()
+
+    def bcast_bytes(self, data: bytes | None) -> bytes:
+        """Rank 0's `data` on every rank (buffer API, chunked)."""
+        n = self.comm.bcast(len(data) if data is not None else 0, root=0)
+        buf = bytearray(data) if self.rank == 0 and data is not None else bytearray(n)
+        view = memoryview(buf)
+        for off in range(0, n, CHUNK):
+            self.comm.Bcast(view[off : off + CHUNK], root=0)
+        return bytes(buf)
+
+    def bcast(self, obj: Any) -> Any:
+        return self.comm.bcast(obj, root=0)
+
+    def allgather(self, obj: Any) -> list[Any]:
+        result: list[Any] = self.comm.allgather(obj)
+        return result
+
+    def finalize(self) -> None:
+        self.comm.Free()
+        self.MPI.Finalize()
+
+
+@dataclass
+class _Fetch:
+    peer: int
+    length: int
+    buf: bytearray
+    event: trio.Event = field(default_factory=trio.Event)
+    count: int = -1  # bytes received; -1: failed
+
+
+class MpiTransport:
+    def __init__(self, world: World, peer_timeout: float, serve_fn: ServeFn | None = None):
+        self.MPI = world.MPI
+        self.comm = world.comm
+        self.rank = world.rank
+        self.size = world.size
+        self.peer_timeout = peer_timeout
+        self.serve_fn = serve_fn  # set before `run`: the reader's `serve`
+        self._cmds: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._dead: set[int] = set()
+        self._byes: set[int] = set()
+        self._tag_ub = int(self.comm.Get_attr(self.MPI.TAG_UB) or 32767)
+        self._next_tag = FIRST_REPLY_TAG
+        self._outstanding: dict[int, _Fetch] = {}
+        self._thread: threading.Thread | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._nursery: trio.Nursery | None = None
+        self._latency = np.zeros(LATENCY_SAMPLES)
+        self.fetches = 0
+        self.fetch_bytes = 0
+        self.timeouts = 0
+        self.served = 0
+        self.served_bytes = 0
+        self.refused = 0
+
+    # -- trio side -------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve peers until cancelled; `started` once the MPI thread runs."""
+        self._token = trio.lowlevel.current_trio_token()
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            self._thread = threading.Thread(target=self._loop, name="fanfs-mpi", daemon=True)
+            self._thread.start()
+            task_status.started()
+            await trio.sleep_forever()
+
+    def is_dead(self, peer: int) -> bool:
+        return peer in self._dead
+
+    def _mark_dead(self, peer: int, why: str) -> None:
+        if peer not in self._dead:
+            self._dead.add(peer)
+            log.warning("peer rank %d %s: routing around it from now on", peer, why)
+
+    def _tag(self) -> int:
+        while True:
+            tag = self._next_tag
+            self._next_tag = tag + 1 if tag + 1 < self._tag_ub else FIRST_REPLY_TAG
+            if tag not in self._outstanding:
+                return tag
+
+    async def fetch(self, peer: int, entry: int, offset: int, length: int) -> bytes | None:
+        """`length` stored bytes of `entry` from `offset`, from `peer`; None if it has none.
+
+        Raises PeerTimeout if the peer does not answer within the peer timeout.
+        """
+        if peer in self._dead:
+            raise PeerTimeout(f"rank {peer} is dead")
+        tag = self._tag()
+        job = _Fetch(peer, length, bytearray(length))
+        self._outstanding[tag] = job
+        header = np.array([entry, offset, length, tag], dtype=np.int64)
+        began = time.perf_counter()
+        self._cmds.put(("fetch", peer, tag, header, job))
+        try:
+            with trio.move_on_after(self.peer_timeout):
+                await job.event.wait()
+        finally:
+            if not job.event.is_set():
+                self._cmds.put(("cancel", tag))
+            del self._outstanding[tag]
+        if not job.event.is_set():
+            self.timeouts += 1
+            self._mark_dead(peer, f"did not answer within {self.peer_timeout} s")
+            raise PeerTimeout(f"rank {peer} did not answer")
+        if job.count < 0:
+            self._mark_dead(peer, "cannot be reached")
+            raise PeerTimeout(f"rank {peer} cannot be reached")
+        if job.count != length:
+            return None
+        self._latency[self.fetches % LATENCY_SAMPLES] = time.perf_counter() - began
+        self.fetches += 1
+        self.fetch_bytes += length
+        return bytes(job.buf) if length <= CHUNK else job.buf  # type: ignore[return-value]
+
+    async def ping(self, peer: int) -> bool:
+        """True if `peer` answers (an empty request) within the peer timeout."""
+        try:
+            await self.fetch(peer, -1, 0, 0)
+            return True
+        except PeerTimeout:
+            return False
+
+    def _deliver(self, job: _Fetch, count: int) -> None:
+        job.count = count
+        job.event.set()
+
+    def _on_request(self, peer: int, entry: int, offset: int, length: int, tag: int) -> None:
+        assert self._nursery is not None
+        self._nursery.start_soon(self._answer, peer, entry, offset, length, tag)
+
+    async def _answer(self, peer: int, entry: int, offset: int, length: int, tag: int) -> None:
+        data: bytes | memoryview | None = None
+        if entry >= 0 and length > 0:
+            try:
+                assert self.serve_fn is not None
+                data = await self.serve_fn(entry, offset, length)
+            except Exception:
+                log.exception("serving entry %d to rank %d failed", entry, peer)
+            if data is None or len(data) != length:
+                self.refused += 1
+                data = None
+            else:
+                self.served += 1
+                self.served_bytes += length
+        self._cmds.put(("reply", peer, tag, data))
+
+    async def linger(self, grace: float) -> None:
+        """Say bye, then keep serving until every live peer has said bye (or `grace` passed)."""
+        self._cmds.put(("bye",))
+        deadline = trio.current_time() + grace
+        checked: dict[int, float] = {}
+        while trio.current_time() < deadline:
+            waiting = [p for p in range(self.size) if p != self.rank and p not in self._byes]
+            waiting = [p for p in waiting if p not in self._dead]
+            if not waiting:
+                return
+            # A killed peer never says bye: ping the quiet ones, once per peer timeout.
+            for p in waiting:
+                if trio.current_time() - checked.get(p, 0.0) > self.peer_timeout:
+                    checked[p] = trio.current_time()
+                    assert self._nursery is not None
+                    self._nursery.start_soon(self.ping, p)
+            await trio.sleep(0.05)
+        log.warning("stopped waiting for peers after %.0f s", grace)
+
+    def stop(self) -> None:
+        self._cmds.put(("stop",))
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    @property
+    def dead(self) -> set[int]:
+        return set(self._dead)
+
+    def statistics(self) -> dict[str, Any]:
+        n = min(self.fetches, LATENCY_SAMPLES)
+        pct = np.percentile(self._latency[:n], [50, 90, 99]) * 1e3 if n else [0.0] * 3
+        return {
+            "remote_fetches": self.fetches,
+            "remote_bytes": self.fetch_bytes,
+            "remote_ms_p50": round(float(pct[0]), 3),
+            "remote_ms_p90": round(float(pct[1]), 3),
+            "remote_ms_p99": round(float(pct[2]), 3),
+            "peer_timeouts": self.timeouts,
+            "served_to_peers": self.served,
+            "bytes_served_to_peers": self.served_bytes,
+            "refused_to_peers": self.refused,
+            "dead_peers": sorted(self._dead),
+            "peers_said_bye": sorted(self._byes),
+        }
+
+    # -- the MPI thread --------------------------------------------------------------------
+
+    def _call_trio(self, fn: Any, *args: Any) -> None:
+        assert self._token is not None
+        with contextlib.suppress(trio.RunFinishedError):
+            self._token.run_sync_soon(fn, *args)
+
+    def _loop(self) -> None:
+        MPI, comm = self.MPI, self.comm
+        header = np.empty(4, dtype=np.int64)
+        bye = np.empty(1, dtype=np.int64)
+        status = MPI.Status()
+        incoming = comm.Irecv(header, MPI.ANY_SOURCE, TAG_REQUEST)
+        byes = comm.Irecv(bye, MPI.ANY_SOURCE, TAG_BYE)
+        receiving: dict[int, list[Any]] = {}  # reply tag -> [requests, fetch, first count]
+        sending: list[tuple[Any, Any]] = []  # (request, buffer kept alive until sent)
+        cancelled: list[Any] = []
+        idle = POLL_MIN_S
+        while True:
+            busy = False
+            try:
+                cmd = self._cmds.get(timeout=idle)
+            except queue.Empty:
+                cmd = None
+            while cmd is not None:
+                busy = True
+                if cmd[0] == "stop":
+                    for req in (incoming, byes, *cancelled):
+                        req.Cancel()
+                    return
+                self._command(cmd, receiving, sending, cancelled)
+                try:
+                    cmd = self._cmds.get_nowait()
+                except queue.Empty:
+                    cmd = None
+            while incoming.Test(status):
+                busy = True
+                entry, offset, length, tag = (int(x) for x in header)
+                self._call_trio(self._on_request, status.Get_source(), entry, offset, length, tag)
+                incoming = comm.Irecv(header, MPI.ANY_SOURCE, TAG_REQUEST)
+            while byes.Test(status):
+                busy = True
+                self._byes.add(status.Get_source())
+                byes = comm.Irecv(bye, MPI.ANY_SOURCE, TAG_BYE)
+            for tag, rec in list(receiving.items()):
+                reqs, job, first = rec
+                if first is None:
+                    if not reqs[0].Test(status):
+                        continue
+                    first = rec[2] = status.Get_count(MPI.BYTE)
+                if first < min(job.length, CHUNK):  # a short first message: the owner refused
+                    for req in reqs[1:]:
+                        req.Cancel()
+                        cancelled.append(req)
+                elif not MPI.Request.Testall(reqs[1:]):
+                    continue
+                busy = True
+                del receiving[tag]
+                self._call_trio(
+                    self._deliver, job, job.length if first >= min(job.length, CHUNK) else first
+                )
+            sending = [(req, buf) for req, buf in sending if not req.Test()]
+            cancelled = [req for req in cancelled if not req.Test()]
+            idle = POLL_MIN_S if busy else min(idle * 2, POLL_MAX_S)
+
+    def _command(
+        self,
+        cmd: tuple[Any, ...],
+        receiving: dict[int, list[Any]],
+        sending: list[tuple[Any, Any]],
+        cancelled: list[Any],
+    ) -> None:
+        comm, kind = self.comm, cmd[0]
+        try:
+            if kind == "fetch":
+                _, peer, tag, header, job = cmd
+                view = memoryview(job.buf)
+                reqs = [comm.Irecv(view[off : off + CHUNK], peer, tag)
+                        for off in range(0, max(job.length, 1), CHUNK)]  # fmt: skip
+                if job.length == 0:
+                    reqs = [comm.Irecv(bytearray(1), peer, tag)]
+                receiving[tag] = [reqs, job, None]
+                sending.append((comm.Isend(header, peer, TAG_REQUEST), header))
+            elif kind == "cancel":
+                entry = receiving.pop(cmd[1], None)
+                if entry is not None:
+                    for req in entry[0]:
+                        req.Cancel()
+                        cancelled.append(req)
+            elif kind == "reply":
+                _, peer, tag, data = cmd
+                if data is None:
+                    sending.append((comm.Isend([b"", self.MPI.BYTE], peer, tag), None))
+                else:
+                    view = memoryview(data)
+                    for off in range(0, len(view), CHUNK):
+                        sending.append((comm.Isend(view[off : off + CHUNK], peer, tag), data))
+            elif kind == "bye":
+                me = np.array([self.rank], dtype=np.int64)
+                for peer in range(self.size):
+                    if peer != self.rank and peer not in self._dead:
+                        sending.append((comm.Isend(me, peer, TAG_BYE), me))
+        except self.MPI.Exception as e:
+            peer = cmd[1] if kind in ("fetch", "reply") else -1
+            log.warning("MPI %s to rank %d failed: %s", kind, peer, e)
+            if kind == "fetch":
+                receiving.pop(cmd[2], None)
+                self._call_trio(self._deliver, cmd[4], -1)
