@@ -1,0 +1,225 @@
+"""Real MPI ranks on this machine: `mpirun -np N fanfs mount`, each rank with its own mount point
+and local directory ({rank} expansion), every byte compared with the source."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import FANFS, fanfs, prepare
+from treecmp import assert_same_tree
+
+from fanfs import catalog as cat
+from fanfs import datagen, mounts, placement
+
+MPIRUN = ["mpirun", "--oversubscribe", "--enable-recovery"]
+ENV = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+
+
+class MpiMount:
+    """`mpirun -np N fanfs mount IMAGE base/mnt-{rank} --local base/local-{rank}`."""
+
+    def __init__(self, image: Path, base: Path, n: int, *extra: str):
+        self.n = n
+        self.base = base
+        self.mnts = [base / f"mnt-{r}" for r in range(n)]
+        self.locals = [base / f"local-{r}" for r in range(n)]
+        for m in self.mnts:
+            m.mkdir(parents=True, exist_ok=True)
+        self.log = base / "mpirun.log"
+        self._log = open(self.log, "w")  # noqa: SIM115 (closed in stop)
+        cmd = [*MPIRUN, "-np", str(n), *FANFS, "mount", str(image), str(base / "mnt-{rank}"),
+               "--local", str(base / "local-{rank}"), "--linger", "20", *extra]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=ENV)
+        for m in self.mnts:
+            done = fanfs("wait", m, "--timeout", "60")
+            if done.returncode != 0:
+                self.stop()
+                raise RuntimeError(f"{m} did not come up: {done.stderr}\n{self.log.read_text()}")
+
+    def status(self, rank: int) -> dict:  # type: ignore[type-arg]
+        done = fanfs("status", self.mnts[rank], "--json", timeout=30)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)  # type: ignore[no-any-return]
+
+    def umount_all(self) -> list[subprocess.CompletedProcess[str]]:
+        """`fanfs umount` on every node at once, as a job's teardown step does."""
+        with concurrent.futures.ThreadPoolExecutor(self.n) as pool:
+            return list(pool.map(lambda m: fanfs("umount", m, "--timeout", "60", timeout=90),
+                                 [m for m in self.mnts if mounts.find(m)]))  # fmt: skip
+
+    def stop(self) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            if self.proc.poll() is None:
+                self.umount_all()
+        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            if self.proc.poll() is not None:
+                break
+            self.proc.send_signal(sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(wait)
+        for m in self.mnts:
+            if mounts.find(m):
+                subprocess.run(["fusermount3", "-u", "-z", str(m)], timeout=10, check=False)
+        self._log.close()
+
+
+@contextlib.contextmanager
+def mpi_mounted(image: Path, base: Path, n: int, *extra: str) -> Iterator[MpiMount]:
+    m = MpiMount(image, base, n, *extra)
+    try:
+        yield m
+    finally:
+        m.stop()
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    src = tmp_path_factory.mktemp("mpi") / "src"
+    datagen.sample(src, n_files=240, classes=6, seed=5)
+    rng = np.random.default_rng(9)
+    (src / "val").mkdir()
+    for i in range(30):
+        (src / "val" / f"v{i:02d}.bin").write_bytes(rng.bytes(int(rng.integers(100, 60000))))
+    (src / "big").mkdir()
+    (src / "big" / "raw-20mib.bin").write_bytes(rng.bytes(20 << 20))  # remote range reads
+    (src / "empty").write_bytes(b"")
+    os.symlink("val/v00.bin", src / "link")
+    return src
+
+
+@pytest.fixture(scope="module")
+def image(tree: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("mpi-img") / "img.fanfs"
+    return prepare(tree, out, "--compress", "zstd", "--partitions", "32", "--broadcast", "val/**")
+
+
+def _clean_after(m: MpiMount) -> None:
+    results = m.umount_all()
+    assert all(r.returncode == 0 for r in results), [r.stderr for r in results]
+    assert m.proc.wait(60) == 0, m.log.read_text()
+    assert not [p for p in m.mnts if mounts.find(p)]
+    assert not [p for p in m.locals if p.exists()]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_every_rank_reads_every_file(tree: Path, image: Path, tmp_path: Path, n: int) -> None:
+    with mpi_mounted(image, tmp_path, n) as m:
+        with concurrent.futures.ThreadPoolExecutor(n) as pool:
+            counts = list(pool.map(lambda mnt: assert_same_tree(tree, mnt), m.mnts))
+        assert counts == [counts[0]] * n and counts[0] > 270
+        for rank in range(n):
+            s = m.status(rank)
+            assert (s["rank"], s["size"]) == (rank, n)
+            if n > 1:
+                assert s["reader"]["remote_fetches"] > 0, s
+                assert s["reader"]["served_to_peers"] > 0, s
+                assert s["reader"]["fallbacks"] == 0, s
+        _clean_after(m)
+
+
+def test_placement_is_balanced_and_deterministic(tree: Path, tmp_path: Path) -> None:
+    # Partitions outnumber ranks at least eightfold and no single file dominates one.
+    image = prepare(tree / "train", tmp_path / "img", "--partitions", "32", "--broadcast", "*7.bin")
+    c, _ = cat.Catalog.load(image)
+    for n in (1, 2, 3, 4):
+        owners = placement.place(c.part_size, c.part_flags, n)
+        assert owners == placement.place(c.part_size, c.part_flags, n)
+        normal = c.part_flags == 0
+        load = placement.rank_bytes(
+            [o for o, keep in zip(owners, normal, strict=True) if keep], c.part_size[normal], n
+        )
+        mean = sum(load) / n
+        assert max(load) <= 1.10 * mean and min(load) >= 0.90 * mean, load
+        for p in np.flatnonzero(~normal):
+            assert owners[p] == tuple(range(n))
+    two = placement.place(c.part_size, c.part_flags, 3, replicas=2)
+    assert all(len(set(o)) == 2 for o, f in zip(two, c.part_flags, strict=True) if not f)
+
+
+def test_replicas_and_broadcast_set(tree: Path, image: Path, tmp_path: Path) -> None:
+    with mpi_mounted(image, tmp_path, 3, "--replicas", "2") as m:
+        c, _ = cat.Catalog.load(image)
+        n_bcast = int((c.part_flags != 0).sum())
+        assert n_bcast >= 1
+        owners = placement.place(c.part_size, c.part_flags, 3, replicas=2)
+        owned = [m.status(rank)["store"]["partitions_owned"] for rank in range(3)]
+        assert owned == [len(placement.owned_by(owners, r)) for r in range(3)]
+        assert sum(owned) == 2 * (c.n_partitions - n_bcast) + 3 * n_bcast
+        for rank in range(3):  # the broadcast set is read with no remote fetch
+            before = m.status(rank)["reader"]["remote_fetches"]
+            for f in sorted((tree / "val").iterdir()):
+                assert (m.mnts[rank] / "val" / f.name).read_bytes() == f.read_bytes()
+            assert m.status(rank)["reader"]["remote_fetches"] == before
+        assert_same_tree(tree, m.mnts[1])
+        _clean_after(m)
+
+
+def _epoch(src: Path, mnt: Path, seed: int) -> int:
+    files = sorted(p.relative_to(src) for p in src.rglob("*") if p.is_file() and not p.is_symlink())
+    random.Random(seed).shuffle(files)
+    for rel in files:
+        assert (mnt / rel).read_bytes() == (src / rel).read_bytes(), rel
+    return len(files)
+
+
+def test_sigkill_mid_epoch_survivors_finish(tree: Path, image: Path, tmp_path: Path) -> None:
+    with mpi_mounted(image, tmp_path, 4, "--peer-timeout", "2") as m:
+        victim = m.status(2)["pid"]
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            started = time.monotonic()
+            epochs = [pool.submit(_epoch, tree, m.mnts[r], r) for r in (0, 1, 3)]
+            time.sleep(0.3)  # mid-epoch
+            os.kill(victim, signal.SIGKILL)
+            counts = [e.result(timeout=120) for e in epochs]
+        assert time.monotonic() - started < 90
+        assert counts[0] > 270
+        stats = [m.status(r)["reader"] for r in (0, 1, 3)]
+        assert all(s["dead_peers"] == [2] for s in stats if s["peer_timeouts"]), stats
+        assert sum(s["fallbacks"] for s in stats) > 0, stats
+        results = m.umount_all()  # the dead rank's stale mount included
+        assert all(r.returncode == 0 for r in results), [r.stderr for r in results]
+        assert not [p for p in m.mnts if mounts.find(p)]
+        m.proc.wait(60)
+        assert not [p for p in m.locals if p.exists() and p != m.locals[2]]
+
+
+def test_dead_owner_and_no_image_give_eio_not_a_hang(
+    tree: Path, image: Path, tmp_path: Path
+) -> None:
+    copy = tmp_path / "img-copy"
+    shutil.copytree(image, copy)
+    with mpi_mounted(copy, tmp_path / "m", 2, "--peer-timeout", "2") as m:
+        deadline = time.monotonic() + 30
+        while not all(m.status(r)["store"]["staging_done"] for r in (0, 1)):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        os.kill(m.status(1)["pid"], signal.SIGKILL)
+        copy.rename(tmp_path / "img-gone")  # shared storage unreachable too
+        c, _ = cat.Catalog.load(tmp_path / "img-gone")
+        owners = placement.place(c.part_size, c.part_flags, 2)
+        theirs = [
+            e for e, _ in c.walk() if c.is_file[e] and c.size[e] and owners[c.part[e]] == (1,)
+        ]
+        mine = [e for e, _ in c.walk() if c.is_file[e] and 0 in owners[c.part[e]]]
+        started = time.monotonic()
+        for e in theirs[:5]:
+            with pytest.raises(OSError) as err:
+                (m.mnts[0] / os.fsdecode(c.path(e))).read_bytes()
+            assert err.value.errno == 5
+        assert time.monotonic() - started < 30
+        for e in mine[:20]:
+            rel = os.fsdecode(c.path(e))
+            assert (m.mnts[0] / rel).read_bytes() == (tree / rel).read_bytes()
+        assert m.umount_all()[0].returncode == 0
