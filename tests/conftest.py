@@ -53,20 +53,28 @@ class Mount:
         return self.log.read_text()
 
     def stop(self) -> None:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            if self.proc.poll() is None and mounts.find(self.mountpoint):
+        def umount() -> None:
+            if mounts.find(self.mountpoint):
                 fanfs("umount", self.mountpoint, "--timeout", "30", timeout=40)
-        for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
-            if self.proc.poll() is not None:
-                break
-            self.proc.send_signal(sig)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(wait)
-        if mounts.find(self.mountpoint):
-            subprocess.run(
-                ["fusermount3", "-u", "-z", str(self.mountpoint)], timeout=10, check=False
-            )
+
+        teardown(self.proc, [self.mountpoint], umount)
         self._log.close()
+
+
+def teardown(proc: subprocess.Popen[bytes], mountpoints: list[Path], umount: object) -> None:
+    """Escalate until nothing is left: umount, SIGTERM, SIGKILL, then lazy unmounts."""
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        if proc.poll() is None and callable(umount):
+            umount()
+    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        if proc.poll() is not None:
+            break
+        proc.send_signal(sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(wait)
+    for m in mountpoints:
+        if mounts.find(m):
+            subprocess.run(["fusermount3", "-u", "-z", str(m)], timeout=10, check=False)
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import FANFS, fanfs, prepare
+from conftest import FANFS, fanfs, prepare, teardown
 from treecmp import assert_same_tree
 
 from fanfs import catalog as cat
@@ -60,18 +60,7 @@ class MpiMount:
                                  [m for m in self.mnts if mounts.find(m)]))  # fmt: skip
 
     def stop(self) -> None:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            if self.proc.poll() is None:
-                self.umount_all()
-        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-            if self.proc.poll() is not None:
-                break
-            self.proc.send_signal(sig)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(wait)
-        for m in self.mnts:
-            if mounts.find(m):
-                subprocess.run(["fusermount3", "-u", "-z", str(m)], timeout=10, check=False)
+        teardown(self.proc, self.mnts, self.umount_all)
         self._log.close()
 
 

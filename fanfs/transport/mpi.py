@@ -55,7 +55,7 @@ def _mpi() -> Any:
 
 def launched_size(environ: dict[str, str]) -> int:
     """World size announced by an MPI launcher (mpirun, srun --mpi=pmix), or 1 without one."""
-    for key in ("OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "PMI_SIZE", "MPI_LOCALNRANKS"):
+    for key in ("OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "PMI_SIZE"):
         if environ.get(key, "").isdigit():
             return int(environ[key])
     if "SLURM_STEP_ID" in environ and environ.get("SLURM_STEP_NUM_TASKS", "").isdigit():
