@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from conftest import Mount, fanfs
 from PIL import Image
-from treecmp import assert_same_tree
+
+from fanfs.compare import assert_same_tree
 
 
 def test_tree_reads_back_byte_for_byte(awkward_src: Path, awkward_mount: Mount) -> None:

@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import FANFS, fanfs, prepare, teardown
-from treecmp import assert_same_tree
 
 from fanfs import catalog as cat
 from fanfs import datagen, mounts, placement
+from fanfs.compare import assert_same_tree
 
 MPIRUN = ["mpirun", "--oversubscribe", "--enable-recovery"]
 ENV = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}

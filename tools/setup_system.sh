@@ -2,7 +2,8 @@
 # Installs the Debian packages fanfs needs, only those that are missing.
 # libfuse3-dev, pkg-config and gcc build pyfuse3; fuse3 gives fusermount3; Open MPI is the transport.
 set -euo pipefail
-want=(libfuse3-dev fuse3 pkg-config gcc openmpi-bin libopenmpi-dev)
+# slurm-wlm, munge, libpmix-dev: the single-machine Slurm cluster of the tests (srun --mpi=pmix).
+want=(libfuse3-dev fuse3 pkg-config gcc openmpi-bin libopenmpi-dev slurm-wlm munge libpmix-dev)
 missing=()
 for pkg in "${want[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")

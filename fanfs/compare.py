@@ -1,4 +1,7 @@
-"""The oracle: a tree read through a mount must equal its source, entry by entry, byte by byte."""
+"""The oracle: a tree read through a mount must equal its source, entry by entry, byte by byte.
+
+Used by the tests and by tools/read_check.py (the sample training command of the Slurm job).
+"""
 
 from __future__ import annotations
 

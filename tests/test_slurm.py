@@ -1,0 +1,147 @@
+"""deploy/slurm/fanfs-job.sbatch on a real Slurm: a 4-virtual-node cluster on this machine.
+
+Every job reads every file through the node's own mount and compares it with the source; after
+each job nothing of fanfs is left: no mount, no daemon, no staged directory.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import prepare
+
+from fanfs import datagen
+
+REPO = Path(__file__).resolve().parent.parent
+CLUSTER = REPO / "tools" / "slurm_cluster.sh"
+JOB = REPO / "deploy" / "slurm" / "fanfs-job.sbatch"
+NODES = 4
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    base = tmp_path_factory.mktemp("slurm")
+    env = {
+        **os.environ,
+        "SLURM_CONF": str(base / "cluster" / "slurm.conf"),
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "OMPI_ALLOW_RUN_AS_ROOT": "1",
+        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+        # Virtual nodes share one machine but Open MPI believes they are separate hosts:
+        # its shared-memory transport can crash then (ENVIRONMENT.md), TCP on loopback works.
+        "OMPI_MCA_btl": "self,tcp",
+    }
+    try:
+        up = subprocess.run([str(CLUSTER), "up", str(base / "cluster"), str(NODES)], env=env,
+                            capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+        assert up.returncode == 0, up.stdout + up.stderr
+        yield env
+    finally:
+        subprocess.run([str(CLUSTER), "down", str(base / "cluster")], env=env, timeout=120,
+                       check=False)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    base = tmp_path_factory.mktemp("slurm-data")
+    datagen.sample(base / "src", n_files=160, classes=5, seed=11)
+    return base / "src", prepare(base / "src", base / "img", "--compress", "zstd")
+
+
+def leftovers() -> list[str]:
+    """The jobs' mounts, staged and mount directories, and daemons (other tests' are not ours)."""
+    left = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()
+            if " fuse.fanfs " in line and " /tmp/fanfs-" in line]  # fmt: skip
+    left += [str(p) for p in Path("/tmp").glob("fanfs-*")]
+    daemons = subprocess.run(["pgrep", "-f", "fanfs mount .*/tmp/fanfs-mnt-"],
+                             capture_output=True, text=True, check=False)  # fmt: skip
+    left += [f"pid {pid}" for pid in daemons.stdout.split()]
+    return left
+
+
+def nothing_left(timeout: float = 60) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while (left := leftovers()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
+
+
+def submit(env: dict[str, str], image: Path, out: Path, *command: str, wait: bool = True
+           ) -> subprocess.CompletedProcess[str]:  # fmt: skip
+    args = ["sbatch", "--parsable", "-N", str(NODES), "-o", str(out)]
+    args += ["--wait"] if wait else []
+    return subprocess.run([*args, str(JOB), *command], env={**env, "FANFS_IMAGE": str(image)},
+                          capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+
+
+def test_job_reads_every_file_on_every_node(slurm: dict[str, str], dataset: tuple[Path, Path],
+                                            tmp_path: Path) -> None:  # fmt: skip
+    src, image = dataset
+    check = [sys.executable, str(REPO / "tools" / "read_check.py"), str(src)]
+    done = submit(slurm, image, tmp_path / "job.out", *check)
+    output = (tmp_path / "job.out").read_text()
+    assert done.returncode == 0, output
+    ok = sorted(re.findall(r"^(n\d): OK (\d+) files$", output, re.M))
+    assert ok == [(f"n{i}", "160") for i in range(1, NODES + 1)], output
+    assert "command exited with 0" in output
+    assert nothing_left() == []
+
+
+def test_failing_command_leaves_nothing(slurm: dict[str, str], dataset: tuple[Path, Path],
+                                        tmp_path: Path) -> None:  # fmt: skip
+    _, image = dataset
+    done = submit(slurm, image, tmp_path / "job.out", "bash", "-c", "ls $FANFS_MOUNTPOINT; exit 3")
+    output = (tmp_path / "job.out").read_text()
+    assert done.returncode == 3, output
+    assert "command exited with 3" in output
+    assert output.count("train") >= NODES  # the command did see the dataset on every node
+    assert nothing_left() == []
+
+
+def test_daemon_failure_fails_fast(slurm: dict[str, str], tmp_path: Path) -> None:
+    started = time.monotonic()
+    done = submit(slurm, tmp_path / "no-such-image", tmp_path / "job.out", "true")
+    output = (tmp_path / "job.out").read_text()
+    assert done.returncode != 0
+    assert "not a fanfs image" in output
+    assert "daemons exited before every mount served" in output
+    assert time.monotonic() - started < 60
+    assert nothing_left() == []
+
+
+def test_scancel_mid_job_leaves_nothing(slurm: dict[str, str], dataset: tuple[Path, Path],
+                                        tmp_path: Path) -> None:  # fmt: skip
+    _, image = dataset
+    out = tmp_path / "job.out"
+    job = submit(slurm, image, out, "sleep", "600", wait=False).stdout.strip()
+    deadline = time.monotonic() + 120
+    while "every node serves" not in (out.read_text() if out.exists() else ""):
+        assert time.monotonic() < deadline, out.read_text() if out.exists() else "no output"
+        time.sleep(0.3)
+    mounted = {m for m in leftovers() if m.startswith("/tmp/fanfs-mnt-")}
+    assert len(mounted) == NODES, mounted
+    subprocess.run(["scancel", job], env=slurm, timeout=30, check=True)
+    while subprocess.run(["squeue", "-h", "-j", job], env=slurm, capture_output=True, text=True,
+                         timeout=30, check=False).stdout.strip():  # fmt: skip
+        assert time.monotonic() < deadline + 120
+        time.sleep(0.5)
+    assert nothing_left() == []
+
+
+def test_epilog_cleans_up_after_killed_daemons(slurm: dict[str, str], dataset: tuple[Path, Path],
+                                               tmp_path: Path) -> None:  # fmt: skip
+    _, image = dataset
+    # Task 0 SIGKILLs every daemon: their mounts go stale and their staged data stays behind,
+    # which nothing but the node epilog removes.
+    kill = 'if [ "$SLURM_PROCID" = 0 ]; then pkill -9 -f "fanfs [m]ount"; fi; sleep 2'
+    done = submit(slurm, image, tmp_path / "job.out", "bash", "-c", kill)
+    output = (tmp_path / "job.out").read_text()
+    assert done.returncode == 0, output
+    assert nothing_left() == []
