@@ -212,3 +212,24 @@ def test_dead_owner_and_no_image_give_eio_not_a_hang(
             rel = os.fsdecode(c.path(e))
             assert (m.mnts[0] / rel).read_bytes() == (tree / rel).read_bytes()
         assert m.umount_all()[0].returncode == 0
+
+
+def test_unmounting_one_node_keeps_serving_the_others(
+    tree: Path, image: Path, tmp_path: Path
+) -> None:
+    with mpi_mounted(image, tmp_path, 2, "--peer-timeout", "1") as m:
+        first = subprocess.Popen([*FANFS, "umount", str(m.mnts[0]), "--timeout", "60"])
+        try:
+            deadline = time.monotonic() + 20
+            while mounts.find(m.mnts[0]):
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            time.sleep(3)  # several peer timeouts: rank 0 must still serve its share
+            _epoch(tree, m.mnts[1], 0)
+            s = m.status(1)["reader"]
+            assert s["remote_fetches"] > 0 and s["fallbacks"] == 0 and s["dead_peers"] == [], s
+            assert first.poll() is None  # rank 0 lingers while rank 1 is mounted
+        finally:
+            _clean_after(m)
+            assert first.wait(30) == 0
+        assert "routing around" not in m.log.read_text()

@@ -231,8 +231,9 @@ class MpiTransport:
     async def linger(self, grace: float) -> None:
         """Say bye, then keep serving until every live peer has said bye (or `grace` passed)."""
         self._cmds.put(("bye",))
-        deadline = trio.current_time() + grace
-        checked: dict[int, float] = {}
+        start = trio.current_time()
+        deadline = start + grace
+        checked: dict[int, float] = {}  # last ping per peer; none before one peer timeout
         while trio.current_time() < deadline:
             waiting = [p for p in range(self.size) if p != self.rank and p not in self._byes]
             waiting = [p for p in waiting if p not in self._dead]
@@ -240,7 +241,7 @@ class MpiTransport:
                 return
             # A killed peer never says bye: ping the quiet ones, once per peer timeout.
             for p in waiting:
-                if trio.current_time() - checked.get(p, 0.0) > self.peer_timeout:
+                if trio.current_time() - checked.get(p, start) > self.peer_timeout:
                     checked[p] = trio.current_time()
                     assert self._nursery is not None
                     self._nursery.start_soon(self.ping, p)
@@ -349,11 +350,12 @@ class MpiTransport:
         try:
             if kind == "fetch":
                 _, peer, tag, header, job = cmd
-                view = memoryview(job.buf)
-                reqs = [comm.Irecv(view[off : off + CHUNK], peer, tag)
-                        for off in range(0, max(job.length, 1), CHUNK)]  # fmt: skip
-                if job.length == 0:
+                if job.length == 0:  # a ping: the empty reply needs a receive all the same
                     reqs = [comm.Irecv(bytearray(1), peer, tag)]
+                else:
+                    view = memoryview(job.buf)
+                    reqs = [comm.Irecv(view[off : off + CHUNK], peer, tag)
+                            for off in range(0, job.length, CHUNK)]  # fmt: skip
                 receiving[tag] = [reqs, job, None]
                 sending.append((comm.Isend(header, peer, TAG_REQUEST), header))
             elif kind == "cancel":
