@@ -3,7 +3,9 @@
 # libfuse3-dev, pkg-config and gcc build pyfuse3; fuse3 gives fusermount3; Open MPI is the transport.
 set -euo pipefail
 # slurm-wlm, munge, libpmix-dev: the single-machine Slurm cluster of the tests (srun --mpi=pmix).
-want=(libfuse3-dev fuse3 pkg-config gcc openmpi-bin libopenmpi-dev slurm-wlm munge libpmix-dev)
+# fio, rsync, zip: real clients the tests run through a mount.
+want=(libfuse3-dev fuse3 pkg-config gcc openmpi-bin libopenmpi-dev slurm-wlm munge libpmix-dev
+      fio rsync zip)
 missing=()
 for pkg in "${want[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
