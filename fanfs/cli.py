@@ -150,6 +150,33 @@ def cmd_umount(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from fanfs import bench
+
+    try:
+        sizes = [bench.parse_size(s) for s in args.sizes.split(",")]
+        readers = [int(n) for n in args.readers.split(",")]
+        temps = args.temps.split(",")
+        total = bench.parse_size(args.total)
+    except ValueError as e:
+        raise FanfsError(f"bench: bad option value: {e}") from None
+    if not set(temps) <= {"cold", "warm"} or min(readers) < 1 or min(sizes) < 1:
+        raise FanfsError("bench: --temps takes cold,warm; sizes and readers must be positive")
+    workdir = Path(args.workdir).absolute()
+    rows = bench.run(workdir, sizes, total, args.min_files, readers, args.repeat, args.ranks,
+                     temps, log=lambda m: print(m, file=sys.stderr, flush=True))  # fmt: skip
+    print(bench.format_table(rows))
+    report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": os.uname().nodename,
+              "cpus": os.cpu_count(), "argv": sys.argv[1:], "rows": rows}  # fmt: skip
+    Path(args.json).write_text(json.dumps(report, indent=2))
+    plotted = bench.plot(rows, Path(args.plot))
+    print(
+        f"bench: wrote {args.json}"
+        + (f" and {args.plot}" if plotted else " (no matplotlib: no plot)")
+    )
+    return ExitCode.OK
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     entry = mounts.find(args.mountpoint)
     if entry is None or entry.fstype != mounts.FSTYPE:
@@ -299,6 +326,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("mountpoint", metavar="MOUNTPOINT")
     p.add_argument("--timeout", type=float, default=60.0, metavar="S", help="default: 60")
     p.set_defaults(func=cmd_umount)
+
+    p = sub.add_parser("bench", help="fanfs against native reads of the same files")
+    p.add_argument("--sizes", default="128K,512K,2M,8M", help="file sizes (default: %(default)s)")
+    p.add_argument("--total", default="256M", help="data per size (default: %(default)s)")
+    p.add_argument(
+        "--min-files",
+        type=_positive,
+        default=64,
+        metavar="N",
+        help="at least this many files per size (default: %(default)s)",
+    )
+    p.add_argument("--readers", default="1,2,4", help="reader processes (default: %(default)s)")
+    p.add_argument("--temps", default="cold,warm", help="cold, warm or both (default: %(default)s)")
+    p.add_argument("--repeat", type=_positive, default=3, help="repetitions (default: 3)")
+    p.add_argument(
+        "--ranks",
+        type=_positive,
+        default=1,
+        metavar="N",
+        help="also measure remote reads with N daemons under mpirun (default: 1, off)",
+    )
+    p.add_argument("--workdir", default=os.path.join(os.environ.get("TMPDIR") or "/tmp",
+                   "fanfs-bench"), help="scratch directory (default: %(default)s)")  # fmt: skip
+    p.add_argument("--json", default="fanfs-bench.json", help="default: %(default)s")
+    p.add_argument("--plot", default="fanfs-bench.png", help="default: %(default)s")
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("status", help="statistics of a running mount")
     p.add_argument("mountpoint", metavar="MOUNTPOINT")

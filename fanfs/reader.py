@@ -35,7 +35,9 @@ from fanfs.transport import PeerTimeout, Transport
 log = logging.getLogger(__name__)
 
 WHOLE_FILE_LIMIT = 16 << 20  # raw files up to this are fetched whole and checked at once
-INLINE_LIMIT = 256 << 10  # below this, I/O and decoding run inline (cheaper than a hand-off)
+INLINE_LIMIT = 256 << 10  # below this, decoding runs inline (cheaper than a thread hand-off)
+# Reads of up to this many bytes that the page cache holds run inline; disk reads go to threads.
+NOWAIT_LIMIT = 1 << 20
 VERIFY_CHUNK = 8 << 20
 WORKER_THREADS = 4  # concurrent big reads/decodes; more would only contend for 2 cores here
 LATENCY_SAMPLES = 4096  # ring buffer of recent fetch latencies for percentiles
@@ -93,12 +95,7 @@ class Reader:
                     return got
                 self.fallbacks += 1
             await self._verify_large(entry)
-            start = int(self.catalog.data_off[entry]) + offset
-            part = int(self.catalog.part[entry])
-            if size <= INLINE_LIMIT:
-                return self.store.pread(part, start, size)
-            data: bytes = await self._in_thread(self.store.pread, part, start, size)
-            return data
+            return await self._read_stored(entry, offset, size)
         data = await self._whole(entry)
         return memoryview(data)[offset : offset + size]
 
@@ -138,7 +135,7 @@ class Reader:
                     self.fallbacks += 1  # no peer could: read the image (shared storage)
             if data is None:
                 began = time.perf_counter()
-                data = await self._small_or_threaded(entry, self._fetch, entry)
+                data = await self._decode(entry, await self._read_stored(entry, 0, None))
                 self._record(entry, began, int(self.catalog.stored_len[entry]))
             self._put(entry, data)
             return data
@@ -210,12 +207,18 @@ class Reader:
             log.warning("cannot serve %s to a peer: %s", self._describe(entry), e)
             return None
 
-    def _fetch(self, entry: int) -> bytes:
+    async def _read_stored(self, entry: int, offset: int, length: int | None) -> bytes:
+        """Stored bytes from the local store: inline from the page cache, else in a thread."""
         c = self.catalog
-        stored = self.store.pread(
-            int(c.part[entry]), int(c.data_off[entry]), int(c.stored_len[entry])
-        )
-        return codec.decode(stored, int(c.codec[entry]), int(c.size[entry]), int(c.crc[entry]))
+        part = int(c.part[entry])
+        start = int(c.data_off[entry]) + offset
+        n = int(c.stored_len[entry]) - offset if length is None else length
+        if n <= NOWAIT_LIMIT:
+            cached = self.store.pread_cached(part, start, n)
+            if cached is not None:
+                return cached  # type: ignore[return-value]
+        data: bytes = await self._in_thread(self.store.pread, part, start, n)
+        return data
 
     async def _verify_large(self, entry: int) -> None:
         while entry not in self._verified:

@@ -1,0 +1,332 @@
+"""`fanfs bench`: fanfs against native reads of the same files, side by side, in one run.
+
+For each file size: generate a dataset (incompressible bytes), prepare it, mount it (staging
+finished first), then for each reader count, cold (kernel caches dropped, when permitted) and
+warm, read every file whole in a random order with that many reader processes, alternating
+native and fanfs runs so that drift on a shared machine hits both alike. With `--ranks N` it
+also mounts N daemons under mpirun and reads, through daemon 0, only the files other daemons
+own (remote), against the same files read natively. Reports files/s, MB/s, per-file latency
+percentiles and the fanfs/native ratio (median of the repetitions, with min and max), as a
+table, JSON and a PNG plot.
+
+The ratio is what matters: absolute numbers on a shared VM mean little (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fanfs import mounts
+from fanfs.catalog import Catalog
+from fanfs.errors import FanfsError
+from fanfs.placement import place
+
+FANFS = [sys.executable, "-m", "fanfs.cli"]
+MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def size_label(n: int) -> str:
+    for unit, shift in (("M", 20), ("K", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return str(n)
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    size: int
+    readers: int
+    temp: str  # cold | warm
+    where: str  # local | remote
+
+
+@dataclass
+class Result:
+    case: Case
+    reader: str  # native | fanfs
+    seconds: float
+    files: int
+    nbytes: int
+    p50_ms: float
+    p99_ms: float
+
+    @property
+    def files_per_s(self) -> float:
+        return self.files / self.seconds
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def _read_files(paths: Sequence[str], start: Any, out: Any) -> None:
+    buf = bytearray(64 << 20)
+    lat = []
+    total = 0
+    start.wait()
+    t0 = time.monotonic()
+    for p in paths:
+        t = time.perf_counter()
+        with open(p, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                total += n
+        lat.append(time.perf_counter() - t)
+    out.put((t0, time.monotonic(), total, lat))
+
+
+def read_all(paths: Sequence[str], readers: int) -> tuple[float, int, list[float]]:
+    """Read every path whole with `readers` processes; (wall seconds, bytes, latencies)."""
+    ctx = mp.get_context("fork")
+    start = ctx.Event()
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_read_files, args=(paths[i::readers], start, out))
+             for i in range(readers)]  # fmt: skip
+    for p in procs:
+        p.start()
+    start.set()
+    got = [out.get(timeout=3600) for _ in procs]
+    for p in procs:
+        p.join()
+    wall = max(g[1] for g in got) - min(g[0] for g in got)
+    return wall, sum(g[2] for g in got), [x for g in got for x in g[3]]
+
+
+class Daemons:
+    """`fanfs mount` (one daemon, or N under mpirun) that always goes away."""
+
+    def __init__(self, image: Path, base: Path, ranks: int):
+        self.mnts = [base / f"mnt-{r}" for r in range(ranks)]
+        for m in self.mnts:
+            m.mkdir(parents=True, exist_ok=True)
+        self.log = open(base / "daemon.log", "ab")  # noqa: SIM115 (closed in close)
+        cmd = [*FANFS, "mount", str(image), str(base / "mnt-{rank}"), "--local",
+               str(base / "local-{rank}")]  # fmt: skip
+        if ranks > 1:
+            cmd = ["mpirun", "--oversubscribe", "-np", str(ranks), *cmd]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **MPI_ENV})  # fmt: skip
+        try:
+            for m in self.mnts:
+                _fanfs("wait", str(m), "--timeout", "120")
+            deadline = time.monotonic() + 600
+            while not all(self.status(r)["store"]["staging_done"] for r in range(ranks)):
+                if time.monotonic() > deadline:
+                    raise FanfsError("bench: staging did not finish in 600 s")
+                time.sleep(0.2)
+        except BaseException:
+            self.close()
+            raise
+
+    def status(self, rank: int) -> dict[str, Any]:
+        return json.loads(_fanfs("status", str(self.mnts[rank]), "--json"))  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        umounts = [subprocess.Popen([*FANFS, "umount", str(m)], stderr=subprocess.DEVNULL)
+                   for m in self.mnts if mounts.find(m)]  # fmt: skip
+        for u in umounts:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                u.wait(120)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(60)
+        if self.proc.poll() is None:
+            self.proc.kill()
+        for m in self.mnts:
+            if mounts.find(m):
+                subprocess.run(["fusermount3", "-u", "-z", str(m)], check=False, timeout=10)
+        self.log.close()
+
+
+def _fanfs(*args: str) -> str:
+    done = subprocess.run([*FANFS, *args], capture_output=True, text=True, timeout=600,
+                          check=False)  # fmt: skip
+    if done.returncode != 0:
+        raise FanfsError(f"bench: fanfs {args[0]} failed: {done.stderr.strip()}")
+    return done.stdout
+
+
+@contextlib.contextmanager
+def mounted(image: Path, base: Path, ranks: int = 1) -> Iterator[Daemons]:
+    d = Daemons(image, base, ranks)
+    try:
+        yield d
+    finally:
+        d.close()
+
+
+def make_dataset(root: Path, size: int, count: int, seed: int) -> list[str]:
+    rng = np.random.default_rng(seed)
+    rels = []
+    for i in range(count):
+        rel = f"d{i % 16:02d}/f{i:06d}.bin"
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(rng.bytes(size))
+        rels.append(rel)
+    return rels
+
+
+def measure(case: Case, reader: str, root: Path, rels: list[str], seed: int) -> Result:
+    order = rels[:]
+    random.Random(seed).shuffle(order)
+    paths = [str(root / r) for r in order]
+    if case.temp == "cold":
+        drop_caches()
+    else:
+        read_all(paths, case.readers)  # warm up exactly what is measured
+    wall, nbytes, lat = read_all(paths, case.readers)
+    p50, p99 = np.percentile(np.array(lat) * 1e3, [50, 99])
+    return Result(case, reader, wall, len(paths), nbytes, float(p50), float(p99))
+
+
+def summarize(results: list[Result]) -> list[dict[str, Any]]:
+    rows = []
+    cases = sorted({r.case for r in results},
+                   key=lambda c: (c.where, c.size, c.temp, c.readers))  # fmt: skip
+    for case in cases:
+        by = {
+            k: [r for r in results if r.case == case and r.reader == k] for k in ("native", "fanfs")
+        }
+        ratios = [
+            f.files_per_s / n.files_per_s for n, f in zip(by["native"], by["fanfs"], strict=True)
+        ]
+        row: dict[str, Any] = {**asdict(case), "repeats": len(ratios)}
+        for k, rs in by.items():
+            row[f"{k}_files_per_s"] = statistics.median(r.files_per_s for r in rs)
+            row[f"{k}_mb_per_s"] = statistics.median(r.nbytes / r.seconds / 1e6 for r in rs)
+            row[f"{k}_p50_ms"] = statistics.median(r.p50_ms for r in rs)
+            row[f"{k}_p99_ms"] = statistics.median(r.p99_ms for r in rs)
+        row["ratio"] = statistics.median(ratios)
+        row["ratio_min"], row["ratio_max"] = min(ratios), max(ratios)
+        rows.append(row)
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    head = (f"{'where':6} {'size':>5} {'temp':4} {'rd':>2} {'native f/s':>10} {'fanfs f/s':>10} "
+            f"{'nat MB/s':>8} {'fan MB/s':>8} {'nat p50/p99 ms':>15} {'fan p50/p99 ms':>15} "
+            f"{'ratio':>5} {'(min-max)':>11}")  # fmt: skip
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r['where']:6} {size_label(r['size']):>5} {r['temp']:4} {r['readers']:>2} "
+            f"{r['native_files_per_s']:10.0f} {r['fanfs_files_per_s']:10.0f} "
+            f"{r['native_mb_per_s']:8.0f} {r['fanfs_mb_per_s']:8.0f} "
+            f"{r['native_p50_ms']:7.2f}/{r['native_p99_ms']:<7.2f} "
+            f"{r['fanfs_p50_ms']:7.2f}/{r['fanfs_p99_ms']:<7.2f} "
+            f"{r['ratio']:5.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    groups = sorted({(r["where"], r["temp"]) for r in rows})
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 4), squeeze=False)
+    for ax, (where, temp) in zip(axes[0], groups, strict=True):
+        sel = [r for r in rows if r["where"] == where and r["temp"] == temp]
+        for readers in sorted({r["readers"] for r in sel}):
+            pts = sorted((r["size"], r["ratio"], r["ratio_min"], r["ratio_max"])
+                         for r in sel if r["readers"] == readers)  # fmt: skip
+            xs = [size_label(p[0]) for p in pts]
+            ys = [p[1] for p in pts]
+            err = [[p[1] - p[2] for p in pts], [p[3] - p[1] for p in pts]]
+            ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=f"{readers} readers")
+        ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+        ax.set_title(f"{where}, {temp}")
+        ax.set_xlabel("file size")
+        ax.set_ylabel("fanfs / native (files/s)")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def run(
+    workdir: Path,
+    sizes: Sequence[int],
+    total_bytes: int,
+    min_files: int,
+    readers: Sequence[int],
+    repeat: int,
+    ranks: int,
+    temps: Sequence[str] = ("cold", "warm"),
+    log: Any = print,
+) -> list[dict[str, Any]]:
+    results: list[Result] = []
+    if "cold" in temps and not drop_caches():
+        log("bench: cannot drop caches (not root): 'cold' runs are only as cold as memory allows")
+    for size in sizes:
+        count = max(min_files, total_bytes // size)
+        base = workdir / size_label(size)
+        shutil.rmtree(base, ignore_errors=True)
+        base.mkdir(parents=True)
+        log(f"bench: {count} files of {size_label(size)}: generate, prepare, mount")
+        rels = make_dataset(base / "src", size, count, seed=size)
+        _fanfs("-q", "prepare", str(base / "src"), str(base / "img"))
+        with mounted(base / "img", base / "one") as d:
+            for n in readers:
+                for temp in temps:
+                    case = Case(size, n, temp, "local")
+                    for i in range(repeat):
+                        for reader, root in (("native", base / "src"), ("fanfs", d.mnts[0])):
+                            results.append(measure(case, reader, root, rels, seed=i))
+                    log("  " + _short(results, case))
+        if ranks > 1:
+            catalog, _ = Catalog.load(base / "img")
+            owners = place(catalog.part_size, catalog.part_flags, ranks)
+            entries = {r: catalog.resolve(r.encode()) for r in rels}
+            remote = [r for r, e in entries.items()
+                      if e is not None and 0 not in owners[int(catalog.part[e])]]  # fmt: skip
+            with mounted(base / "img", base / "many", ranks) as d:
+                for n in readers:
+                    for temp in temps:
+                        case = Case(size, n, temp, "remote")
+                        for i in range(repeat):
+                            for reader, root in (("native", base / "src"), ("fanfs", d.mnts[0])):
+                                results.append(measure(case, reader, root, remote, seed=i))
+                        log("  " + _short(results, case))
+        shutil.rmtree(base, ignore_errors=True)
+    return summarize(results)
+
+
+def _short(results: list[Result], case: Case) -> str:
+    row = summarize([r for r in results if r.case == case])[0]
+    return (f"{case.where} {size_label(case.size)} {case.temp} {case.readers} readers: "
+            f"fanfs/native {row['ratio']:.2f} ({row['native_files_per_s']:.0f} vs "
+            f"{row['fanfs_files_per_s']:.0f} files/s)")  # fmt: skip
