@@ -85,6 +85,7 @@ def _tune_readahead(mountpoint: Path) -> None:
         return
     try:
         Path(f"/sys/class/bdi/{entry.device}/read_ahead_kb").write_text(f"{READ_AHEAD_KB}\n")
+        log.debug("read_ahead_kb of %s set to %d", entry.device, READ_AHEAD_KB)
     except OSError as e:  # not root, or no sysfs: a little slower, still correct
         log.debug("could not raise read_ahead_kb: %s", e)
 
@@ -242,7 +243,6 @@ class Daemon:
             except RuntimeError as e:
                 error = MountFailed(f"{self.mountpoint}: cannot mount: {e}")
             self._agree(error)
-            _tune_readahead(self.mountpoint)
             log.info(
                 "rank %d/%d: %d of %d partitions here (%d bytes), mount %s, local %s",
                 self.rank, self.size, len(owned), catalog.n_partitions,
@@ -262,6 +262,7 @@ class Daemon:
             if self.transport is not None:
                 await nursery.start(self.transport.run)
             nursery.start_soon(self._watch_signals)
+            nursery.start_soon(self._tune_readahead_after_init)
             self.store.start_staging()
             self.serving = True
             log.info("serving %s at %s (%s)", self.cfg.image, self.mountpoint,
@@ -273,6 +274,12 @@ class Daemon:
                 await self.transport.linger(self.cfg.linger)
                 self.transport.stop()
             nursery.cancel_scope.cancel()
+
+    async def _tune_readahead_after_init(self) -> None:
+        # The kernel sets the mount's readahead from FUSE INIT, which pyfuse3.main answers
+        # first: a value written before that is overwritten. INIT takes well under a second.
+        await trio.sleep(1.0)
+        _tune_readahead(self.mountpoint)
 
     async def _watch_signals(self) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:

@@ -8,9 +8,11 @@ read of it raises `CorruptFile` (EIO at the FUSE edge); all other files keep wor
 
 Concurrency: all methods run in the trio thread. Between two awaits the code is atomic with
 respect to other tasks (trio is cooperative), which is what keeps `_cache`, `_inflight` and
-`_bad` consistent without locks. Work that may take long (big preads, decompressing or
-checksumming megabytes) goes to worker threads under a CapacityLimiter; small work runs inline,
-because a thread hand-off costs 60 to 140 us, more than reading a small file from page cache.
+`_bad` consistent without locks. Work that may take long goes to worker threads under a
+CapacityLimiter: reads that would wait for the disk (detected with preadv2(RWF_NOWAIT), which
+fails at once instead of blocking) and decompressing or checksumming more than 256 KiB. Reads
+the page cache can answer, and small decodes, run inline, because a thread hand-off costs 60 to
+140 us, more than copying a small file from the page cache.
 """
 
 from __future__ import annotations

@@ -1,0 +1,32 @@
+"""`fanfs bench` runs end to end and writes its report (speed itself is not asserted here)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from conftest import fanfs
+
+
+def test_bench_runs_and_reports(tmp_path: Path) -> None:
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    done = fanfs("bench", "--sizes", "64K,256K", "--total", "1M", "--min-files", "8",
+                 "--readers", "1,2", "--repeat", "2", "--ranks", "2",
+                 "--workdir", tmp_path / "work", "--json", out_json, "--plot", out_png,
+                 timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out_json.read_text())["rows"]
+    cases = {(r["where"], r["size"], r["temp"], r["readers"]) for r in rows}
+    assert cases == {(w, s, t, n) for w in ("local", "remote") for s in (65536, 262144)
+                     for t in ("cold", "warm") for n in (1, 2)}  # fmt: skip
+    for r in rows:
+        assert r["repeats"] == 2 and r["native_files_per_s"] > 0 and r["fanfs_files_per_s"] > 0
+        assert r["ratio_min"] <= r["ratio"] <= r["ratio_max"]
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "ratio" in done.stdout and "local" in done.stdout and "remote" in done.stdout
+    assert not list((tmp_path / "work").glob("*/src"))  # datasets removed after the run
+
+
+def test_bench_rejects_bad_options(tmp_path: Path) -> None:
+    done = fanfs("bench", "--sizes", "lots", "--workdir", tmp_path)
+    assert done.returncode == 1 and "fanfs: error: bench: bad option value" in done.stderr
