@@ -299,14 +299,9 @@ def run(
         log(f"bench: {count} files of {size_label(size)}: generate, prepare, mount")
         rels = make_dataset(base / "src", size, count, seed=size)
         _fanfs("-q", "prepare", str(base / "src"), str(base / "img"))
+        plan = (readers, temps, repeat, log)
         with mounted(base / "img", base / "one") as d:
-            for n in readers:
-                for temp in temps:
-                    case = Case(size, n, temp, "local")
-                    for i in range(repeat):
-                        for reader, root in (("native", base / "src"), ("fanfs", d.mnts[0])):
-                            results.append(measure(case, reader, root, rels, seed=i))
-                    log("  " + _short(results, case))
+            results += _cases(size, "local", base / "src", d.mnts[0], rels, *plan)
         if ranks > 1:
             catalog, _ = Catalog.load(base / "img")
             owners = place(catalog.part_size, catalog.part_flags, ranks)
@@ -314,15 +309,33 @@ def run(
             remote = [r for r, e in entries.items()
                       if e is not None and 0 not in owners[int(catalog.part[e])]]  # fmt: skip
             with mounted(base / "img", base / "many", ranks) as d:
-                for n in readers:
-                    for temp in temps:
-                        case = Case(size, n, temp, "remote")
-                        for i in range(repeat):
-                            for reader, root in (("native", base / "src"), ("fanfs", d.mnts[0])):
-                                results.append(measure(case, reader, root, remote, seed=i))
-                        log("  " + _short(results, case))
+                results += _cases(size, "remote", base / "src", d.mnts[0], remote, *plan)
         shutil.rmtree(base, ignore_errors=True)
     return summarize(results)
+
+
+def _cases(
+    size: int,
+    where: str,
+    src: Path,
+    mnt: Path,
+    files: list[str],
+    readers: Sequence[int],
+    temps: Sequence[str],
+    repeat: int,
+    log: Any,
+) -> list[Result]:
+    """Every reader count and temperature at one size and place (local or remote), native and
+    fanfs alternating, `repeat` times."""
+    results: list[Result] = []
+    for n in readers:
+        for temp in temps:
+            case = Case(size, n, temp, where)
+            for i in range(repeat):
+                for reader, root in (("native", src), ("fanfs", mnt)):
+                    results.append(measure(case, reader, root, files, seed=i))
+            log("  " + _short(results, case))
+    return results
 
 
 def _short(results: list[Result], case: Case) -> str:

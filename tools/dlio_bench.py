@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from fanfs.bench import drop_caches
+
 REPO = Path(__file__).resolve().parent.parent
 FANFS = Path(sys.executable).with_name("fanfs")
 DLIO_VENV = REPO / ".venv-dlio"
@@ -73,14 +75,6 @@ def install() -> None:
     run([*pip, "--no-deps", "dlio-benchmark==2.0.0"])
     run([*pip, "Pillow", "PyYAML", "h5py", "mpi4py", "numpy", "omegaconf", "pandas", "psutil",
          "pydftracer==1.0.2", "hydra-core", "tensorflow-cpu", "torch==2.13.0"])  # fmt: skip
-
-
-def drop_caches() -> None:
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    except OSError:
-        pass
 
 
 def dlio(work: Path, name: str, folder: str, out: Path, *extra: str) -> dict[str, float]:
