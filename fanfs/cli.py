@@ -254,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--jobs",
         type=_positive,
         metavar="J",
-        help="reader/compressor threads (default: cores, at most 8)",
+        help="reader/compressor processes (default: cores, at most 8)",
     )
     p.add_argument("--force", action="store_true", help="replace an existing IMAGE")
     p.add_argument(

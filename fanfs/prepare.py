@@ -1,8 +1,8 @@
 """`fanfs prepare`: pack a dataset directory into a prepared image, atomically.
 
 Pipeline: walk SRC breadth-first (so each directory's children get contiguous, sorted entry
-ids), then read + checksum + compress files on a thread pool (file reads, zlib.crc32 and zstd all
-release the GIL) in a bounded window, and append each result to the partition with the fewest
+ids), then read + checksum + compress files in batches on --jobs worker processes in a bounded
+window (inline when --jobs is 1), and append each result to the partition with the fewest
 stored bytes so far. That greedy choice balances partitions to within one file and spreads
 every directory's files over many partitions. Everything is written into a hidden sibling
 directory that is renamed to IMAGE only when complete; any failure removes it.
@@ -14,6 +14,7 @@ import fnmatch
 import heapq
 import logging
 import math
+import multiprocessing as mp
 import os
 import resource
 import shutil
@@ -24,7 +25,7 @@ import time
 import zlib
 from collections import deque
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -49,6 +50,9 @@ STREAM_THRESHOLD = 256 << 20
 STREAM_CHUNK = 8 << 20
 # Bytes of file data read ahead of the writer: bounds prepare's memory whatever --jobs is.
 WINDOW_BYTES = 256 << 20
+# Files per task handed to a worker: amortises the hand-off over many small files.
+BATCH_FILES = 256
+BATCH_BYTES = 8 << 20
 
 
 @dataclass
@@ -246,33 +250,96 @@ class _Packer:
             out.close()
 
 
+Item = tuple[int, bytes, int]  # (entry, absolute path, size)
+Stored = tuple[int, bytes, int]  # (codec, stored bytes, crc)
+
+
+def _read_batch(items: list[tuple[bytes, int]], codec_id: int, level: int) -> list[Stored]:
+    return [_read_whole(path, size, codec_id, level) for path, size in items]
+
+
+def _batches(tree: Tree) -> Iterator[list[Item]]:
+    """Files in walk order, in batches; a file to stream travels alone."""
+    batch: list[Item] = []
+    nbytes = 0
+    for entry, path in tree.files:
+        size = tree.size[entry]
+        if size > STREAM_THRESHOLD:
+            if batch:
+                yield batch
+                batch, nbytes = [], 0
+            yield [(entry, path, size)]
+            continue
+        batch.append((entry, path, size))
+        nbytes += size
+        if len(batch) >= BATCH_FILES or nbytes >= BATCH_BYTES:
+            yield batch
+            batch, nbytes = [], 0
+    if batch:
+        yield batch
+
+
+def _worker_signals() -> None:
+    """Workers die quietly on SIGTERM and leave Ctrl-C (sent to the whole process group) to
+    the main process, which cleans up and stops them."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _streamed(batch: list[Item]) -> bool:
+    return batch[0][2] > STREAM_THRESHOLD
+
+
 def _results(
     tree: Tree, codec_id: int, level: int, jobs: int
-) -> Iterator[tuple[int, bytes, int, tuple[int, bytes, int] | None]]:
-    """(entry, path, size, (codec, stored, crc) or None for streamed files), in walk order."""
-    pending: deque[tuple[int, bytes, int, Future[tuple[int, bytes, int]] | None]] = deque()
+) -> Iterator[tuple[int, bytes, int, Stored | None]]:
+    """(entry, path, size, (codec, stored, crc) or None for streamed files), in walk order.
+
+    With jobs > 1, batches go to worker processes (reading, CRC and compression of small files
+    is mostly per-file Python work, which threads would serialise on the GIL); results are
+    consumed in walk order, so the image is the same for every --jobs.
+    """
+
+    def unpack(
+        batch: list[Item], stored: list[Stored] | None
+    ) -> Iterator[tuple[int, bytes, int, Stored | None]]:
+        for i, (entry, path, size) in enumerate(batch):
+            yield entry, path, size, None if stored is None else stored[i]
+
+    if jobs == 1:
+        for batch in _batches(tree):
+            if _streamed(batch):
+                yield from unpack(batch, None)
+            else:
+                yield from unpack(
+                    batch, _read_batch([(p, n) for _, p, n in batch], codec_id, level)
+                )
+        return
+    # fork: workers are this process's children, so an interrupt can stop them at once.
+    pool = ProcessPoolExecutor(jobs, mp_context=mp.get_context("fork"), initializer=_worker_signals)
+    pending: deque[tuple[list[Item], Future[list[Stored]] | None, int]] = deque()
     inflight = 0
-    with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="fanfs-prepare") as pool:
-        try:
-            for entry, path in tree.files:
-                size = tree.size[entry]
-                while pending and (inflight + size > WINDOW_BYTES or len(pending) >= 4 * jobs):
-                    done = pending.popleft()
-                    inflight -= done[2]
-                    yield done[0], done[1], done[2], done[3].result() if done[3] else None
-                if size > STREAM_THRESHOLD:
-                    pending.append((entry, path, size, None))
-                else:
-                    job = pool.submit(_read_whole, path, size, codec_id, level)
-                    pending.append((entry, path, size, job))
-                    inflight += size
-            while pending:
-                done = pending.popleft()
-                yield done[0], done[1], done[2], done[3].result() if done[3] else None
-        finally:
-            for _, _, _, left in pending:
-                if left is not None:
-                    left.cancel()
+    try:
+        for batch in _batches(tree):
+            nbytes = 0 if _streamed(batch) else sum(n for _, _, n in batch)
+            while pending and (inflight + nbytes > WINDOW_BYTES or len(pending) >= 2 * jobs):
+                done, job, held = pending.popleft()
+                inflight -= held
+                yield from unpack(done, job.result() if job else None)
+            job = None
+            if not _streamed(batch):
+                job = pool.submit(_read_batch, [(p, n) for _, p, n in batch], codec_id, level)
+            pending.append((batch, job, nbytes))
+            inflight += nbytes
+        while pending:
+            done, job, _ = pending.popleft()
+            yield from unpack(done, job.result() if job else None)
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        for child in mp.active_children():
+            child.terminate()
+        raise
+    pool.shutdown()
 
 
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
