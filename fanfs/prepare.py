@@ -10,6 +10,7 @@ directory that is renamed to IMAGE only when complete; any failure removes it.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import heapq
 import logging
@@ -21,12 +22,13 @@ import shutil
 import signal
 import stat
 import sys
+import threading
 import time
 import zlib
 from collections import deque
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from pathlib import Path
 from types import FrameType
 from typing import Any, BinaryIO
@@ -35,7 +37,7 @@ import numpy as np
 
 from fanfs import catalog as cat
 from fanfs import codec
-from fanfs.errors import ImageExists, SourceError
+from fanfs.errors import FanfsError, ImageExists, SourceError
 from fanfs.progress import Progress, human_bytes
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,9 @@ WINDOW_BYTES = 256 << 20
 # Files per task handed to a worker: amortises the hand-off over many small files.
 BATCH_FILES = 256
 BATCH_BYTES = 8 << 20
+# A batch's paths travel to its worker in one message, which must fit the pipe's buffer
+# (about 200 KiB) so that sending never waits on a worker that is busy sending a result.
+BATCH_PATH_BYTES = 64 << 10
 
 
 @dataclass
@@ -124,6 +129,7 @@ def walk(src: Path) -> Tree:
     tree.add(b"", 0, st)
     queue: deque[tuple[int, bytes]] = deque([(0, root)])
     while queue:
+        _stop.check()
         parent, path = queue.popleft()
         tree.child_start[parent] = len(tree.names)
         for entry in _scan(path):
@@ -261,20 +267,21 @@ def _read_batch(items: list[tuple[bytes, int]], codec_id: int, level: int) -> li
 def _batches(tree: Tree) -> Iterator[list[Item]]:
     """Files in walk order, in batches; a file to stream travels alone."""
     batch: list[Item] = []
-    nbytes = 0
+    nbytes = pbytes = 0
     for entry, path in tree.files:
         size = tree.size[entry]
         if size > STREAM_THRESHOLD:
             if batch:
                 yield batch
-                batch, nbytes = [], 0
+                batch, nbytes, pbytes = [], 0, 0
             yield [(entry, path, size)]
             continue
         batch.append((entry, path, size))
         nbytes += size
-        if len(batch) >= BATCH_FILES or nbytes >= BATCH_BYTES:
+        pbytes += len(path)
+        if len(batch) >= BATCH_FILES or nbytes >= BATCH_BYTES or pbytes >= BATCH_PATH_BYTES:
             yield batch
-            batch, nbytes = [], 0
+            batch, nbytes, pbytes = [], 0, 0
     if batch:
         yield batch
 
@@ -288,6 +295,62 @@ def _worker_signals() -> None:
 
 def _streamed(batch: list[Item]) -> bool:
     return batch[0][2] > STREAM_THRESHOLD
+
+
+def _worker_main(conn: Connection, codec_id: int, level: int) -> None:
+    """A prepare worker: batches in, stored results (or the error) out, until EOF."""
+    _worker_signals()
+    while True:
+        try:
+            items = conn.recv()
+        except EOFError:
+            return
+        if items is None:  # stop: EOF alone is not enough, later workers hold our pipe too
+            return
+        try:
+            conn.send(("ok", _read_batch(items, codec_id, level)))
+        except FanfsError as e:
+            conn.send(("error", e))
+        except Exception as e:  # a bug: report it with its type rather than hang
+            conn.send(("error", RuntimeError(f"prepare worker: {e!r}")))
+
+
+class _Workers:
+    """Worker processes fed over one pipe each; batch i goes to worker i % n, so reading the
+    workers round-robin returns results in walk order. No background threads: killing the
+    workers on an interrupt can never leave anything waiting for them."""
+
+    def __init__(self, n: int, codec_id: int, level: int):
+        ctx = mp.get_context("fork")  # workers are our children: we can always stop them
+        self.conns: list[Connection] = []
+        self.procs: list[Any] = []
+        for _ in range(n):
+            ours, theirs = ctx.Pipe()
+            proc = ctx.Process(target=_worker_main, args=(theirs, codec_id, level), daemon=True)
+            proc.start()
+            theirs.close()
+            self.conns.append(ours)
+            self.procs.append(proc)
+
+    def recv(self, k: int) -> list[Stored]:
+        while not self.conns[k].poll(POLL_S):
+            _stop.check()
+            if not self.procs[k].is_alive():
+                raise RuntimeError("a prepare worker died")
+        kind, payload = self.conns[k].recv()
+        if kind == "error":
+            raise payload
+        return payload  # type: ignore[no-any-return]
+
+    def close(self, kill: bool) -> None:
+        for conn in self.conns:
+            if not kill:
+                conn.send(None)  # finish: each worker was forked holding the earlier pipes too
+            conn.close()
+        for proc in self.procs:
+            if kill:
+                proc.kill()
+            proc.join(10)
 
 
 def _results(
@@ -308,6 +371,7 @@ def _results(
 
     if jobs == 1:
         for batch in _batches(tree):
+            _stop.check()
             if _streamed(batch):
                 yield from unpack(batch, None)
             else:
@@ -315,35 +379,64 @@ def _results(
                     batch, _read_batch([(p, n) for _, p, n in batch], codec_id, level)
                 )
         return
-    # fork: workers are this process's children, so an interrupt can stop them at once.
-    pool = ProcessPoolExecutor(jobs, mp_context=mp.get_context("fork"), initializer=_worker_signals)
-    pending: deque[tuple[list[Item], Future[list[Stored]] | None, int]] = deque()
+    workers = _Workers(jobs, codec_id, level)
+    pending: deque[tuple[list[Item], int | None, int]] = deque()  # (batch, worker, bytes)
     inflight = 0
+    sent = 0
     try:
         for batch in _batches(tree):
             nbytes = 0 if _streamed(batch) else sum(n for _, _, n in batch)
             while pending and (inflight + nbytes > WINDOW_BYTES or len(pending) >= 2 * jobs):
-                done, job, held = pending.popleft()
+                done, k, held = pending.popleft()
                 inflight -= held
-                yield from unpack(done, job.result() if job else None)
-            job = None
+                yield from unpack(done, workers.recv(k) if k is not None else None)
+            k = None
             if not _streamed(batch):
-                job = pool.submit(_read_batch, [(p, n) for _, p, n in batch], codec_id, level)
-            pending.append((batch, job, nbytes))
+                k = sent % jobs
+                sent += 1
+                workers.conns[k].send([(p, n) for _, p, n in batch])
+            pending.append((batch, k, nbytes))
             inflight += nbytes
         while pending:
-            done, job, _ = pending.popleft()
-            yield from unpack(done, job.result() if job else None)
+            done, k, _ = pending.popleft()
+            yield from unpack(done, workers.recv(k) if k is not None else None)
     except BaseException:
-        pool.shutdown(wait=False, cancel_futures=True)
-        for child in mp.active_children():
-            child.terminate()
+        workers.close(kill=True)
         raise
-    pool.shutdown()
+    workers.close(kill=False)
 
 
-def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
+class _Interrupt:
+    """SIGINT/SIGTERM during prepare, delivered only at safe points.
+
+    Raising from the signal handler itself is not safe: the exception can surface inside code
+    that swallows it (an at-fork hook of the logging module did, and prepare then finished
+    instead of stopping). The handler only records the signal; the loops call `check`.
+    """
+
+    def __init__(self) -> None:
+        self._hit = threading.Event()
+
+    def _record(self, signum: int, frame: FrameType | None) -> None:
+        self._hit.set()
+
+    def check(self) -> None:
+        if self._hit.is_set():
+            raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        self._hit.clear()
+        previous = {s: signal.signal(s, self._record) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+
+_stop = _Interrupt()
+POLL_S = 0.1  # how soon a wait for a worker notices an interrupt (or its death)
 
 
 def prepare(
@@ -366,6 +459,20 @@ def prepare(
     if not image.parent.is_dir():
         raise SourceError(f"{image.parent}: no such directory")
     jobs = jobs or min(8, os.cpu_count() or 1)
+    with _stop.installed():
+        return _prepare(src, image, partitions, codec_id, level, compress, jobs, broadcast)
+
+
+def _prepare(
+    src: Path,
+    image: Path,
+    partitions: int | None,
+    codec_id: int,
+    level: int,
+    compress: str,
+    jobs: int,
+    broadcast: Sequence[str],
+) -> Summary:
     started = time.monotonic()
     log.info("walking %s", src)
     tree = walk(src)
@@ -375,7 +482,6 @@ def prepare(
     n_parts = partitions or default_partitions(total - bcast_bytes, len(tree.files) - len(bcast))
     n_bcast = min(len(bcast), max(1, math.ceil(bcast_bytes / PART_TARGET_BYTES))) if bcast else 0
     tmp = image.parent / f".{image.name}.partial-{os.getpid()}"
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         tmp.mkdir()
         packer = _Packer(tmp, n_parts, n_bcast, len(tree.names))
@@ -387,14 +493,14 @@ def prepare(
             else:
                 packer.add(entry, *result)
             progress.update(1, size)
+            _stop.check()
         packer.close()
         _write_catalog(tmp, tree, packer, compress, src)
+        _stop.check()  # the last moment an interrupt can still leave nothing behind
         _publish(tmp, image)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     progress.close()
     return Summary(
         files=len(tree.files),

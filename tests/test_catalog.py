@@ -85,3 +85,13 @@ def test_zstd_stores_raw_when_it_does_not_pay(awkward_src: Path, tmp_path: Path)
     assert text is not None and noise is not None
     assert int(c.codec[text]) == cat.CODEC_ZSTD and int(c.stored_len[text]) < 100_000
     assert int(c.codec[noise]) == cat.CODEC_RAW and int(c.stored_len[noise]) == 4096
+
+
+def test_prepare_leaves_no_worker_processes(awkward_src: Path, tmp_path: Path) -> None:
+    import multiprocessing
+
+    from fanfs.prepare import prepare as run_prepare
+
+    summary = run_prepare(awkward_src, tmp_path / "img", jobs=2)
+    assert summary.files > 200
+    assert multiprocessing.active_children() == []  # every worker was told to stop and did

@@ -88,7 +88,8 @@ def test_prepare_refuses_existing_image_unless_forced(small_src: Path, small_ima
     assert no_leftovers(small_image.parent) == []
 
 
-def test_prepare_interrupted_leaves_nothing(awkward_src: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_prepare_interrupted_leaves_nothing(awkward_src: Path, tmp_path: Path, sig: int) -> None:
     image = tmp_path / "img"
     # Slow enough to interrupt: the strongest zstd level on the 64 MiB file.
     proc = subprocess.Popen(
@@ -100,7 +101,7 @@ def test_prepare_interrupted_leaves_nothing(awkward_src: Path, tmp_path: Path) -
         while not any(".partial-" in p.name for p in tmp_path.iterdir()):
             assert time.monotonic() < deadline and proc.poll() is None
             time.sleep(0.02)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
