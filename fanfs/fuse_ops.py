@@ -49,7 +49,6 @@ class FanfsOperations(pyfuse3.Operations):
         self.reader = reader
         self.status = status
         self.no_open = PATCHED
-        self.flushes = 0
         self.uid = os.getuid()
         self.gid = os.getgid()
 
@@ -178,5 +177,4 @@ class FanfsOperations(pyfuse3.Operations):
     async def flush(self, fh: int) -> None:
         # Nothing to flush on a read-only file system. ENOSYS (rather than success) tells the
         # kernel so once and for all ("no_flush"): otherwise every close() is a round trip.
-        self.flushes += 1
         raise pyfuse3.FUSEError(errno.ENOSYS)

@@ -141,7 +141,7 @@ class Reader:
             if data is None:
                 began = time.perf_counter()
                 data = await self._decode(entry, await self._read_stored(entry, 0, None))
-                self._record(entry, began, int(self.catalog.stored_len[entry]))
+                self._record(began, int(self.catalog.stored_len[entry]))
             # Keep it if asked, or if other requests for this file wait on this fetch.
             if keep or self._inflight[entry].statistics().tasks_waiting:
                 self._put(entry, data)
@@ -235,7 +235,7 @@ class Reader:
                 try:
                     began = time.perf_counter()
                     await self._in_thread(self._check_large, entry)
-                    self._record(entry, began, int(self.catalog.stored_len[entry]))
+                    self._record(began, int(self.catalog.stored_len[entry]))
                     self._verified.add(entry)
                 except (CorruptFile, OSError) as e:
                     self._mark_bad(entry, e)
@@ -263,7 +263,7 @@ class Reader:
             _, old = self._cache.popitem(last=False)
             self._cached -= len(old) + ENTRY_OVERHEAD
 
-    def _record(self, entry: int, began: float, nbytes: int) -> None:
+    def _record(self, began: float, nbytes: int) -> None:
         self._latency[self.fetches % LATENCY_SAMPLES] = time.perf_counter() - began
         self.fetches += 1
         self.bytes_fetched += nbytes
