@@ -40,14 +40,6 @@ FANFS = [sys.executable, "-m", "fanfs.cli"]
 MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 
-def parse_size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper().removesuffix("IB").removesuffix("B")
-    if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
-
-
 def size_label(n: int) -> str:
     for unit, shift in (("M", 20), ("K", 10)):
         if n >= 1 << shift and n % (1 << shift) == 0:

@@ -30,14 +30,22 @@ EntryId = NewType("EntryId", int)
 PartitionId = NewType("PartitionId", int)
 
 MAGIC = b"FANFSCAT"
-VERSION = 1
+VERSION = 2
 CATALOG_NAME = "catalog.fanfs"
 NO_PARTITION = 0xFFFFFFFF
 
 # Codec ids stored per file. New codecs get new ids; a reader refuses ids it does not know.
 CODEC_RAW = 0
-CODEC_ZSTD = 1
-CODEC_NAMES = {CODEC_RAW: "raw", CODEC_ZSTD: "zstd"}
+CODEC_ZSTD = 1  # one zstd frame
+CODEC_ZSTD_DICT = 2  # one zstd frame made with the catalog dictionary its header names
+CODEC_FRAMED = 3  # independent frames of `frame_size` bytes each, then a table of them
+CODEC_ZSTD_DELTA4 = 4  # one zstd frame of the delta4 filter's output (docs/format.md)
+CODEC_NAMES = {CODEC_RAW: "raw", CODEC_ZSTD: "zstd", CODEC_ZSTD_DICT: "zstd-dict",
+               CODEC_FRAMED: "framed", CODEC_ZSTD_DELTA4: "zstd-delta4"}  # fmt: skip
+# A framed file's table: per frame, (stored length, CRC-32 of the stored frame), u32 each.
+# The length's top bit says the frame went through the delta4 filter before zstd.
+FRAME_ENTRY = 8
+FRAME_DELTA4 = 1 << 31
 
 S_IFMT = 0o170000  # the file-type bits of st_mode (stat.S_IFMT is a function)
 
@@ -45,8 +53,8 @@ S_IFMT = 0o170000  # the file-type bits of st_mode (stat.S_IFMT is a function)
 PART_BROADCAST = 1
 
 # magic, version, header_crc, n_entries, n_partitions, flags, strings_len, meta_len, body_len,
-# body_sha256. header_crc is the CRC-32 of the header with that field zeroed.
-HEADER = struct.Struct("<8sIIQIIQQQ32s")
+# body_sha256, n_dicts, frame_size. header_crc is the CRC-32 of the header with it zeroed.
+HEADER = struct.Struct("<8sIIQIIQQQ32sII")
 
 # Column order and types are part of the format (docs/format.md). Entry columns first.
 ENTRY_COLUMNS: tuple[tuple[str, str], ...] = (
@@ -69,6 +77,10 @@ PARTITION_COLUMNS: tuple[tuple[str, str], ...] = (
     ("part_files", "<u8"),
     ("part_flags", "<u4"),
 )
+DICT_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("dict_off", "<u8"),  # offset of dictionary i (zstd dict id i + 1) in the string table
+    ("dict_len", "<u8"),
+)
 ALIGN = 8  # every column starts 8-byte aligned so np.frombuffer views need no copy
 
 
@@ -80,11 +92,20 @@ def _padded(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _body_layout(n_entries: int, n_partitions: int) -> list[tuple[str, str, int, int]]:
+def n_frames(size: Any, frame_size: int) -> Any:
+    """Frames of a framed file of `size` bytes (works on numpy columns too)."""
+    return (size + frame_size - 1) // frame_size
+
+
+def _body_layout(
+    n_entries: int, n_partitions: int, n_dicts: int
+) -> list[tuple[str, str, int, int]]:
     """(name, dtype, offset, count) of each column within the body."""
     layout = []
     pos = 0
-    for columns, count in ((ENTRY_COLUMNS, n_entries), (PARTITION_COLUMNS, n_partitions)):
+    sections = ((ENTRY_COLUMNS, n_entries), (PARTITION_COLUMNS, n_partitions),
+                (DICT_COLUMNS, n_dicts))  # fmt: skip
+    for columns, count in sections:
         for name, dtype in columns:
             layout.append((name, dtype, pos, count))
             pos += _padded(np.dtype(dtype).itemsize * count)
@@ -105,7 +126,13 @@ class Attr:
 class Catalog:
     """A loaded, validated catalog. Read-only."""
 
-    def __init__(self, columns: dict[str, np.ndarray], strings: bytes, meta: dict[str, Any]):
+    def __init__(
+        self,
+        columns: dict[str, np.ndarray],
+        strings: bytes,
+        meta: dict[str, Any],
+        frame_size: int = 0,
+    ):
         self.parent = columns["parent"]
         self.mode = columns["mode"]
         self.mtime_ns = columns["mtime_ns"]
@@ -124,6 +151,12 @@ class Catalog:
         self.part_flags = columns["part_flags"]
         self.strings = strings
         self.meta = meta
+        self.frame_size = frame_size
+        # zstd dictionary id i + 1 is dicts[i]; frames name their dictionary in their header.
+        self.dicts = [
+            strings[int(o) : int(o) + int(n)]
+            for o, n in zip(columns["dict_off"], columns["dict_len"], strict=True)
+        ]
         self.n_entries = len(self.parent)
         self.n_partitions = len(self.part_size)
         fmt = self.mode & S_IFMT
@@ -157,17 +190,18 @@ class Catalog:
             raise CorruptCatalog(f"{where}: truncated catalog ({len(data)} bytes)")
         fields = HEADER.unpack_from(data)
         magic, version, header_crc, n_entries, n_partitions, _flags = fields[:6]
-        strings_len, meta_len, body_len, body_sha = fields[6:]
+        strings_len, meta_len, body_len, body_sha, n_dicts, frame_size = fields[6:]
         if magic != MAGIC:
             raise CorruptCatalog(f"{where}: not a fanfs catalog (bad magic)")
         if version != VERSION:
+            hint = " (prepare the image again)" if version < VERSION else ""
             raise ImageVersionError(
-                f"{where}: image format version {version}, this fanfs reads version {VERSION}"
+                f"{where}: image format version {version}, this fanfs reads version {VERSION}{hint}"
             )
         zeroed = HEADER.pack(*fields[:2], 0, *fields[3:])
         if zlib.crc32(zeroed) != header_crc:
             raise CorruptCatalog(f"{where}: corrupt catalog header (checksum mismatch)")
-        layout = _body_layout(n_entries, n_partitions)
+        layout = _body_layout(n_entries, n_partitions, n_dicts)
         strings_at = layout[-1][2]
         if body_len != strings_at + strings_len + meta_len:
             raise CorruptCatalog(f"{where}: corrupt catalog header (inconsistent sizes)")
@@ -187,7 +221,10 @@ class Catalog:
             meta = json.loads(bytes(body[strings_at + strings_len :]))
         except ValueError:
             raise CorruptCatalog(f"{where}: corrupt catalog metadata") from None
-        catalog = cls(columns, strings, meta)
+        # Checked here, before the dictionaries are sliced out of the strings.
+        if np.any(columns["dict_off"] + columns["dict_len"] > strings_len):
+            raise CorruptCatalog(f"{where}: corrupt catalog (dictionary out of range)")
+        catalog = cls(columns, strings, meta, frame_size)
         catalog._check_structure(where)
         return catalog
 
@@ -209,6 +246,15 @@ class Catalog:
         if not np.all(np.isin(self.codec, list(CODEC_NAMES))):
             raise bad("unknown codec")
         files = self.is_file
+        if np.any(self.codec[files] == CODEC_ZSTD_DICT) and not self.dicts:
+            raise bad("dictionary codec without dictionaries")
+        framed = files & (self.codec == CODEC_FRAMED)
+        if np.any(framed):
+            if self.frame_size == 0:
+                raise bad("framed files without a frame size")
+            tables = n_frames(self.size[framed], self.frame_size) * FRAME_ENTRY
+            if np.any(self.stored_len[framed] < tables):
+                raise bad("framed file shorter than its frame table")
         if np.any(self.part[files] >= self.n_partitions):
             raise bad("partition out of range")
         ends = self.data_off[files] + self.stored_len[files]
@@ -291,23 +337,31 @@ class Catalog:
 
     def memory_bytes(self) -> int:
         columns = (getattr(self, name) for name, _ in ENTRY_COLUMNS + PARTITION_COLUMNS)
-        return int(sum(c.nbytes for c in columns)) + self.nlink.nbytes + len(self.strings)
+        dicts = sum(len(d) for d in self.dicts)
+        return int(sum(c.nbytes for c in columns)) + self.nlink.nbytes + len(self.strings) + dicts
 
 
 def encode(
-    columns: dict[str, np.ndarray], strings: bytes, meta: dict[str, Any], flags: int = 0
+    columns: dict[str, np.ndarray],
+    strings: bytes,
+    meta: dict[str, Any],
+    flags: int = 0,
+    frame_size: int = 0,
 ) -> bytes:
-    """Serialise a catalog (the inverse of `Catalog.from_bytes`)."""
+    """Serialise a catalog (the inverse of `Catalog.from_bytes`). Without `dict_off` and
+    `dict_len` columns the catalog has no dictionaries."""
     n_entries = len(columns["parent"])
     n_partitions = len(columns["part_size"])
+    columns = {"dict_off": np.zeros(0, np.uint64), "dict_len": np.zeros(0, np.uint64)} | columns
+    n_dicts = len(columns["dict_off"])
     meta_bytes = json.dumps(meta, sort_keys=True).encode()
     body = bytearray()
-    for name, dtype, off, _count in _body_layout(n_entries, n_partitions)[:-1]:
+    for name, dtype, off, _count in _body_layout(n_entries, n_partitions, n_dicts)[:-1]:
         assert len(body) == off
         raw = np.ascontiguousarray(columns[name], dtype=dtype).tobytes()
         body += raw + bytes(_padded(len(raw)) - len(raw))
     body += strings + meta_bytes
     fields = (MAGIC, VERSION, 0, n_entries, n_partitions, flags, len(strings), len(meta_bytes),
-              len(body), hashlib.sha256(body).digest())  # fmt: skip
+              len(body), hashlib.sha256(body).digest(), n_dicts, frame_size)  # fmt: skip
     header_crc = zlib.crc32(HEADER.pack(*fields))
     return HEADER.pack(*fields[:2], header_crc, *fields[3:]) + bytes(body)

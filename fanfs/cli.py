@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from fanfs import logs, mounts
-from fanfs.errors import ExitCode, FanfsError, MountpointError, WaitTimeout
+from fanfs.errors import ExitCode, FanfsError, MountpointError, UsageError, WaitTimeout
 
 log = logging.getLogger("fanfs")
 
@@ -49,15 +49,24 @@ def cmd_prepare(args: argparse.Namespace) -> int:
             broadcast=args.broadcast,
         )
     except ValueError as e:  # a bad --compress value
-        raise FanfsError(str(e)) from None
+        raise UsageError(str(e)) from None
     main_summary(summary, Path(args.image))
     return ExitCode.OK
 
 
 def cmd_info(args: argparse.Namespace) -> int:
     from fanfs.image import format_info, info
+    from fanfs.progress import parse_size
 
-    d = info(Path(args.image))
+    capacity = None
+    if args.local_capacity is not None:
+        try:
+            capacity = parse_size(args.local_capacity)
+        except ValueError:
+            capacity = 0
+        if capacity <= 0:
+            raise UsageError(f"--local-capacity: not a size: {args.local_capacity!r} (e.g. 60G)")
+    d = info(Path(args.image), capacity, args.replicas)
     print(json.dumps(d, indent=2) if args.json else format_info(d))
     return ExitCode.OK
 
@@ -152,16 +161,17 @@ def cmd_umount(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from fanfs import bench
+    from fanfs.progress import parse_size
 
     try:
-        sizes = [bench.parse_size(s) for s in args.sizes.split(",")]
+        sizes = [parse_size(s) for s in args.sizes.split(",")]
         readers = [int(n) for n in args.readers.split(",")]
         temps = args.temps.split(",")
-        total = bench.parse_size(args.total)
+        total = parse_size(args.total)
     except ValueError as e:
-        raise FanfsError(f"bench: bad option value: {e}") from None
+        raise UsageError(f"bench: bad option value: {e}") from None
     if not set(temps) <= {"cold", "warm"} or min(readers) < 1 or min(sizes) < 1:
-        raise FanfsError("bench: --temps takes cold,warm; sizes and readers must be positive")
+        raise UsageError("bench: --temps takes cold,warm; sizes and readers must be positive")
     workdir = Path(args.workdir).absolute()
     rows = bench.run(workdir, sizes, total, args.min_files, readers, args.repeat, args.ranks,
                      temps, log=lambda m: print(m, file=sys.stderr, flush=True))  # fmt: skip
@@ -246,9 +256,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--compress",
-        default=_env("COMPRESS", "none"),
-        metavar="none|zstd[:LEVEL]",
-        help="per-file compression (default: none)",
+        default=_env("COMPRESS", "auto"),
+        metavar="auto|zstd|none[:LEVEL]",
+        help="auto (default): zstd where it pays, raw for the rest (JPEG, PNG, gzip...); "
+        "zstd: wherever it makes a file smaller; none: all raw. LEVEL: zstd level (3)",
     )
     p.add_argument(
         "--jobs",
@@ -269,6 +280,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("info", help="describe a prepared image")
     p.add_argument("image", metavar="IMAGE")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--local-capacity",
+        metavar="SIZE",
+        help="local disk per node (e.g. 60G): how many nodes the image needs, and would need raw",
+    )
+    p.add_argument(
+        "--replicas",
+        type=_positive,
+        default=1,
+        metavar="R",
+        help="for --local-capacity (default: 1)",
+    )
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("verify", help="recompute every checksum of a prepared image")

@@ -23,6 +23,24 @@ def _content(rng: np.random.Generator, size: int, compressible: float) -> bytes:
     return text + rng.bytes(size - n_text)
 
 
+def csv_table(rng: np.random.Generator, rows: int) -> bytes:
+    """A small CSV file of sensor-like readings, as in tabular and time-series datasets."""
+    lines = ["step,time,temperature,pressure,label"]
+    for i in range(rows):
+        t, p = 280 + rng.normal() * 3, 1013 + rng.normal() * 5
+        lines.append(f"{i},{1700000000 + 60 * i},{t:.3f},{p:.2f},{rng.choice(['ok', 'warn'])}")
+    return ("\n".join(lines) + "\n").encode()
+
+
+def smooth_field(rng: np.random.Generator, ny: int, nx: int, scale: float = 0.01) -> np.ndarray:
+    """A smooth float32 field like a simulation's output (a temperature map): Gaussian noise
+    low-pass filtered to a correlation length of about 1/scale grid points."""
+    k2 = np.fft.fftfreq(ny)[:, None] ** 2 + np.fft.rfftfreq(nx)[None, :] ** 2
+    spectrum = np.fft.rfft2(rng.standard_normal((ny, nx))) * np.exp(-k2 / (2 * scale**2))
+    f = np.fft.irfft2(spectrum, s=(ny, nx))
+    return (280 + 10 * f / (f.std() or 1)).astype(np.float32)
+
+
 def sample(dest: Path, n_files: int = 2000, classes: int = 20, seed: int = 0) -> int:
     """An image-folder-like tree: `classes` directories of files from 4 KiB to 2 MiB.
 
@@ -82,6 +100,12 @@ def awkward(dest: Path, big_bytes: int = 64 * MIB + 12345, seed: int = 1) -> Non
     pixels = rng.integers(0, 255, (48, 64, 3), dtype=np.uint8)
     Image.fromarray(pixels).save(os.path.join(images, "noise.png"))
     Image.fromarray(pixels).save(os.path.join(images, "noise.jpg"), quality=90)
+    # Compressible kinds that take the other codec paths: small CSV files (enough of them for
+    # a dictionary), smooth float32 fields (delta4), one big enough to be framed.
+    for i in range(80):
+        put(b"tables/t%02d.csv" % i, csv_table(rng, int(rng.integers(5, 120))))
+    put(b"fields/small.f32", smooth_field(rng, 64, 64).tobytes())
+    put(b"fields/big.f32", smooth_field(rng, 1200, 1200).tobytes())  # 5.5 MiB
     for i in range(200):  # many small files across a few directories
         put(b"many/c%d/f%03d.dat" % (i % 7, i), rng.bytes(int(rng.integers(0, 20000))))
     os.symlink(b"sizes/exact-4096.bin", os.path.join(root, b"link-to-file"))

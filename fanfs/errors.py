@@ -27,6 +27,12 @@ class FanfsError(Exception):
     exit_code = ExitCode.FAILED
 
 
+class UsageError(FanfsError):
+    """A bad option value that argparse cannot check by itself."""
+
+    exit_code = ExitCode.USAGE
+
+
 class SourceError(FanfsError):
     exit_code = ExitCode.SOURCE
 

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from fanfs import catalog as cat
-from fanfs import codec
+from fanfs import codec, placement
 from fanfs.errors import CorruptFile
 from fanfs.progress import Progress, human_bytes
 
@@ -25,7 +25,55 @@ log = logging.getLogger(__name__)
 VERIFY_CHUNK = 8 << 20  # big raw files are checked in chunks, never held whole
 
 
-def info(image: Path) -> dict[str, Any]:
+EXTENSION_ROWS = 12  # `info` lists the extensions holding the most bytes, then "other"
+
+
+def _extension(name: bytes) -> str:
+    dot = name.rfind(b".")
+    return os.fsdecode(name[dot:].lower()) if dot > 0 else "(none)"
+
+
+def by_extension(c: cat.Catalog) -> list[dict[str, Any]]:
+    """Files, bytes, stored bytes and ratio per extension, most bytes first."""
+    files = np.flatnonzero(c.is_file)
+    exts = [_extension(c.name(int(e))) for e in files]
+    keys, index = np.unique(np.array(exts, dtype=object), return_inverse=True)
+    count = np.bincount(index, minlength=len(keys))
+    size = np.bincount(index, weights=c.size[files], minlength=len(keys))
+    stored = np.bincount(index, weights=c.stored_len[files], minlength=len(keys))
+    rows = sorted(zip(keys, count, size, stored, strict=True), key=lambda r: (-r[2], r[0]))
+    if len(rows) > EXTENSION_ROWS:
+        rest = rows[EXTENSION_ROWS - 1 :]
+        other = ("(other)", *(sum(r[i] for r in rest) for i in (1, 2, 3)))
+        rows = [*rows[: EXTENSION_ROWS - 1], other]
+    return [
+        {"extension": str(k), "files": int(n), "bytes": int(b), "bytes_stored": int(s),
+         "ratio": round(b / s, 3) if s else 1.0}
+        for k, n, b, s in rows
+    ]  # fmt: skip
+
+
+def nodes_needed(
+    part_size: np.ndarray, part_flags: np.ndarray, capacity: int, replicas: int = 1
+) -> int | None:
+    """Fewest nodes whose local disks of `capacity` bytes hold every partition this daemon's
+    placement would give them (None: no node count can, e.g. one partition is too big)."""
+    sizes = np.asarray(part_size, dtype=np.int64)
+    bcast = (np.asarray(part_flags) & cat.PART_BROADCAST) != 0
+    normal = sizes[~bcast]
+    if int(sizes[bcast].sum()) + (int(normal.max()) if len(normal) else 0) > capacity:
+        return None
+    n = max(1, -(-int(normal.sum()) * replicas // max(1, capacity - int(sizes[bcast].sum()))))
+    while True:
+        owners = placement.place(sizes, part_flags, n, replicas)
+        if max(placement.rank_bytes(owners, sizes, n)) <= capacity:
+            return n
+        if n >= max(1, len(normal)) * replicas:
+            return None
+        n += 1
+
+
+def info(image: Path, local_capacity: int | None = None, replicas: int = 1) -> dict[str, Any]:
     c, raw = cat.Catalog.load(image)
     files = c.is_file
     links = c.is_link
@@ -33,7 +81,7 @@ def info(image: Path) -> dict[str, Any]:
     stored = int(c.stored_len[files].sum())
     sizes = c.part_size.astype(np.int64)
     codecs = {name: int((c.codec[files] == cid).sum()) for cid, name in cat.CODEC_NAMES.items()}
-    return {
+    out: dict[str, Any] = {
         "image": str(image),
         "format_version": cat.VERSION,
         "created": c.meta.get("created"),
@@ -46,6 +94,10 @@ def info(image: Path) -> dict[str, Any]:
         "bytes_stored": stored,
         "ratio": round(bytes_in / stored, 3) if stored else 1.0,
         "codecs": codecs,
+        "dictionaries": len(c.dicts),
+        "dictionary_bytes": sum(len(d) for d in c.dicts),
+        "frame_size": c.frame_size,
+        "by_extension": by_extension(c),
         "partitions": c.n_partitions,
         "partition_bytes_min": int(sizes.min()) if len(sizes) else 0,
         "partition_bytes_max": int(sizes.max()) if len(sizes) else 0,
@@ -53,6 +105,18 @@ def info(image: Path) -> dict[str, Any]:
         "catalog_bytes": len(raw),
         "catalog_memory_bytes": c.memory_bytes(),
     }
+    if local_capacity is not None:
+        # Raw: the same partitions holding their files' decoded bytes.
+        raw_sizes = np.bincount(
+            c.part[files], weights=c.size[files], minlength=c.n_partitions
+        ).astype(np.int64)
+        out["capacity"] = {
+            "local_capacity": local_capacity,
+            "replicas": replicas,
+            "nodes": nodes_needed(c.part_size, c.part_flags, local_capacity, replicas),
+            "nodes_uncompressed": nodes_needed(raw_sizes, c.part_flags, local_capacity, replicas),
+        }
+    return out
 
 
 def format_info(d: dict[str, Any]) -> str:
@@ -63,17 +127,54 @@ def format_info(d: dict[str, Any]) -> str:
         f"{d['symlinks']} symlinks",
         f"data:        {human_bytes(d['bytes'])} in, {human_bytes(d['bytes_stored'])} stored "
         f"(ratio {d['ratio']:.2f})",
-        "codecs:      " + ", ".join(f"{k} {v}" for k, v in d["codecs"].items()),
+        "codecs:      "
+        + ", ".join(f"{k} {v}" for k, v in d["codecs"].items())
+        + f"; {d['dictionaries']} dictionaries ({human_bytes(d['dictionary_bytes'])})",
         f"partitions:  {d['partitions']}, {human_bytes(d['partition_bytes_min'])} to "
         f"{human_bytes(d['partition_bytes_max'])} (mean {human_bytes(d['partition_bytes_mean'])})",
         f"catalog:     {human_bytes(d['catalog_bytes'])} on disk, "
         f"{human_bytes(d['catalog_memory_bytes'])} in memory",
+        "by extension:",
     ]
+    for row in d["by_extension"]:
+        lines.append(
+            f"  {row['extension']:<12} {row['files']:>10} files {human_bytes(row['bytes']):>10} "
+            f"-> {human_bytes(row['bytes_stored']):>10} (ratio {row['ratio']:.2f})"
+        )
+    cap = d.get("capacity")
+    if cap is not None:
+
+        def nodes(n: int | None) -> str:
+            return (
+                str(n) if n is not None else "none fit (a partition is too big; more --partitions)"
+            )
+
+        lines.append(
+            f"nodes with {human_bytes(cap['local_capacity'])} local disk each "
+            f"(replicas {cap['replicas']}): {nodes(cap['nodes'])} as prepared, "
+            f"{nodes(cap['nodes_uncompressed'])} uncompressed"
+        )
     return "\n".join(lines)
+
+
+def _pread(fd: int, n: int, off: int) -> bytes:
+    data = os.pread(fd, n, off)
+    if len(data) != n:
+        raise CorruptFile("truncated")
+    return data
 
 
 def _check(fd: int, c: cat.Catalog, e: int) -> None:
     n, start = int(c.stored_len[e]), int(c.data_off[e])
+    size = int(c.size[e])
+    if c.codec[e] == cat.CODEC_FRAMED:
+        t_off, t_len = codec.FrameTable.span(size, n, c.frame_size)
+        table = codec.FrameTable(_pread(fd, t_len, start + t_off), size, n, c.frame_size,
+                                 int(c.crc[e]))  # fmt: skip
+        for i in range(len(table)):
+            off, length = table.stored(i)
+            table.decode(i, _pread(fd, length, start + off))
+        return
     if c.codec[e] == cat.CODEC_RAW and n > VERIFY_CHUNK:
         crc = 0
         for off in range(0, n, VERIFY_CHUNK):
@@ -84,10 +185,7 @@ def _check(fd: int, c: cat.Catalog, e: int) -> None:
         if crc != int(c.crc[e]):
             raise CorruptFile("checksum mismatch")
         return
-    stored = os.pread(fd, n, start)
-    if len(stored) != n:
-        raise CorruptFile("truncated")
-    codec.decode(stored, int(c.codec[e]), int(c.size[e]), int(c.crc[e]))
+    codec.decode(_pread(fd, n, start), int(c.codec[e]), size, int(c.crc[e]), c.dicts)
 
 
 def verify(image: Path) -> Iterator[str]:

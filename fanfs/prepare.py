@@ -34,6 +34,7 @@ from types import FrameType
 from typing import Any, BinaryIO
 
 import numpy as np
+import zstandard
 
 from fanfs import catalog as cat
 from fanfs import codec
@@ -58,6 +59,14 @@ BATCH_BYTES = 8 << 20
 # A batch's paths travel to its worker in one message, which must fit the pipe's buffer
 # (about 200 KiB) so that sending never waits on a worker that is busy sending a result.
 BATCH_PATH_BYTES = 64 << 10
+# Dictionaries: one per group of small files (same extension) with enough files to pay for
+# it, trained on up to DICT_SAMPLE_FILES files spread over the group (walk order, so the image
+# is the same every time), at most DICT_SAMPLE_BYTES of them.
+DICT_SIZE = 64 << 10
+DICT_MIN_FILES = 64
+DICT_SAMPLE_FILES = 2000
+DICT_SAMPLE_BYTES = 8 << 20
+MAX_DICTS = 64
 
 
 @dataclass
@@ -174,7 +183,7 @@ def default_partitions(total_bytes: int, n_files: int) -> int:
     return max(1, min(max(MIN_PARTITIONS, min(wanted, MAX_PARTITIONS)), n_files))
 
 
-def _read_whole(path: bytes, size: int, codec_id: int, level: int) -> tuple[int, bytes, int]:
+def _read(path: bytes, size: int) -> bytes:
     try:
         with open(path, "rb") as f:
             data = f.read(size + 1)
@@ -182,25 +191,40 @@ def _read_whole(path: bytes, size: int, codec_id: int, level: int) -> tuple[int,
         raise SourceError(f"{os.fsdecode(path)}: cannot read: {e.strerror}") from None
     if len(data) != size:
         raise SourceError(f"{os.fsdecode(path)}: changed size while preparing")
-    used, stored = codec.encode(data, codec_id, level)
-    return used, stored, zlib.crc32(stored)
+    return data
 
 
-def _copy_stream(path: bytes, size: int, out: BinaryIO) -> int:
-    """Copy a big file raw in chunks; return the CRC-32 of what was written."""
+def _copy_stream(path: bytes, size: int, out: BinaryIO, encoder: codec.Encoder) -> tuple[int, int]:
+    """Store a big file chunk by chunk, never whole in memory: raw, or framed when the policy
+    frames it. Returns (codec, CRC-32 for the catalog)."""
+    framed = encoder.framed(size)
+    chunk_size = encoder.frame_size if framed else STREAM_CHUNK
+    frames: codec.FrameWriter | None = None
     crc = 0
     done = 0
     try:
         with open(path, "rb") as f:
-            while chunk := f.read(STREAM_CHUNK):
-                crc = zlib.crc32(chunk, crc)
-                out.write(chunk)
+            while chunk := f.read(chunk_size):
+                if framed and frames is None:
+                    skip = encoder.policy.mode == "auto" and codec.already_compressed(chunk[:16])
+                    frames = codec.FrameWriter(encoder, skip)
+                if frames is not None:
+                    out.write(frames.add(chunk))
+                else:
+                    crc = zlib.crc32(chunk, crc)
+                    out.write(chunk)
                 done += len(chunk)
+                if done > size:
+                    break
     except OSError as e:
         raise SourceError(f"{os.fsdecode(path)}: cannot read: {e.strerror}") from None
     if done != size:
         raise SourceError(f"{os.fsdecode(path)}: changed size while preparing")
-    return crc
+    if frames is None:
+        return cat.CODEC_RAW, crc
+    table = frames.table()
+    out.write(table)
+    return cat.CODEC_FRAMED, zlib.crc32(table)
 
 
 class _Packer:
@@ -230,24 +254,31 @@ class _Packer:
         self.crc = np.zeros(n_entries, dtype=np.uint32)
         self.codec = np.zeros(n_entries, dtype=np.uint8)
 
-    def _take(self, entry: int, nbytes: int) -> BinaryIO:
-        heap = self.bcast_fill if entry in self.broadcast else self.fill
-        used, p = heapq.heappop(heap)
-        heapq.heappush(heap, (used + nbytes, p))
+    def _least_filled(self, entry: int) -> list[tuple[int, int]]:
+        return self.bcast_fill if entry in self.broadcast else self.fill
+
+    def _record(self, entry: int, nbytes: int) -> None:
+        """`entry`'s nbytes were just appended to the least-filled partition of its set."""
+        heap = self._least_filled(entry)
+        used, p = heap[0]
+        heapq.heapreplace(heap, (used + nbytes, p))
         self.part[entry] = p
         self.data_off[entry] = used
         self.stored_len[entry] = nbytes
         self.part_size[p] = used + nbytes
         self.part_files[p] += 1
-        return self.outs[p]
 
     def add(self, entry: int, codec_id: int, stored: bytes, crc: int) -> None:
-        self._take(entry, len(stored)).write(stored)
+        self.outs[self._least_filled(entry)[0][1]].write(stored)
+        self._record(entry, len(stored))
         self.codec[entry] = codec_id
         self.crc[entry] = crc
 
-    def add_stream(self, entry: int, path: bytes, size: int) -> None:
-        self.crc[entry] = _copy_stream(path, size, self._take(entry, size))
+    def add_stream(self, entry: int, path: bytes, size: int, encoder: codec.Encoder) -> None:
+        out = self.outs[self._least_filled(entry)[0][1]]
+        start = out.tell()
+        self.codec[entry], self.crc[entry] = _copy_stream(path, size, out, encoder)
+        self._record(entry, out.tell() - start)
 
     def close(self) -> None:
         for out in self.outs:
@@ -256,15 +287,27 @@ class _Packer:
             out.close()
 
 
-Item = tuple[int, bytes, int]  # (entry, absolute path, size)
+Item = tuple[int, bytes, int, int]  # (entry, absolute path, size, dictionary id or 0)
 Stored = tuple[int, bytes, int]  # (codec, stored bytes, crc)
+Task = list[tuple[bytes, int, int]]  # what a worker gets: (path, size, dictionary id) per file
 
 
-def _read_batch(items: list[tuple[bytes, int]], codec_id: int, level: int) -> list[Stored]:
-    return [_read_whole(path, size, codec_id, level) for path, size in items]
+def _read_batch(items: Task, encoder: codec.Encoder) -> list[Stored]:
+    return [encoder.encode(_read(path, size), dict_id) for path, size, dict_id in items]
 
 
-def _batches(tree: Tree) -> Iterator[list[Item]]:
+def _task(batch: list[Item]) -> Task:
+    return [(p, n, d) for _, p, n, d in batch]
+
+
+def _group(path: bytes) -> bytes:
+    """Which files share a dictionary: those with the same extension (case folded)."""
+    name = path.rsplit(b"/", 1)[-1]
+    dot = name.rfind(b".")
+    return name[dot:].lower() if dot > 0 else b""
+
+
+def _batches(tree: Tree, dict_ids: dict[bytes, int]) -> Iterator[list[Item]]:
     """Files in walk order, in batches; a file to stream travels alone."""
     batch: list[Item] = []
     nbytes = pbytes = 0
@@ -274,9 +317,10 @@ def _batches(tree: Tree) -> Iterator[list[Item]]:
             if batch:
                 yield batch
                 batch, nbytes, pbytes = [], 0, 0
-            yield [(entry, path, size)]
+            yield [(entry, path, size, 0)]
             continue
-        batch.append((entry, path, size))
+        dict_id = dict_ids.get(_group(path), 0) if dict_ids and size <= codec.DICT_MAX_FILE else 0
+        batch.append((entry, path, size, dict_id))
         nbytes += size
         pbytes += len(path)
         if len(batch) >= BATCH_FILES or nbytes >= BATCH_BYTES or pbytes >= BATCH_PATH_BYTES:
@@ -284,6 +328,50 @@ def _batches(tree: Tree) -> Iterator[list[Item]]:
             batch, nbytes, pbytes = [], 0, 0
     if batch:
         yield batch
+
+
+def train_dictionaries(tree: Tree, policy: codec.Policy) -> tuple[list[bytes], dict[bytes, int]]:
+    """Dictionaries for the groups of small files, and which group uses which (id = index + 1)."""
+    groups: dict[bytes, list[tuple[bytes, int]]] = {}
+    for entry, path in tree.files:
+        size = tree.size[entry]
+        if 0 < size <= codec.DICT_MAX_FILE:
+            groups.setdefault(_group(path), []).append((path, size))
+    ranked = sorted(
+        ((sum(n for _, n in files), key, files) for key, files in groups.items()
+         if len(files) >= DICT_MIN_FILES),
+        key=lambda g: (-g[0], g[1]),
+    )  # fmt: skip
+    dicts: list[bytes] = []
+    ids: dict[bytes, int] = {}
+    for _, key, files in ranked[:MAX_DICTS]:
+        _stop.check()
+        samples: list[bytes] = []
+        taken = 0
+        for path, size in files[:: max(1, len(files) // DICT_SAMPLE_FILES)]:
+            if taken + size > DICT_SAMPLE_BYTES:
+                break
+            samples.append(_read(path, size))
+            taken += size
+        if policy.mode == "auto":
+            packed = sum(codec.already_compressed(x[:16]) for x in samples)
+            if packed * 2 > len(samples):
+                log.info("no dictionary for %r files: compressed already", os.fsdecode(key))
+                continue
+        pool: list[bytes | bytearray | memoryview] = list(samples)
+        try:
+            trained = zstandard.train_dictionary(
+                min(DICT_SIZE, taken // 8), pool, dict_id=len(dicts) + 1, level=policy.level
+            )
+        except zstandard.ZstdError as e:  # too few or too uniform samples: no dictionary
+            log.info("no dictionary for %r files: %s", os.fsdecode(key), e)
+            continue
+        dicts.append(trained.as_bytes())
+        ids[key] = len(dicts)
+    if dicts:
+        names = ", ".join(repr(os.fsdecode(k) or "(no extension)") for k in ids)
+        log.info("trained %d dictionaries (%s)", len(dicts), names)
+    return dicts, ids
 
 
 def _worker_signals() -> None:
@@ -297,7 +385,7 @@ def _streamed(batch: list[Item]) -> bool:
     return batch[0][2] > STREAM_THRESHOLD
 
 
-def _worker_main(conn: Connection, codec_id: int, level: int) -> None:
+def _worker_main(conn: Connection, encoder: codec.Encoder) -> None:
     """A prepare worker: batches in, stored results (or the error) out, until EOF."""
     _worker_signals()
     while True:
@@ -308,7 +396,7 @@ def _worker_main(conn: Connection, codec_id: int, level: int) -> None:
         if items is None:  # stop: EOF alone is not enough, later workers hold our pipe too
             return
         try:
-            conn.send(("ok", _read_batch(items, codec_id, level)))
+            conn.send(("ok", _read_batch(items, encoder)))
         except FanfsError as e:
             conn.send(("error", e))
         except Exception as e:  # a bug: report it with its type rather than hang
@@ -320,13 +408,13 @@ class _Workers:
     workers round-robin returns results in walk order. No background threads: killing the
     workers on an interrupt can never leave anything waiting for them."""
 
-    def __init__(self, n: int, codec_id: int, level: int):
+    def __init__(self, n: int, encoder: codec.Encoder):
         ctx = mp.get_context("fork")  # workers are our children: we can always stop them
         self.conns: list[Connection] = []
         self.procs: list[Any] = []
         for _ in range(n):
             ours, theirs = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(theirs, codec_id, level), daemon=True)
+            proc = ctx.Process(target=_worker_main, args=(theirs, encoder), daemon=True)
             proc.start()
             theirs.close()
             self.conns.append(ours)
@@ -354,7 +442,7 @@ class _Workers:
 
 
 def _results(
-    tree: Tree, codec_id: int, level: int, jobs: int
+    tree: Tree, encoder: codec.Encoder, dict_ids: dict[bytes, int], jobs: int
 ) -> Iterator[tuple[int, bytes, int, Stored | None]]:
     """(entry, path, size, (codec, stored, crc) or None for streamed files), in walk order.
 
@@ -366,26 +454,23 @@ def _results(
     def unpack(
         batch: list[Item], stored: list[Stored] | None
     ) -> Iterator[tuple[int, bytes, int, Stored | None]]:
-        for i, (entry, path, size) in enumerate(batch):
+        for i, (entry, path, size, _) in enumerate(batch):
             yield entry, path, size, None if stored is None else stored[i]
 
     if jobs == 1:
-        for batch in _batches(tree):
+        for batch in _batches(tree, dict_ids):
             _stop.check()
-            if _streamed(batch):
-                yield from unpack(batch, None)
-            else:
-                yield from unpack(
-                    batch, _read_batch([(p, n) for _, p, n in batch], codec_id, level)
-                )
+            yield from unpack(
+                batch, None if _streamed(batch) else _read_batch(_task(batch), encoder)
+            )
         return
-    workers = _Workers(jobs, codec_id, level)
+    workers = _Workers(jobs, encoder)
     pending: deque[tuple[list[Item], int | None, int]] = deque()  # (batch, worker, bytes)
     inflight = 0
     sent = 0
     try:
-        for batch in _batches(tree):
-            nbytes = 0 if _streamed(batch) else sum(n for _, _, n in batch)
+        for batch in _batches(tree, dict_ids):
+            nbytes = 0 if _streamed(batch) else sum(n for _, _, n, _ in batch)
             while pending and (inflight + nbytes > WINDOW_BYTES or len(pending) >= 2 * jobs):
                 done, k, held = pending.popleft()
                 inflight -= held
@@ -394,7 +479,7 @@ def _results(
             if not _streamed(batch):
                 k = sent % jobs
                 sent += 1
-                workers.conns[k].send([(p, n) for _, p, n in batch])
+                workers.conns[k].send(_task(batch))
             pending.append((batch, k, nbytes))
             inflight += nbytes
         while pending:
@@ -444,12 +529,12 @@ def prepare(
     image: Path,
     *,
     partitions: int | None = None,
-    compress: str = "none",
+    compress: str = "auto",
     jobs: int | None = None,
     force: bool = False,
     broadcast: Sequence[str] = (),
 ) -> Summary:
-    codec_id, level = codec.parse_compress(compress)
+    policy = codec.parse_compress(compress)
     image = image.absolute()
     src = src.absolute()
     if image.exists() and not force:
@@ -460,16 +545,14 @@ def prepare(
         raise SourceError(f"{image.parent}: no such directory")
     jobs = jobs or min(8, os.cpu_count() or 1)
     with _stop.installed():
-        return _prepare(src, image, partitions, codec_id, level, compress, jobs, broadcast)
+        return _prepare(src, image, partitions, policy, jobs, broadcast)
 
 
 def _prepare(
     src: Path,
     image: Path,
     partitions: int | None,
-    codec_id: int,
-    level: int,
-    compress: str,
+    policy: codec.Policy,
     jobs: int,
     broadcast: Sequence[str],
 ) -> Summary:
@@ -481,21 +564,23 @@ def _prepare(
     total = sum(tree.size[e] for e, _ in tree.files)
     n_parts = partitions or default_partitions(total - bcast_bytes, len(tree.files) - len(bcast))
     n_bcast = min(len(bcast), max(1, math.ceil(bcast_bytes / PART_TARGET_BYTES))) if bcast else 0
+    dicts, dict_ids = train_dictionaries(tree, policy) if policy.compresses else ([], {})
+    encoder = codec.Encoder(policy, dicts)
     tmp = image.parent / f".{image.name}.partial-{os.getpid()}"
     try:
         tmp.mkdir()
         packer = _Packer(tmp, n_parts, n_bcast, len(tree.names))
         packer.broadcast = bcast
         progress = Progress("prepare", len(tree.files), total)
-        for entry, path, size, result in _results(tree, codec_id, level, jobs):
+        for entry, path, size, result in _results(tree, encoder, dict_ids, jobs):
             if result is None:
-                packer.add_stream(entry, path, size)
+                packer.add_stream(entry, path, size, encoder)
             else:
                 packer.add(entry, *result)
             progress.update(1, size)
             _stop.check()
         packer.close()
-        _write_catalog(tmp, tree, packer, compress, src)
+        _write_catalog(tmp, tree, packer, encoder, src)
         _stop.check()  # the last moment an interrupt can still leave nothing behind
         _publish(tmp, image)
     except BaseException:
@@ -514,7 +599,9 @@ def _prepare(
     )
 
 
-def _write_catalog(tmp: Path, tree: Tree, packer: _Packer, compress: str, src: Path) -> None:
+def _write_catalog(
+    tmp: Path, tree: Tree, packer: _Packer, encoder: codec.Encoder, src: Path
+) -> None:
     strings = bytearray()
     name_off = np.zeros(len(tree.names), dtype=np.uint64)
     for i, name in enumerate(tree.names):
@@ -523,6 +610,10 @@ def _write_catalog(tmp: Path, tree: Tree, packer: _Packer, compress: str, src: P
     for entry, target in tree.links.items():
         packer.data_off[entry] = len(strings)
         strings += target
+    dict_off = np.zeros(len(encoder.dicts), dtype=np.uint64)
+    for i, d in enumerate(encoder.dicts):
+        dict_off[i] = len(strings)
+        strings += d
     columns: dict[str, Any] = {
         "parent": tree.parent,
         "mode": tree.mode,
@@ -540,15 +631,18 @@ def _write_catalog(tmp: Path, tree: Tree, packer: _Packer, compress: str, src: P
         "part_size": packer.part_size,
         "part_files": packer.part_files,
         "part_flags": packer.part_flags,
+        "dict_off": dict_off,
+        "dict_len": [len(d) for d in encoder.dicts],
     }
     meta = {
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "source": os.fsdecode(src),
-        "compress": compress,
+        "compress": str(encoder.policy),
         "host": os.uname().nodename,
     }
     with open(tmp / cat.CATALOG_NAME, "wb") as f:
-        f.write(cat.encode({k: np.asarray(v) for k, v in columns.items()}, bytes(strings), meta))
+        arrays = {k: np.asarray(v) for k, v in columns.items()}
+        f.write(cat.encode(arrays, bytes(strings), meta, frame_size=encoder.frame_size))
         f.flush()
         os.fsync(f.fileno())
 

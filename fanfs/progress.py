@@ -11,6 +11,15 @@ TTY_REFRESH_S = 0.1  # a terminal redraw costs little; ten a second looks smooth
 LOG_INTERVAL_S = 10.0  # batch logs (Slurm output files) get one line per interval
 
 
+def parse_size(text: str) -> int:
+    """`60G`, `512M`, `1.5T`, `4096` (binary units, optional `B`/`iB`) -> bytes."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":

@@ -22,7 +22,7 @@ import os
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import Any
 
 import numpy as np
@@ -44,6 +44,7 @@ VERIFY_CHUNK = 8 << 20
 WORKER_THREADS = 4  # concurrent big reads/decodes; more would only contend for 2 cores here
 ENTRY_OVERHEAD = 120  # bytes a cache entry costs beyond its data (dict slot, bytes header)
 LATENCY_SAMPLES = 4096  # ring buffer of recent fetch latencies for percentiles
+TABLES_KEPT = 4096  # parsed frame tables of framed files kept (LRU)
 
 
 class Reader:
@@ -66,9 +67,11 @@ class Reader:
         else:
             self._mine = np.array([self.rank in o for o in self.owners], dtype=bool)
         self.cache_bytes = cache_bytes
-        self._cache: OrderedDict[int, bytes] = OrderedDict()
+        # Decoded whole files (key: entry) and frames of framed files (key: (entry, frame)).
+        self._cache: OrderedDict[Hashable, bytes] = OrderedDict()
         self._cached = 0
-        self._inflight: dict[int, trio.Event] = {}
+        self._tables: OrderedDict[int, codec.FrameTable] = OrderedDict()
+        self._inflight: dict[Hashable, trio.Event] = {}
         self._verified: set[int] = set()
         self._bad: set[int] = set()
         self._limiter = trio.CapacityLimiter(WORKER_THREADS)
@@ -91,9 +94,11 @@ class Reader:
         size = min(size, length - offset)
         self.bytes_served += size
         codec_id = int(self.catalog.codec[entry])
+        if codec_id == cat.CODEC_FRAMED:
+            return await self._framed(entry, offset, size)
         if codec_id == cat.CODEC_RAW and length > WHOLE_FILE_LIMIT:
             if not self._mine[int(self.catalog.part[entry])]:
-                got = await self._remote(entry, offset, size)
+                got = await self._remote(entry, offset, size, None)
                 if got is not None:
                     return got
                 self.fallbacks += 1
@@ -107,56 +112,126 @@ class Reader:
     async def _in_thread(self, fn: Any, *args: Any) -> Any:
         return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
 
-    async def _shared(self, entry: int) -> trio.Event | None:
-        """Wait for another task's fetch of `entry`; None if the caller should fetch."""
-        event = self._inflight.get(entry)
+    async def _shared(self, key: Hashable) -> trio.Event | None:
+        """Wait for another task's fetch of `key`; None if the caller should fetch."""
+        event = self._inflight.get(key)
         if event is None:
-            self._inflight[entry] = trio.Event()
+            self._inflight[key] = trio.Event()
             return None
         await event.wait()
         return event
 
-    def _done(self, entry: int) -> None:
-        self._inflight.pop(entry).set()
+    def _waiters(self, key: Hashable) -> int:
+        return self._inflight[key].statistics().tasks_waiting
 
-    async def _whole(self, entry: int, keep: bool = True) -> bytes:
+    async def _once(
+        self,
+        key: Hashable,
+        entry: int,
+        lookup: Callable[[], Any],
+        produce: Callable[[], Awaitable[Any]],
+    ) -> Any:
+        """`lookup()` if it has the answer, else `produce()` run by one task however many
+        ask at once (the others wait, then look again). A failure marks `entry` bad."""
         while True:
-            data = self._cache.get(entry)
-            if data is not None:
-                self._cache.move_to_end(entry)
-                self.cache_hits += 1
-                return data
+            found = lookup()
+            if found is not None:
+                return found
             if entry in self._bad:
                 raise CorruptFile(self._describe(entry))
-            if await self._shared(entry) is None:
+            if await self._shared(key) is None:
                 break
         try:
-            data = None
-            if not self._mine[int(self.catalog.part[entry])]:
-                stored = await self._remote(entry, 0, int(self.catalog.stored_len[entry]))
-                if stored is not None:
-                    data = await self._decode(entry, stored)
-                else:
-                    self.fallbacks += 1  # no peer could: read the image (shared storage)
-            if data is None:
-                began = time.perf_counter()
-                data = await self._decode(entry, await self._read_stored(entry, 0, None))
-                self._record(began, int(self.catalog.stored_len[entry]))
-            # Keep it if asked, or if other requests for this file wait on this fetch.
-            if keep or self._inflight[entry].statistics().tasks_waiting:
-                self._put(entry, data)
-            return data
+            return await produce()
         except (CorruptFile, OSError) as e:
             self._mark_bad(entry, e)
             raise CorruptFile(self._describe(entry)) from None
         finally:
-            self._done(entry)
+            self._inflight.pop(key).set()
 
-    async def _small_or_threaded(self, entry: int, fn: Any, *args: Any) -> Any:
-        c = self.catalog
-        if int(c.stored_len[entry]) <= INLINE_LIMIT and int(c.size[entry]) <= INLINE_LIMIT:
-            return fn(*args)
-        return await self._in_thread(fn, *args)
+    def _lookup(self, key: Hashable) -> bytes | None:
+        data = self._cache.get(key)
+        if data is not None:
+            self._cache.move_to_end(key)
+            self.cache_hits += 1
+        return data
+
+    async def _whole(self, entry: int, keep: bool = True) -> bytes:
+        async def produce() -> bytes:
+            c = self.catalog
+            stored = await self._stored(entry, 0, int(c.stored_len[entry]), int(c.crc[entry]))
+            args = (stored, int(c.codec[entry]), int(c.size[entry]), int(c.crc[entry]), c.dicts)
+            big = max(len(stored), int(c.size[entry])) > INLINE_LIMIT
+            data: bytes = await self._maybe_threaded(big, codec.decode, *args)
+            # Keep it if asked, or if other requests for this file wait on this fetch.
+            if keep or self._waiters(entry):
+                self._put(entry, data)
+            return data
+
+        data: bytes = await self._once(entry, entry, lambda: self._lookup(entry), produce)
+        return data
+
+    async def _maybe_threaded(self, big: bool, fn: Any, *args: Any) -> Any:
+        return await self._in_thread(fn, *args) if big else fn(*args)
+
+    async def _stored(self, entry: int, offset: int, length: int, crc: int | None) -> bytes:
+        """Stored bytes of `entry`: from this daemon's store, or a peer (checked against `crc`
+        when given, so a bad copy sends us to the next source), or the image as a last resort."""
+        if not self._mine[int(self.catalog.part[entry])]:
+            got = await self._remote(entry, offset, length, crc)
+            if got is not None:
+                return got
+            self.fallbacks += 1  # no peer could: read the image (shared storage)
+        began = time.perf_counter()
+        data = await self._read_stored(entry, offset, length)
+        self._record(began, length)
+        return data
+
+    async def _framed(self, entry: int, offset: int, size: int) -> bytes | memoryview:
+        """Bytes of a framed file: only the frames the range touches are fetched and decoded."""
+        table = await self._table(entry)
+        fs = table.frame_size
+        pieces = []
+        for i in range(offset // fs, (offset + size - 1) // fs + 1):
+            frame = await self._frame(entry, table, i)
+            lo = max(offset - i * fs, 0)
+            pieces.append(memoryview(frame)[lo : min(offset + size - i * fs, len(frame))])
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+    async def _table(self, entry: int) -> codec.FrameTable:
+        def lookup() -> codec.FrameTable | None:
+            table = self._tables.get(entry)
+            if table is not None:
+                self._tables.move_to_end(entry)
+            return table
+
+        async def produce() -> codec.FrameTable:
+            c = self.catalog
+            size, stored_len, crc = int(c.size[entry]), int(c.stored_len[entry]), int(c.crc[entry])
+            off, n = codec.FrameTable.span(size, stored_len, c.frame_size)
+            raw = await self._stored(entry, off, n, crc)
+            table = codec.FrameTable(raw, size, stored_len, c.frame_size, crc)
+            self._tables[entry] = table
+            while len(self._tables) > TABLES_KEPT:
+                self._tables.popitem(last=False)
+            return table
+
+        table: codec.FrameTable = await self._once(("table", entry), entry, lookup, produce)
+        return table
+
+    async def _frame(self, entry: int, table: codec.FrameTable, i: int) -> bytes:
+        key = (entry, i)
+
+        async def produce() -> bytes:
+            off, length = table.stored(i)
+            stored = await self._stored(entry, off, length, int(table.crcs[i]))
+            big = max(length, table.decoded_len(i)) > INLINE_LIMIT
+            data: bytes = await self._maybe_threaded(big, table.decode, i, stored)
+            self._put(key, data)  # the rest of the frame is likely read next
+            return data
+
+        data: bytes = await self._once(key, entry, lambda: self._lookup(key), produce)
+        return data
 
     def _sources(self, entry: int) -> list[int]:
         """Peers holding `entry`, live ones only, rotated per file to spread load over replicas."""
@@ -166,8 +241,9 @@ class Reader:
         ranks = ranks[k:] + ranks[:k]
         return [r for r in ranks if r != self.rank and not self.transport.is_dead(r)]
 
-    async def _remote(self, entry: int, offset: int, length: int) -> bytes | None:
-        """Stored bytes of `entry` from the first peer that has them, or None."""
+    async def _remote(self, entry: int, offset: int, length: int, crc: int | None) -> bytes | None:
+        """Stored bytes of `entry` from the first peer that has them, or None. With `crc`,
+        a reply that does not match it is a bad copy: the next peer is tried."""
         assert self.transport is not None
         for peer in self._sources(entry):
             try:
@@ -176,20 +252,12 @@ class Reader:
                 continue
             if stored is None:
                 continue
-            if offset or length != int(self.catalog.stored_len[entry]):
-                return stored  # a range of a big raw file: the owner checked the whole file
-            if zlib.crc32(stored) == int(self.catalog.crc[entry]):
+            if crc is None or zlib.crc32(stored) == crc:
                 return stored
             self.bad_payloads += 1
             log.warning("bad payload for %s from rank %d, trying another source",
                         self._describe(entry), peer)  # fmt: skip
         return None
-
-    async def _decode(self, entry: int, stored: bytes) -> bytes:
-        c = self.catalog
-        args = (stored, int(c.codec[entry]), int(c.size[entry]), int(c.crc[entry]))
-        data: bytes = await self._small_or_threaded(entry, codec.decode, *args)
-        return data
 
     async def serve(self, entry: int, offset: int, length: int) -> bytes | memoryview | None:
         """A peer's request for stored bytes of a file this daemon holds; None if it cannot."""
@@ -228,20 +296,14 @@ class Reader:
         return data
 
     async def _verify_large(self, entry: int) -> None:
-        while entry not in self._verified:
-            if entry in self._bad:
-                raise CorruptFile(self._describe(entry))
-            if await self._shared(entry) is None:
-                try:
-                    began = time.perf_counter()
-                    await self._in_thread(self._check_large, entry)
-                    self._record(began, int(self.catalog.stored_len[entry]))
-                    self._verified.add(entry)
-                except (CorruptFile, OSError) as e:
-                    self._mark_bad(entry, e)
-                    raise CorruptFile(self._describe(entry)) from None
-                finally:
-                    self._done(entry)
+        async def produce() -> bool:
+            began = time.perf_counter()
+            await self._in_thread(self._check_large, entry)
+            self._record(began, int(self.catalog.stored_len[entry]))
+            self._verified.add(entry)
+            return True
+
+        await self._once(entry, entry, lambda: entry in self._verified or None, produce)
 
     def _check_large(self, entry: int) -> None:
         c = self.catalog
@@ -254,8 +316,8 @@ class Reader:
         if crc != int(c.crc[entry]):
             raise CorruptFile("checksum mismatch")
 
-    def _put(self, entry: int, data: bytes) -> None:
-        self._cache[entry] = data
+    def _put(self, key: Hashable, data: bytes) -> None:
+        self._cache[key] = data
         self._cached += len(data) + ENTRY_OVERHEAD
         # Evict least recently used, but keep the newest entry even if it alone is too big:
         # the request that fetched it must still be answered.

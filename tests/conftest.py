@@ -99,7 +99,7 @@ def prepare(src: Path, image: Path, *extra: str) -> Path:
     return image
 
 
-@pytest.fixture(scope="session", params=["none", "zstd"])
+@pytest.fixture(scope="session", params=["none", "zstd", "auto"])
 def awkward_image(
     request: pytest.FixtureRequest, awkward_src: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Path:

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from conftest import fanfs
 
+from fanfs.errors import ExitCode
+
 
 def test_bench_runs_and_reports(tmp_path: Path) -> None:
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
@@ -29,4 +31,6 @@ def test_bench_runs_and_reports(tmp_path: Path) -> None:
 
 def test_bench_rejects_bad_options(tmp_path: Path) -> None:
     done = fanfs("bench", "--sizes", "lots", "--workdir", tmp_path)
-    assert done.returncode == 1 and "fanfs: error: bench: bad option value" in done.stderr
+    assert (
+        done.returncode == ExitCode.USAGE and "fanfs: error: bench: bad option value" in done.stderr
+    )

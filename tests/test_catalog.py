@@ -35,7 +35,8 @@ def test_children_are_contiguous_and_sorted(awkward_image: Path) -> None:
 def test_catalog_is_compact(awkward_image: Path) -> None:
     c, raw = cat.Catalog.load(awkward_image)
     names = sum(len(c.name(e)) for e in range(c.n_entries))
-    assert (c.memory_bytes() - len(c.strings)) / c.n_entries < 80
+    dicts = sum(len(d) for d in c.dicts)  # zstd dictionaries: per image, not per entry
+    assert (c.memory_bytes() - len(c.strings) - dicts) / c.n_entries < 80
     assert len(c.strings) >= names
     assert cat.Catalog.from_bytes(raw).n_entries == c.n_entries
 
@@ -66,6 +67,7 @@ def test_prepare_is_deterministic_across_jobs(awkward_src: Path, tmp_path: Path)
     cb, _ = cat.Catalog.load(b)
     for name, _dtype in cat.ENTRY_COLUMNS + cat.PARTITION_COLUMNS:
         assert np.array_equal(getattr(ca, name), getattr(cb, name)), name
+    assert ca.dicts and ca.dicts == cb.dicts  # dictionaries trained the same way too
     for p in range(ca.n_partitions):
         assert (a / cat.partition_name(p)).read_bytes() == (b / cat.partition_name(p)).read_bytes()
 

@@ -120,7 +120,7 @@ def test_prepare_skips_special_files_with_a_warning(small_src: Path, tmp_path: P
 
 def test_prepare_bad_compress_value(small_src: Path, tmp_path: Path) -> None:
     done = fanfs("prepare", small_src, tmp_path / "img", "--compress", "lz4")
-    assert_one_line_error(done, ExitCode.FAILED, "lz4")
+    assert_one_line_error(done, ExitCode.USAGE, "lz4")
 
 
 # -- broken images: refused before anything is mounted ---------------------------------------

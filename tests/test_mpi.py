@@ -85,6 +85,11 @@ def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (src / "big" / "raw-20mib.bin").write_bytes(rng.bytes(20 << 20))  # remote range reads
     (src / "empty").write_bytes(b"")
     os.symlink("val/v00.bin", src / "link")
+    # Compressed codec paths over the network: dictionary files and a framed delta4 field.
+    (src / "tables").mkdir()
+    for i in range(70):
+        (src / "tables" / f"t{i:02d}.csv").write_bytes(datagen.csv_table(rng, 40 + i))
+    (src / "big" / "field.f32").write_bytes(datagen.smooth_field(rng, 1100, 1100).tobytes())
     return src
 
 
@@ -115,6 +120,36 @@ def test_every_rank_reads_every_file(tree: Path, image: Path, tmp_path: Path, n:
                 assert s["reader"]["remote_fetches"] > 0, s
                 assert s["reader"]["served_to_peers"] > 0, s
                 assert s["reader"]["fallbacks"] == 0, s
+        _clean_after(m)
+
+
+def test_remote_reads_of_compressed_and_framed_files(
+    tree: Path, image: Path, tmp_path: Path
+) -> None:
+    c, _ = cat.Catalog.load(image)
+    rels = ["big/field.f32", "big/raw-20mib.bin", "tables/t03.csv", "tables/t50.csv"]
+    entries = [c.resolve(r.encode()) for r in rels]
+    assert [cat.CODEC_NAMES[int(c.codec[e])] for e in entries if e is not None] == [
+        "framed",
+        "framed",
+        "zstd-dict",
+        "zstd-dict",
+    ]
+    owners = placement.place(c.part_size, c.part_flags, 2)
+    rng = np.random.default_rng(5)
+    with mpi_mounted(image, tmp_path, 2) as m:
+        for rel, entry in zip(rels, entries, strict=True):
+            assert entry is not None
+            reader = 1 - owners[int(c.part[entry])][0]  # the rank that does not hold it
+            want = (tree / rel).read_bytes()
+            before = m.status(reader)["reader"]["remote_fetches"]
+            with open(m.mnts[reader] / rel, "rb") as f:
+                for off in [0, len(want) - 1, *rng.integers(0, len(want), 25).tolist()]:
+                    n = int(rng.choice([1, 4096, 300_000, 2 << 20]))
+                    assert os.pread(f.fileno(), n, off) == want[off : off + n], (rel, off, n)
+            assert (m.mnts[reader] / rel).read_bytes() == want
+            after = m.status(reader)["reader"]
+            assert after["remote_fetches"] > before and after["fallbacks"] == 0, (rel, after)
         _clean_after(m)
 
 
