@@ -50,7 +50,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         )
     except ValueError as e:  # a bad --compress value
         raise UsageError(str(e)) from None
-    main_summary(summary, Path(args.image))
+    if summary is not None:  # None: a rank other than 0, which only helped
+        main_summary(summary, Path(args.image))
     return ExitCode.OK
 
 

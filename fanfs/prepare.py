@@ -24,6 +24,7 @@ import stat
 import sys
 import threading
 import time
+import traceback
 import zlib
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -38,7 +39,7 @@ import zstandard
 
 from fanfs import catalog as cat
 from fanfs import codec
-from fanfs.errors import FanfsError, ImageExists, SourceError
+from fanfs.errors import ExitCode, FanfsError, ImageExists, SourceError
 from fanfs.progress import Progress, human_bytes
 
 log = logging.getLogger(__name__)
@@ -403,6 +404,78 @@ def _worker_main(conn: Connection, encoder: codec.Encoder) -> None:
             conn.send(("error", RuntimeError(f"prepare worker: {e!r}")))
 
 
+class _Ranks:
+    """The other MPI ranks as workers: batch in, results out in the order sent, each rank
+    spreading its batches over its own --jobs processes (`serve_batches`)."""
+
+    def __init__(self, world: Any):
+        self.world = world
+
+    def send(self, rank: int, task: Task) -> None:
+        self.world.post(task, rank, TAG_TASK)
+
+    def recv(self, rank: int) -> list[Stored]:
+        while not self.world.pending(rank, TAG_RESULT):
+            _stop.check()
+            time.sleep(RANK_POLL_S)
+        kind, payload = self.world.recv(rank, TAG_RESULT)
+        if kind == "error":
+            raise payload
+        return payload  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        for rank in range(1, self.world.size):
+            self.world.post(None, rank, TAG_TASK)
+        self.world.drain()
+
+
+def _outcome(fn: Any, *args: Any) -> tuple[str, Any]:
+    try:
+        return "ok", fn(*args)
+    except FanfsError as e:
+        return "error", e
+    except Exception as e:  # a bug: report it with its type rather than hang rank 0
+        return "error", RuntimeError(f"prepare on another rank: {e!r}")
+
+
+def serve_batches(world: Any, jobs: int) -> None:
+    """A rank other than 0 under an MPI launcher: read, checksum and compress the batches rank 0
+    sends, with `jobs` local processes, and send the results back in order."""
+    setup = world.bcast(None)
+    if setup is None:  # rank 0 failed before packing: it reports the error
+        return
+    mode, level, dicts = setup
+    encoder = codec.Encoder(codec.Policy(mode, level), dicts)
+    workers = _Workers(jobs, encoder) if jobs > 1 else None
+    inflight: deque[int] = deque()
+    sent = files = 0
+    try:
+        while True:
+            if inflight and not world.pending(0, TAG_TASK):
+                assert workers is not None
+                world.post(_outcome(workers.recv, inflight.popleft()), 0, TAG_RESULT)
+                continue
+            task = world.recv(0, TAG_TASK)
+            if task is None:
+                break
+            if isinstance(task, int):  # rank 0 failed: its exit code
+                if workers is not None:
+                    workers.close(kill=True)
+                os._exit(task)  # posted sends may never complete: no drain, no finalize
+            files += len(task)
+            if workers is None:
+                world.post(_outcome(_read_batch, task, encoder), 0, TAG_RESULT)
+            else:
+                workers.send(sent % jobs, task)
+                inflight.append(sent % jobs)
+                sent += 1
+        world.drain()
+        log.info("rank %d: read and compressed %d files", world.rank, files)
+    finally:
+        if workers is not None:
+            workers.close(kill=True)
+
+
 class _Workers:
     """Worker processes fed over one pipe each; batch i goes to worker i % n, so reading the
     workers round-robin returns results in walk order. No background threads: killing the
@@ -419,6 +492,9 @@ class _Workers:
             theirs.close()
             self.conns.append(ours)
             self.procs.append(proc)
+
+    def send(self, k: int, task: Task) -> None:
+        self.conns[k].send(task)
 
     def recv(self, k: int) -> list[Stored]:
         while not self.conns[k].poll(POLL_S):
@@ -442,13 +518,15 @@ class _Workers:
 
 
 def _results(
-    tree: Tree, encoder: codec.Encoder, dict_ids: dict[bytes, int], jobs: int
+    tree: Tree, encoder: codec.Encoder, dict_ids: dict[bytes, int], jobs: int, world: Any = None
 ) -> Iterator[tuple[int, bytes, int, Stored | None]]:
     """(entry, path, size, (codec, stored, crc) or None for streamed files), in walk order.
 
     With jobs > 1, batches go to worker processes (reading, CRC and compression of small files
-    is mostly per-file Python work, which threads would serialise on the GIL); results are
-    consumed in walk order, so the image is the same for every --jobs.
+    is mostly per-file Python work, which threads would serialise on the GIL). Under an MPI
+    launcher the other ranks work too, `jobs` batches in flight each. Batches go round-robin to
+    the lanes (local workers and ranks) and results are consumed in walk order, so the image is
+    the same for every --jobs and rank count.
     """
 
     def unpack(
@@ -457,38 +535,57 @@ def _results(
         for i, (entry, path, size, _) in enumerate(batch):
             yield entry, path, size, None if stored is None else stored[i]
 
-    if jobs == 1:
+    if jobs == 1 and world is None:
         for batch in _batches(tree, dict_ids):
             _stop.check()
             yield from unpack(
                 batch, None if _streamed(batch) else _read_batch(_task(batch), encoder)
             )
         return
-    workers = _Workers(jobs, encoder)
-    pending: deque[tuple[list[Item], int | None, int]] = deque()  # (batch, worker, bytes)
+    workers = _Workers(jobs, encoder) if jobs > 1 else None
+    ranks = _Ranks(world) if world is not None else None
+    lanes: list[tuple[Any, int]] = []
+    for k in range(jobs):
+        if workers is not None:
+            lanes.append((workers, k))
+        if ranks is not None:
+            lanes += [(ranks, r) for r in range(1, world.size)]
+    pending: deque[tuple[list[Item], int | None, int]] = deque()  # (batch, lane, bytes)
     inflight = 0
     sent = 0
+
+    def result(lane: int | None) -> list[Stored] | None:
+        if lane is None:
+            return None
+        source, k = lanes[lane]
+        return source.recv(k)  # type: ignore[no-any-return]
+
     try:
         for batch in _batches(tree, dict_ids):
             nbytes = 0 if _streamed(batch) else sum(n for _, _, n, _ in batch)
-            while pending and (inflight + nbytes > WINDOW_BYTES or len(pending) >= 2 * jobs):
-                done, k, held = pending.popleft()
+            while pending and (inflight + nbytes > WINDOW_BYTES or len(pending) >= 2 * len(lanes)):
+                done, lane, held = pending.popleft()
                 inflight -= held
-                yield from unpack(done, workers.recv(k) if k is not None else None)
-            k = None
+                yield from unpack(done, result(lane))
+            lane = None
             if not _streamed(batch):
-                k = sent % jobs
+                lane = sent % len(lanes)
                 sent += 1
-                workers.conns[k].send(_task(batch))
-            pending.append((batch, k, nbytes))
+                source, k = lanes[lane]
+                source.send(k, _task(batch))
+            pending.append((batch, lane, nbytes))
             inflight += nbytes
         while pending:
-            done, k, _ = pending.popleft()
-            yield from unpack(done, workers.recv(k) if k is not None else None)
+            done, lane, _ = pending.popleft()
+            yield from unpack(done, result(lane))
     except BaseException:
-        workers.close(kill=True)
-        raise
-    workers.close(kill=False)
+        if workers is not None:
+            workers.close(kill=True)
+        raise  # ranks: the caller aborts the job (they may be busy sending to us)
+    if workers is not None:
+        workers.close(kill=False)
+    if ranks is not None:
+        ranks.close()
 
 
 class _Interrupt:
@@ -522,6 +619,8 @@ class _Interrupt:
 
 _stop = _Interrupt()
 POLL_S = 0.1  # how soon a wait for a worker notices an interrupt (or its death)
+RANK_POLL_S = 0.001  # how often rank 0 looks for another rank's result
+TAG_TASK, TAG_RESULT = 11, 12
 
 
 def prepare(
@@ -533,19 +632,66 @@ def prepare(
     jobs: int | None = None,
     force: bool = False,
     broadcast: Sequence[str] = (),
-) -> Summary:
+) -> Summary | None:
+    """Prepare IMAGE from SRC. Under an MPI launcher with several ranks, rank 0 walks, packs
+    and writes while every rank reads and compresses; ranks other than 0 return None."""
     policy = codec.parse_compress(compress)
-    image = image.absolute()
-    src = src.absolute()
-    if image.exists() and not force:
-        raise ImageExists(f"{image}: already exists (use --force to replace it)")
-    if image == src or src in image.parents:
-        raise SourceError(f"{image}: the image must not be inside the source directory")
-    if not image.parent.is_dir():
-        raise SourceError(f"{image.parent}: no such directory")
     jobs = jobs or min(8, os.cpu_count() or 1)
-    with _stop.installed():
-        return _prepare(src, image, partitions, policy, jobs, broadcast)
+    world = _world()
+    if world is not None and world.rank > 0:
+        with _stop.installed():
+            serve_batches(world, jobs)
+        world.finalize()
+        return None
+    state = {"ranks_told": False}
+    try:
+        image = image.absolute()
+        src = src.absolute()
+        if image.exists() and not force:
+            raise ImageExists(f"{image}: already exists (use --force to replace it)")
+        if image == src or src in image.parents:
+            raise SourceError(f"{image}: the image must not be inside the source directory")
+        if not image.parent.is_dir():
+            raise SourceError(f"{image.parent}: no such directory")
+        with _stop.installed():
+            summary = _prepare(src, image, partitions, policy, jobs, broadcast, world, state)
+    except BaseException as e:
+        if world is None:
+            raise
+        if state["ranks_told"]:
+            _abort(world, e)  # other ranks may be blocked on us: end the whole job
+        world.bcast(None)  # they wait for the setup: tell them there is nothing to do
+        world.finalize()
+        raise
+    if world is not None:
+        world.finalize()
+    return summary
+
+
+def _world() -> Any:
+    """The MPI world when launched with several ranks, else None (no MPI initialised)."""
+    from fanfs.transport import mpi
+
+    return mpi.World() if mpi.launched_size(dict(os.environ)) > 1 else None
+
+
+def _abort(world: Any, error: BaseException) -> None:
+    """Report rank 0's failure the way `fanfs` always does, then end every rank (the image
+    directory is already cleaned up): MPI_Abort, and, for launchers that let ranks outlive it
+    (mpirun --enable-recovery), a message telling each rank to exit."""
+    if isinstance(error, KeyboardInterrupt):
+        code = int(ExitCode.INTERRUPTED)
+        print("fanfs: interrupted", file=sys.stderr, flush=True)
+    elif isinstance(error, FanfsError):
+        code = int(error.exit_code)
+        print(f"fanfs: error: {error}", file=sys.stderr, flush=True)
+    else:
+        code = int(ExitCode.FAILED)
+        traceback.print_exception(error)
+    for rank in range(1, world.size):
+        world.post(code, rank, TAG_TASK)
+    time.sleep(0.2)  # let the small messages leave before the abort
+    world.abort(code)
 
 
 def _prepare(
@@ -555,6 +701,8 @@ def _prepare(
     policy: codec.Policy,
     jobs: int,
     broadcast: Sequence[str],
+    world: Any = None,
+    state: dict[str, bool] | None = None,
 ) -> Summary:
     started = time.monotonic()
     log.info("walking %s", src)
@@ -566,13 +714,17 @@ def _prepare(
     n_bcast = min(len(bcast), max(1, math.ceil(bcast_bytes / PART_TARGET_BYTES))) if bcast else 0
     dicts, dict_ids = train_dictionaries(tree, policy) if policy.compresses else ([], {})
     encoder = codec.Encoder(policy, dicts)
+    if world is not None and state is not None:
+        log.info("packing with %d ranks, %d processes each", world.size, jobs)
+        world.bcast((policy.mode, policy.level, dicts))
+        state["ranks_told"] = True
     tmp = image.parent / f".{image.name}.partial-{os.getpid()}"
     try:
         tmp.mkdir()
         packer = _Packer(tmp, n_parts, n_bcast, len(tree.names))
         packer.broadcast = bcast
         progress = Progress("prepare", len(tree.files), total)
-        for entry, path, size, result in _results(tree, encoder, dict_ids, jobs):
+        for entry, path, size, result in _results(tree, encoder, dict_ids, jobs, world):
             if result is None:
                 packer.add_stream(entry, path, size, encoder)
             else:

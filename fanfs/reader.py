@@ -1,18 +1,21 @@
 """The read path: turn (entry, offset, size) into bytes, checked against the file's checksum.
 
 Small and compressed files are fetched whole on first touch (one pread), checked, decoded and
-kept in a bounded LRU cache; the kernel's page cache then holds them for later epochs. Large raw
-files are checked once by a streaming pass, then served by direct preads of the asked range.
+kept in a bounded LRU cache; the kernel's page cache then holds them for later epochs. Framed
+files (large ones prepared with compression) are served frame by frame: their table first, then
+each frame a request touches, checked against its own CRC, decoded, and cached under
+(entry, frame). Large raw files are checked once by a streaming pass, then served by direct
+preads of the asked range.
 A file whose bytes do not match its checksum is marked bad, logged once with its path, and every
 read of it raises `CorruptFile` (EIO at the FUSE edge); all other files keep working.
 
 Concurrency: all methods run in the trio thread. Between two awaits the code is atomic with
-respect to other tasks (trio is cooperative), which is what keeps `_cache`, `_inflight` and
-`_bad` consistent without locks. Work that may take long goes to worker threads under a
-CapacityLimiter: reads that would wait for the disk (detected with preadv2(RWF_NOWAIT), which
-fails at once instead of blocking) and decompressing or checksumming more than 256 KiB. Reads
-the page cache can answer, and small decodes, run inline, because a thread hand-off costs 60 to
-140 us, more than copying a small file from the page cache.
+respect to other tasks (trio is cooperative), which is what keeps `_cache`, `_tables`,
+`_inflight` and `_bad` consistent without locks. Work that may take long goes to worker threads
+under a CapacityLimiter: reads that would wait for the disk (detected with preadv2(RWF_NOWAIT),
+which fails at once instead of blocking) and decompressing or checksumming more than 256 KiB.
+Reads the page cache can answer, and small decodes, run inline, because a thread hand-off costs
+60 to 140 us, more than copying a small file from the page cache.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ def _jpeg(rng: np.random.Generator) -> bytes:
 
 def _field(rng: np.random.Generator) -> bytes:
     """A simulation snapshot: a smooth float32 field, 1 MiB (512x512) or 16 MiB (2048x2048)."""
-    n = 2048 if rng.random() < 0.25 else 512
+    n = 2048 if rng.random() < 0.125 else 512
     return datagen.smooth_field(rng, n, n).tobytes()
 
 

@@ -79,6 +79,7 @@ class World:
         self.comm.Set_errhandler(MPI.ERRORS_RETURN)
         self.rank: int = self.comm.Get_rank()
         self.size: int = self.comm.Get_size()
+        self._posted: list[Any] = []  # requests of `post`, until they complete
 
     def bcast_bytes(self, data: bytes | None) -> bytes:
         """Rank 0's `data` on every rank (buffer API, chunked)."""
@@ -95,6 +96,29 @@ class World:
     def allgather(self, obj: Any) -> list[Any]:
         result: list[Any] = self.comm.allgather(obj)
         return result
+
+    # Point-to-point messages of picklable objects, for `fanfs prepare` across ranks.
+
+    def post(self, obj: Any, dest: int, tag: int) -> None:
+        """Send without waiting (a blocking send could wait on a peer that is itself sending
+        to us); `drain` waits for everything posted."""
+        self._posted = [r for r in self._posted if not r.Test()]
+        self._posted.append(self.comm.isend(obj, dest=dest, tag=tag))
+
+    def drain(self) -> None:
+        self.MPI.Request.Waitall(self._posted)
+        self._posted = []
+
+    def recv(self, source: int, tag: int) -> Any:
+        return self.comm.recv(source=source, tag=tag)
+
+    def pending(self, source: int, tag: int) -> bool:
+        """Whether a message from `source` with `tag` is waiting (never blocks)."""
+        return bool(self.comm.Iprobe(source=source, tag=tag))
+
+    def abort(self, code: int) -> None:
+        """End every rank of the job now (the way out when peers may be blocked on us)."""
+        self.comm.Abort(code)
 
     def finalize(self) -> None:
         self.comm.Free()
