@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import multiprocessing as mp
 import os
 import random
@@ -243,6 +244,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
         import matplotlib
 
         matplotlib.use("Agg")
+        logging.getLogger("matplotlib").setLevel(logging.WARNING)  # one INFO line per label
         import matplotlib.pyplot as plt
     except ImportError:
         return False

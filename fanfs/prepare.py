@@ -38,7 +38,7 @@ import numpy as np
 import zstandard
 
 from fanfs import catalog as cat
-from fanfs import codec
+from fanfs import codec, logs
 from fanfs.errors import ExitCode, FanfsError, ImageExists, SourceError
 from fanfs.progress import Progress, human_bytes
 
@@ -638,6 +638,8 @@ def prepare(
     policy = codec.parse_compress(compress)
     jobs = jobs or min(8, os.cpu_count() or 1)
     world = _world()
+    if world is not None:
+        logs.set_rank(world.rank, world.size)
     if world is not None and world.rank > 0:
         with _stop.installed():
             serve_batches(world, jobs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from typing import TextIO
@@ -37,6 +38,8 @@ class Progress:
         self.total_bytes = total_bytes
         self.stream = stream if stream is not None else sys.stderr
         self.tty = self.stream.isatty()
+        # -q (logging above INFO) silences progress too; the summary line still prints.
+        self.quiet = logging.getLogger().getEffectiveLevel() > logging.INFO
         self.items = 0
         self.bytes = 0
         self.start = time.monotonic()
@@ -46,6 +49,8 @@ class Progress:
         self.items += items
         self.bytes += nbytes
         now = time.monotonic()
+        if self.quiet:
+            return
         if now - self._last >= (TTY_REFRESH_S if self.tty else LOG_INTERVAL_S):
             self._last = now
             self._draw(now)
@@ -68,7 +73,7 @@ class Progress:
     def close(self) -> float:
         """Finish the bar; return the elapsed seconds."""
         elapsed = time.monotonic() - self.start
-        if self.tty:
+        if self.tty and not self.quiet:
             self._draw(time.monotonic())
             self.stream.write("\n")
             self.stream.flush()

@@ -3,9 +3,10 @@
 Usage: python tools/gen_imagenet.py DEST [--classes 1000] [--train 1300] [--val 50]
        [--min-bytes 256] [--max-bytes 2048] [--jobs 2]
 
-1,331,000 files in 2,002 directories by default, with small files (256 B to 2 KiB, random) so
-that it fits a developer machine's disk: the point is the namespace, not the bytes. Names follow
-ImageNet's (n01440764/n01440764_10026.JPEG). Deterministic for a given seed.
+1,331,000 files in 2,002 directories by default, with small files (256 B to 2 KiB, random after
+a JPEG start-of-image marker, as real JPEGs begin, so `--compress auto` treats them as it would
+ImageNet) so that it fits a developer machine's disk: the point is the namespace, not the bytes.
+Names follow ImageNet's (n01440764/n01440764_10026.JPEG). Deterministic for a given seed.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
+
+SOI = b"\xff\xd8\xff\xe0"  # JPEG start of image + APP0, the first bytes of a JFIF file
 
 
 def make_class(dest: str, c: int, n_train: int, n_val: int, lo: int, hi: int) -> int:
@@ -38,7 +41,7 @@ def make_class(dest: str, c: int, n_train: int, n_val: int, lo: int, hi: int) ->
             )
             fd = os.open(os.path.join(d, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                os.write(fd, blob[offs[i] : offs[i] + sizes[i]])
+                os.write(fd, SOI + blob[offs[i] + len(SOI) : offs[i] + sizes[i]])
             finally:
                 os.close(fd)
             written += 1
