@@ -53,7 +53,7 @@ def read_all(root: Path, rels: list[str]) -> tuple[float, int, dict[str, bytes]]
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--files", type=int, default=2000)
-    ap.add_argument("--compress", default="none", help="none, zstd or zstd:LEVEL")
+    ap.add_argument("--compress", default="auto", help="auto (the default of prepare), zstd, none")
     ap.add_argument("--workdir", type=Path, help="default: a new directory under $TMPDIR")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     args = ap.parse_args()
