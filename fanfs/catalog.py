@@ -84,6 +84,12 @@ DICT_COLUMNS: tuple[tuple[str, str], ...] = (
 ALIGN = 8  # every column starts 8-byte aligned so np.frombuffer views need no copy
 
 
+def extension(name: bytes) -> bytes:
+    """A file name's extension, case folded (b".jpeg"), or b"" (dot files have none)."""
+    dot = name.rfind(b".")
+    return name[dot:].lower() if dot > 0 else b""
+
+
 def partition_name(part: int) -> str:
     return f"part-{part:05d}.pack"
 

@@ -28,15 +28,10 @@ VERIFY_CHUNK = 8 << 20  # big raw files are checked in chunks, never held whole
 EXTENSION_ROWS = 12  # `info` lists the extensions holding the most bytes, then "other"
 
 
-def _extension(name: bytes) -> str:
-    dot = name.rfind(b".")
-    return os.fsdecode(name[dot:].lower()) if dot > 0 else "(none)"
-
-
 def by_extension(c: cat.Catalog) -> list[dict[str, Any]]:
     """Files, bytes, stored bytes and ratio per extension, most bytes first."""
     files = np.flatnonzero(c.is_file)
-    exts = [_extension(c.name(int(e))) for e in files]
+    exts = [os.fsdecode(cat.extension(c.name(int(e)))) or "(none)" for e in files]
     keys, index = np.unique(np.array(exts, dtype=object), return_inverse=True)
     count = np.bincount(index, minlength=len(keys))
     size = np.bincount(index, weights=c.size[files], minlength=len(keys))
@@ -178,10 +173,7 @@ def _check(fd: int, c: cat.Catalog, e: int) -> None:
     if c.codec[e] == cat.CODEC_RAW and n > VERIFY_CHUNK:
         crc = 0
         for off in range(0, n, VERIFY_CHUNK):
-            chunk = os.pread(fd, min(VERIFY_CHUNK, n - off), start + off)
-            if not chunk:
-                raise CorruptFile("truncated")
-            crc = zlib.crc32(chunk, crc)
+            crc = zlib.crc32(_pread(fd, min(VERIFY_CHUNK, n - off), start + off), crc)
         if crc != int(c.crc[e]):
             raise CorruptFile("checksum mismatch")
         return

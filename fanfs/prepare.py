@@ -303,9 +303,7 @@ def _task(batch: list[Item]) -> Task:
 
 def _group(path: bytes) -> bytes:
     """Which files share a dictionary: those with the same extension (case folded)."""
-    name = path.rsplit(b"/", 1)[-1]
-    dot = name.rfind(b".")
-    return name[dot:].lower() if dot > 0 else b""
+    return cat.extension(path.rsplit(b"/", 1)[-1])
 
 
 def _batches(tree: Tree, dict_ids: dict[bytes, int]) -> Iterator[list[Item]]:
@@ -396,12 +394,7 @@ def _worker_main(conn: Connection, encoder: codec.Encoder) -> None:
             return
         if items is None:  # stop: EOF alone is not enough, later workers hold our pipe too
             return
-        try:
-            conn.send(("ok", _read_batch(items, encoder)))
-        except FanfsError as e:
-            conn.send(("error", e))
-        except Exception as e:  # a bug: report it with its type rather than hang
-            conn.send(("error", RuntimeError(f"prepare worker: {e!r}")))
+        conn.send(_outcome("prepare worker", _read_batch, items, encoder))
 
 
 class _Ranks:
@@ -429,13 +422,14 @@ class _Ranks:
         self.world.drain()
 
 
-def _outcome(fn: Any, *args: Any) -> tuple[str, Any]:
+def _outcome(where: str, fn: Any, *args: Any) -> tuple[str, Any]:
+    """("ok", fn(*args)), or ("error", exception) to send to whoever waits for the result."""
     try:
         return "ok", fn(*args)
     except FanfsError as e:
         return "error", e
-    except Exception as e:  # a bug: report it with its type rather than hang rank 0
-        return "error", RuntimeError(f"prepare on another rank: {e!r}")
+    except Exception as e:  # a bug: report it with its type rather than hang the waiter
+        return "error", RuntimeError(f"{where}: {e!r}")
 
 
 def serve_batches(world: Any, jobs: int) -> None:
@@ -453,7 +447,7 @@ def serve_batches(world: Any, jobs: int) -> None:
         while True:
             if inflight and not world.pending(0, TAG_TASK):
                 assert workers is not None
-                world.post(_outcome(workers.recv, inflight.popleft()), 0, TAG_RESULT)
+                world.post(_outcome(HELPER, workers.recv, inflight.popleft()), 0, TAG_RESULT)
                 continue
             task = world.recv(0, TAG_TASK)
             if task is None:
@@ -464,7 +458,7 @@ def serve_batches(world: Any, jobs: int) -> None:
                 os._exit(task)  # posted sends may never complete: no drain, no finalize
             files += len(task)
             if workers is None:
-                world.post(_outcome(_read_batch, task, encoder), 0, TAG_RESULT)
+                world.post(_outcome(HELPER, _read_batch, task, encoder), 0, TAG_RESULT)
             else:
                 workers.send(sent % jobs, task)
                 inflight.append(sent % jobs)
@@ -621,6 +615,7 @@ _stop = _Interrupt()
 POLL_S = 0.1  # how soon a wait for a worker notices an interrupt (or its death)
 RANK_POLL_S = 0.001  # how often rank 0 looks for another rank's result
 TAG_TASK, TAG_RESULT = 11, 12
+HELPER = "prepare on another rank"
 
 
 def prepare(

@@ -34,6 +34,7 @@ import trio
 from fanfs import catalog as cat
 from fanfs import codec
 from fanfs.errors import CorruptFile
+from fanfs.latency import Latencies
 from fanfs.store import PartitionStore
 from fanfs.transport import PeerTimeout, Transport
 
@@ -46,7 +47,6 @@ NOWAIT_LIMIT = 1 << 20
 VERIFY_CHUNK = 8 << 20
 WORKER_THREADS = 4  # concurrent big reads/decodes; more would only contend for 2 cores here
 ENTRY_OVERHEAD = 120  # bytes a cache entry costs beyond its data (dict slot, bytes header)
-LATENCY_SAMPLES = 4096  # ring buffer of recent fetch latencies for percentiles
 TABLES_KEPT = 4096  # parsed frame tables of framed files kept (LRU)
 
 
@@ -78,8 +78,7 @@ class Reader:
         self._verified: set[int] = set()
         self._bad: set[int] = set()
         self._limiter = trio.CapacityLimiter(WORKER_THREADS)
-        self._latency = np.zeros(LATENCY_SAMPLES, dtype=np.float64)
-        self.fetches = 0
+        self._latency = Latencies()  # of local fetches
         self.cache_hits = 0
         self.bytes_fetched = 0
         self.bytes_served = 0
@@ -329,8 +328,7 @@ class Reader:
             self._cached -= len(old) + ENTRY_OVERHEAD
 
     def _record(self, began: float, nbytes: int) -> None:
-        self._latency[self.fetches % LATENCY_SAMPLES] = time.perf_counter() - began
-        self.fetches += 1
+        self._latency.record(time.perf_counter() - began)
         self.bytes_fetched += nbytes
 
     def _mark_bad(self, entry: int, error: BaseException) -> None:
@@ -342,11 +340,9 @@ class Reader:
         return os.fsdecode(b"/" + self.catalog.path(entry))
 
     def statistics(self) -> dict[str, Any]:
-        n = min(self.fetches, LATENCY_SAMPLES)
-        pct = np.percentile(self._latency[:n], [50, 90, 99]) * 1e3 if n else [0.0, 0.0, 0.0]
         return {
             "reads": self.reads,
-            "local_fetches": self.fetches,
+            "local_fetches": self._latency.count,
             "cache_hits": self.cache_hits,
             "bytes_fetched": self.bytes_fetched,
             "bytes_served": self.bytes_served,
@@ -355,7 +351,5 @@ class Reader:
             "bad_files": len(self._bad),
             "fallbacks": self.fallbacks,
             "bad_payloads": self.bad_payloads,
-            "fetch_ms_p50": round(float(pct[0]), 3),
-            "fetch_ms_p90": round(float(pct[1]), 3),
-            "fetch_ms_p99": round(float(pct[2]), 3),
+            **self._latency.percentiles_ms("fetch_ms"),
         }

@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 import pytest
 
@@ -77,13 +78,26 @@ def teardown(proc: subprocess.Popen[bytes], mountpoints: list[Path], umount: obj
             subprocess.run(["fusermount3", "-u", "-z", str(m)], timeout=10, check=False)
 
 
+class Stoppable(Protocol):
+    def stop(self) -> None: ...
+
+
+S = TypeVar("S", bound=Stoppable)
+
+
 @contextlib.contextmanager
-def mounted(image: Path, mountpoint: Path, local: Path, *extra: str) -> Iterator[Mount]:
-    m = Mount(image, mountpoint, local, *extra)
+def stopping(m: S) -> Iterator[S]:
+    """Yield a running mount (one daemon or many ranks); stop it however the test ends."""
     try:
         yield m
     finally:
         m.stop()
+
+
+def mounted(
+    image: Path, mountpoint: Path, local: Path, *extra: str
+) -> contextlib.AbstractContextManager[Mount]:
+    return stopping(Mount(image, mountpoint, local, *extra))
 
 
 @pytest.fixture(scope="session")

@@ -13,12 +13,11 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import FANFS, fanfs, prepare, teardown
+from conftest import FANFS, fanfs, prepare, stopping, teardown
 
 from fanfs import catalog as cat
 from fanfs import datagen, mounts, placement
@@ -66,13 +65,10 @@ class MpiMount:
         self._log.close()
 
 
-@contextlib.contextmanager
-def mpi_mounted(image: Path, base: Path, n: int, *extra: str) -> Iterator[MpiMount]:
-    m = MpiMount(image, base, n, *extra)
-    try:
-        yield m
-    finally:
-        m.stop()
+def mpi_mounted(
+    image: Path, base: Path, n: int, *extra: str
+) -> contextlib.AbstractContextManager[MpiMount]:
+    return stopping(MpiMount(image, base, n, *extra))
 
 
 @pytest.fixture(scope="module")

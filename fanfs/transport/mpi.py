@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import trio
 
+from fanfs.latency import Latencies
 from fanfs.transport import PeerTimeout, ServeFn
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,6 @@ FIRST_REPLY_TAG = 16
 CHUNK = 1 << 30  # MPI counts are C ints: larger payloads go as several messages
 POLL_MIN_S = 50e-6
 POLL_MAX_S = 1e-3
-LATENCY_SAMPLES = 4096
 
 
 def _mpi() -> Any:
@@ -151,8 +151,7 @@ class MpiTransport:
         self._thread: threading.Thread | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self._nursery: trio.Nursery | None = None
-        self._latency = np.zeros(LATENCY_SAMPLES)
-        self.fetches = 0
+        self._latency = Latencies()  # of fetches from peers
         self.fetch_bytes = 0
         self.timeouts = 0
         self.served = 0
@@ -215,8 +214,7 @@ class MpiTransport:
             raise PeerTimeout(f"rank {peer} cannot be reached")
         if job.count != length:
             return None
-        self._latency[self.fetches % LATENCY_SAMPLES] = time.perf_counter() - began
-        self.fetches += 1
+        self._latency.record(time.perf_counter() - began)
         self.fetch_bytes += length
         return bytes(job.buf) if length <= CHUNK else job.buf  # type: ignore[return-value]
 
@@ -282,14 +280,10 @@ class MpiTransport:
         return set(self._dead)
 
     def statistics(self) -> dict[str, Any]:
-        n = min(self.fetches, LATENCY_SAMPLES)
-        pct = np.percentile(self._latency[:n], [50, 90, 99]) * 1e3 if n else [0.0] * 3
         return {
-            "remote_fetches": self.fetches,
+            "remote_fetches": self._latency.count,
             "remote_bytes": self.fetch_bytes,
-            "remote_ms_p50": round(float(pct[0]), 3),
-            "remote_ms_p90": round(float(pct[1]), 3),
-            "remote_ms_p99": round(float(pct[2]), 3),
+            **self._latency.percentiles_ms("remote_ms"),
             "peer_timeouts": self.timeouts,
             "served_to_peers": self.served,
             "bytes_served_to_peers": self.served_bytes,
