@@ -32,12 +32,13 @@ from typing import Any
 
 import numpy as np
 
-from fanfs import mounts
+from fanfs import mounts, pagecache
 from fanfs.catalog import Catalog
 from fanfs.errors import FanfsError
 from fanfs.placement import place
 
 FANFS = [sys.executable, "-m", "fanfs.cli"]
+FOLIO_SAMPLE = 16  # files whose page-cache folios are looked at after each pass
 MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 
@@ -65,6 +66,7 @@ class Result:
     nbytes: int
     p50_ms: float
     p99_ms: float
+    folio_kib: float | None = None  # mean page-cache folio after the pass (root only)
 
     @property
     def files_per_s(self) -> float:
@@ -196,7 +198,8 @@ def measure(case: Case, reader: str, root: Path, rels: list[str], seed: int) -> 
         read_all(paths, case.readers)  # warm up exactly what is measured
     wall, nbytes, lat = read_all(paths, case.readers)
     p50, p99 = np.percentile(np.array(lat) * 1e3, [50, 99])
-    return Result(case, reader, wall, len(paths), nbytes, float(p50), float(p99))
+    folio = pagecache.folio_kib(paths[:FOLIO_SAMPLE])
+    return Result(case, reader, wall, len(paths), nbytes, float(p50), float(p99), folio)
 
 
 def summarize(results: list[Result]) -> list[dict[str, Any]]:
@@ -216,6 +219,8 @@ def summarize(results: list[Result]) -> list[dict[str, Any]]:
             row[f"{k}_mb_per_s"] = statistics.median(r.nbytes / r.seconds / 1e6 for r in rs)
             row[f"{k}_p50_ms"] = statistics.median(r.p50_ms for r in rs)
             row[f"{k}_p99_ms"] = statistics.median(r.p99_ms for r in rs)
+            folios = [r.folio_kib for r in rs if r.folio_kib is not None]
+            row[f"{k}_folio_kib"] = statistics.median(folios) if folios else None
         row["ratio"] = statistics.median(ratios)
         row["ratio_min"], row["ratio_max"] = min(ratios), max(ratios)
         rows.append(row)
@@ -225,7 +230,7 @@ def summarize(results: list[Result]) -> list[dict[str, Any]]:
 def format_table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'where':6} {'size':>5} {'temp':4} {'rd':>2} {'native f/s':>10} {'fanfs f/s':>10} "
             f"{'nat MB/s':>8} {'fan MB/s':>8} {'nat p50/p99 ms':>15} {'fan p50/p99 ms':>15} "
-            f"{'ratio':>5} {'(min-max)':>11}")  # fmt: skip
+            f"{'folio KiB n/f':>13} {'ratio':>5} {'(min-max)':>11}")  # fmt: skip
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
@@ -234,9 +239,14 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"{r['native_mb_per_s']:8.0f} {r['fanfs_mb_per_s']:8.0f} "
             f"{r['native_p50_ms']:7.2f}/{r['native_p99_ms']:<7.2f} "
             f"{r['fanfs_p50_ms']:7.2f}/{r['fanfs_p99_ms']:<7.2f} "
-            f"{r['ratio']:5.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})"
+            f"{_folios(r):>13} {r['ratio']:5.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})"
         )
     return "\n".join(lines)
+
+
+def _folios(row: dict[str, Any]) -> str:
+    sides = [row.get(f"{k}_folio_kib") for k in ("native", "fanfs")]
+    return "/".join("?" if k is None else f"{k:.0f}" for k in sides)
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> bool:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from conftest import fanfs
 
+from fanfs import pagecache
 from fanfs.errors import ExitCode
 
 
@@ -24,6 +26,8 @@ def test_bench_runs_and_reports(tmp_path: Path) -> None:
     for r in rows:
         assert r["repeats"] == 2 and r["native_files_per_s"] > 0 and r["fanfs_files_per_s"] > 0
         assert r["ratio_min"] <= r["ratio"] <= r["ratio_max"]
+        for side in ("native", "fanfs"):  # as root the page-cache folios are measured
+            assert 4 <= r[f"{side}_folio_kib"] <= r["size"] // 1024, r
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "ratio" in done.stdout and "local" in done.stdout and "remote" in done.stdout
     assert not list((tmp_path / "work").glob("*/src"))  # datasets removed after the run
@@ -34,3 +38,16 @@ def test_bench_rejects_bad_options(tmp_path: Path) -> None:
     assert (
         done.returncode == ExitCode.USAGE and "fanfs: error: bench: bad option value" in done.stderr
     )
+
+
+def test_folio_sizes_of_cached_files(tmp_path: Path) -> None:
+    data = os.urandom(1 << 20)
+    f = tmp_path / "f.bin"
+    f.write_bytes(data)
+    assert f.read_bytes() == data  # cached
+    pages, folios = pagecache.folios(f) or (0, 0)
+    assert pages == 256 and 1 <= folios <= 256
+    assert pagecache.folio_kib([f, f]) == 1024 / folios
+    assert pagecache.folios(tmp_path / "missing") is None
+    (tmp_path / "empty").write_bytes(b"")
+    assert pagecache.folio_kib([tmp_path / "empty"]) is None
