@@ -19,6 +19,7 @@ import contextlib
 import logging
 import os
 import signal
+import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ import trio
 from fanfs import logs, mounts, placement
 from fanfs.catalog import Catalog
 from fanfs.errors import ExitCode, FanfsError, MountFailed, MountpointError
-from fanfs.fuse_ops import PATCHED, FanfsOperations
+from fanfs.fuse_ops import NATIVE_POOL, PATCHED, FanfsOperations
 from fanfs.reader import Reader
 from fanfs.store import PartitionStore, check_partitions
 
@@ -39,6 +40,8 @@ log = logging.getLogger(__name__)
 # Readahead of the mount's bdi: with 1 MiB the kernel asks for big files in 1 MiB requests
 # instead of 128 KiB ones (+17 to 28 % on 2 to 8 MiB files here, ENVIRONMENT.md).
 READ_AHEAD_KB = 1024
+NATIVE_THREADS = 4  # native read pool threads: concurrent disk reads of small files
+ERROR_RECORD = struct.Struct("<qii")  # the native pool's failure record: entry, errno, pad
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +113,7 @@ class Daemon:
         self.reader: Reader | None = None
         self.mountpoint = Path(cfg.mountpoint)
         self._mounted = False
+        self._native_errfds = (-1, -1)
 
     def status(self) -> dict[str, Any]:
         assert self.catalog is not None and self.store is not None and self.reader is not None
@@ -126,6 +130,7 @@ class Daemon:
             "node": node_name(self.rank),
             "serving": self.serving,
             "no_open": PATCHED,
+            "native_read_pool": self.reader.native,
             "uptime_s": round(time.time() - self.started, 3),
             "catalog": {
                 "entries": self.catalog.n_entries,
@@ -243,6 +248,7 @@ class Daemon:
             except RuntimeError as e:
                 error = MountFailed(f"{self.mountpoint}: cannot mount: {e}")
             self._agree(error)
+            self._start_native_pool(stack)
             log.info(
                 "rank %d/%d: %d of %d partitions here (%d bytes), mount %s, local %s",
                 self.rank, self.size, len(owned), catalog.n_partitions,
@@ -250,10 +256,44 @@ class Daemon:
             )  # fmt: skip
             trio.run(self._serve)
 
+    def _start_native_pool(self, stack: contextlib.ExitStack) -> None:
+        """pyfuse3's native read pool (tools/install_pyfuse3.py) answers cold whole-file reads
+        of raw files; its failures come back on a pipe that `_native_errors` reads."""
+        assert self.reader is not None
+        if not NATIVE_POOL:
+            return
+        rfd, wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        stack.callback(os.close, rfd)  # runs once trio is done with it
+        try:
+            pyfuse3.native_read_start(NATIVE_THREADS, wfd)  # type: ignore[attr-defined]
+        except OSError as e:
+            os.close(wfd)
+            log.warning("native read pool unavailable, reading in Python: %s", e)
+            return
+        self._native_errfds = rfd, wfd  # wfd closes in _unmount, once the pool has stopped
+        self.reader.native = True
+
+    async def _native_errors(self, fd: int) -> None:
+        assert self.reader is not None
+        while True:
+            await trio.lowlevel.wait_readable(fd)
+            try:
+                records = os.read(fd, ERROR_RECORD.size * 256)
+            except BlockingIOError:
+                continue
+            if not records:
+                return  # the pool has stopped and its end is closed
+            for entry, err, _ in ERROR_RECORD.iter_unpack(records):
+                self.reader.native_failed(entry, err)
+
     def _unmount(self) -> None:
         if self._mounted:
             self._mounted = False
             log.info("unmounting %s", self.mountpoint)
+            if self.reader is not None and self.reader.native:
+                self.reader.native = False
+                pyfuse3.native_read_stop()  # type: ignore[attr-defined]  # answers the queue
+                os.close(self._native_errfds[1])
             pyfuse3.close(unmount=True)
 
     async def _serve(self) -> None:
@@ -263,6 +303,8 @@ class Daemon:
                 await nursery.start(self.transport.run)
             nursery.start_soon(self._watch_signals)
             nursery.start_soon(self._tune_readahead_after_init)
+            if self.reader is not None and self.reader.native:
+                nursery.start_soon(self._native_errors, self._native_errfds[0])
             self.store.start_staging()
             self.serving = True
             log.info("serving %s at %s (%s)", self.cfg.image, self.mountpoint,

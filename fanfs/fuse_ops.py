@@ -24,7 +24,7 @@ import pyfuse3
 
 from fanfs import catalog as cat
 from fanfs.errors import CorruptFile
-from fanfs.reader import Reader
+from fanfs.reader import NativeJob, Reader
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,7 @@ STATUS_XATTR = b"user.fanfs.status"  # on the root; never listed by listxattr or
 BLKSIZE = 128 << 10  # st_blksize: tools like cp size their buffers from it
 ROOT = pyfuse3.ROOT_INODE  # inode = entry + ROOT (entry 0 is the root directory)
 PATCHED = bool(getattr(pyfuse3, "FANFS_READ_PASSES_INODE", False))
+NATIVE_POOL = getattr(pyfuse3, "FANFS_PATCH", 0) >= 2  # pyfuse3 has fanfs's native read pool
 
 _ACCMODE = os.O_RDONLY | os.O_WRONLY | os.O_RDWR
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
@@ -156,7 +157,10 @@ class FanfsOperations(pyfuse3.Operations):
 
     # pyfuse3's stub says bytes; its C code takes any buffer, and a memoryview slice of a
     # cached file saves one copy per request.
-    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:  # type: ignore[override]
+    async def read(  # type: ignore[override]
+        self, fh: int, off: int, size: int
+    ) -> bytes | memoryview | NativeJob:
+        # A NativeJob tuple is answered by pyfuse3's native read pool (see fanfs.reader).
         try:
             return await self.reader.read(fh - ROOT, off, size)
         except CorruptFile:

@@ -81,7 +81,9 @@ class PartitionStore:
         self._staged_set = [False] * catalog.n_partitions
         self._nowait = hasattr(os, "RWF_NOWAIT")
 
-    def _fd(self, part: int) -> int:
+    def fd(self, part: int) -> int:
+        """The open file of partition `part`: the staged copy once staged, else the image's.
+        Stays valid until `close` (a swap at staging keeps the old one open)."""
         fd = self._fds[part]
         if fd < 0:
             with self._open_lock:
@@ -102,7 +104,7 @@ class PartitionStore:
             return None
         buf = bytearray(length)
         try:
-            n = os.preadv(self._fd(part), [buf], offset, os.RWF_NOWAIT)
+            n = os.preadv(self.fd(part), [buf], offset, os.RWF_NOWAIT)
         except BlockingIOError:
             return None
         except OSError as e:
@@ -119,7 +121,7 @@ class PartitionStore:
     def pread(self, part: int, offset: int, length: int) -> bytes:
         if not self._staged_set[part]:
             self.image_reads += 1
-        data = os.pread(self._fd(part), length, offset)
+        data = os.pread(self.fd(part), length, offset)
         if len(data) != length:
             raise OSError(5, f"short read from partition {part}")
         return data
@@ -165,7 +167,7 @@ class PartitionStore:
         with open(tmp, "wb") as out:
             done = 0
             while done < size and not self._stop.is_set():
-                sent = os.sendfile(out.fileno(), self._fd(p), done, min(COPY_CHUNK, size - done))
+                sent = os.sendfile(out.fileno(), self.fd(p), done, min(COPY_CHUNK, size - done))
                 if sent == 0:
                     raise OSError(5, f"partition {p} ended early while staging")
                 done += sent

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import shutil
 import signal
@@ -10,9 +12,10 @@ import subprocess
 import time
 import zlib
 from pathlib import Path
+from typing import Any
 
 import pytest
-from conftest import FANFS, Mount, fanfs, mounted, prepare
+from conftest import FANFS, Mount, fanfs, mounted, prepare, wait_until
 
 from fanfs import catalog as cat
 from fanfs import mounts
@@ -242,6 +245,58 @@ def test_corrupt_byte_gives_eio_for_that_file_only(small_src: Path, tmp_path: Pa
                 if f.name != "f5.bin":
                     assert (m.mountpoint / f.relative_to(small_src)).read_bytes() == f.read_bytes()
             assert m.log_text().count("EIO for /c1/f5.bin") == 1
+
+
+def _evict(directory: Path) -> None:
+    """Drop one directory's files from the page cache (written back first: dirty pages stay)."""
+    for f in directory.iterdir():
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def test_native_pool_serves_cold_files_and_refuses_a_corrupt_one(
+    small_src: Path, tmp_path: Path
+) -> None:
+    """Whole-file reads of raw files that are not in the page cache go to pyfuse3's native
+    read pool (C threads read, check the CRC and reply): every byte must still match, and a
+    corrupt file must still be EIO, logged once, with every other file readable."""
+    for size in (200_000, 1 << 20, 3 << 20):  # one READ each for the first two, not the last
+        (small_src / f"big{size}.bin").write_bytes(os.urandom(size))
+    image = prepare(small_src, tmp_path / "img", "--compress", "none", "--partitions", "4")
+    c, _ = cat.Catalog.load(image)
+    victim = c.resolve(b"c2/f6.bin")
+    assert victim is not None
+    local = tmp_path / "local"
+    with mounted(image, tmp_path / "mnt", local) as m:
+
+        def status() -> dict[str, Any]:
+            return dict(json.loads(os.getxattr(m.mountpoint, "user.fanfs.status")))
+
+        assert wait_until(lambda: status()["store"]["staging_done"], timeout=30)
+        assert status()["native_read_pool"]
+        staged = local / cat.partition_name(int(c.part[victim]))
+        with open(staged, "r+b") as f:  # the staged copy goes bad after staging checked it
+            f.seek(int(c.data_off[victim]) + 10)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x55]))
+        _evict(local)
+        for _ in range(2):
+            with pytest.raises(OSError) as err:
+                (m.mountpoint / "c2/f6.bin").read_bytes()
+            assert err.value.errno == errno.EIO
+        # The pool answered it (a second job if the read came before its error record did).
+        assert 1 <= status()["reader"]["native_jobs"] <= 2
+        for f in small_src.rglob("*.bin"):
+            if f.name != "f6.bin":
+                assert (m.mountpoint / f.relative_to(small_src)).read_bytes() == f.read_bytes()
+        assert status()["reader"]["native_jobs"] > 2  # not all neighbours came with readahead
+        assert wait_until(lambda: "EIO for /c2/f6.bin: checksum mismatch" in m.log_text())
+        assert m.log_text().count("EIO for /c2/f6.bin") == 1
 
 
 # -- wait / umount never hang -----------------------------------------------------------------

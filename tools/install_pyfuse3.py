@@ -1,11 +1,17 @@
-"""Build and install pyfuse3 with fanfs's one-line read-handler patch.
+"""Build and install pyfuse3 with fanfs's two patches.
 
-Why: fanfs answers OPEN with ENOSYS so the kernel stops sending OPEN/RELEASE ("no_open") and
+1. Why: fanfs answers OPEN with ENOSYS so the kernel stops sending OPEN/RELEASE ("no_open") and
 keeps the page cache across opens. The kernel then sends READ with file handle 0, and stock
 pyfuse3 passes only the file handle to ``Operations.read``. The patch passes the inode instead
 when the handle is 0; fanfs's own handles always equal the inode, so ``read(fh, ...)`` means the
 same thing with or without the patch. A marker attribute lets fanfs detect the patch at start-up
 and fall back to plain keep_cache opens when it is absent.
+
+2. The native read pool (tools/pyfuse3/fanfs_read_pool.h and .pxi): a read handler may return a
+job tuple instead of bytes; C threads then read the file's bytes, check their CRC-32 and reply,
+without the GIL or a wake-up of the event loop. Cold reads of small files cost the daemon about
+half the CPU they did through trio worker threads. `pyfuse3.FANFS_PATCH >= 2` marks it; without
+it fanfs reads through its worker threads as before.
 
 Idempotent: does nothing when the patched build is already installed in this interpreter.
 """
@@ -20,6 +26,8 @@ from pathlib import Path
 
 VERSION = "3.5.0"
 MARKER = "FANFS_READ_PASSES_INODE"
+PATCH_LEVEL = 2  # pyfuse3.FANFS_PATCH of the build this script makes
+POOL = Path(__file__).resolve().parent / "pyfuse3"
 
 # The anchor is pyfuse3 3.5.0's fuse_read(); a different release fails loudly instead of
 # silently building an unpatched module.
@@ -31,9 +39,30 @@ REPLACEMENT = """    c.off = off
     c.fh = fi.fh if fi.fh != 0 else ino
     save_retval(fuse_read_async(c))"""
 
+REPLY_ANCHOR = """    else:
+        PyObject_GetBuffer(buf, &pybuf, PyBUF_CONTIG_RO)
+        ret = fuse_reply_buf(c.req, <const_char*> pybuf.buf, <size_t> pybuf.len)
+        PyBuffer_Release(&pybuf)
+"""
+REPLY_REPLACEMENT = """    else:
+        if type(buf) is tuple:
+            # fanfs: a job for the native read pool (fanfs_read_pool.pxi), which replies.
+            if _native_read_submit(c.req, buf) == 0:
+                return
+            ret = fuse_reply_err(c.req, errno.EIO)
+        else:
+            PyObject_GetBuffer(buf, &pybuf, PyBUF_CONTIG_RO)
+            ret = fuse_reply_buf(c.req, <const_char*> pybuf.buf, <size_t> pybuf.len)
+            PyBuffer_Release(&pybuf)
+"""
+HANDLERS_INCLUDE = 'include "handlers.pxi"'
+
 
 def installed_is_patched() -> bool:
-    probe = f"import pyfuse3, sys; sys.exit(0 if getattr(pyfuse3, {MARKER!r}, False) else 1)"
+    probe = (
+        f"import pyfuse3, sys; sys.exit(0 if getattr(pyfuse3, {MARKER!r}, False) and "
+        f"getattr(pyfuse3, 'FANFS_PATCH', 0) >= {PATCH_LEVEL} else 1)"
+    )
     return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
 
 
@@ -63,14 +92,23 @@ def main() -> int:
             tar.extractall(work, filter="data")
         src = work / f"pyfuse3-{VERSION}" / "src" / "pyfuse3"
         handlers = src / "handlers.pxi"
-        text = handlers.read_text()
-        if text.count(ANCHOR) != 1:
+        init = src / "__init__.pyx"
+        text, init_text = handlers.read_text(), init.read_text()
+        reply_at = text.find("async def fuse_read_async")
+        if (text.count(ANCHOR) != 1 or text.find(REPLY_ANCHOR, reply_at) < 0
+                or init_text.count(HANDLERS_INCLUDE) != 1):  # fmt: skip
             sys.exit(
                 f"install_pyfuse3: unexpected pyfuse3 source in {sdist.name}; patch not applied"
             )
-        handlers.write_text(text.replace(ANCHOR, REPLACEMENT))
-        init = src / "__init__.pyx"
-        init.write_text(init.read_text() + f"\n{MARKER} = True\n")
+        text = text.replace(ANCHOR, REPLACEMENT)
+        text = text[:reply_at] + text[reply_at:].replace(REPLY_ANCHOR, REPLY_REPLACEMENT, 1)
+        handlers.write_text(text)
+        for name in ("fanfs_read_pool.h", "fanfs_read_pool.pxi"):
+            (src / name).write_text((POOL / name).read_text())
+        init_text = init_text.replace(
+            HANDLERS_INCLUDE, f'include "fanfs_read_pool.pxi"\n{HANDLERS_INCLUDE}'
+        )
+        init.write_text(init_text + f"\n{MARKER} = True\n")
         print(f"fanfs setup: building patched pyfuse3 {VERSION} (about 30 s)", flush=True)
         subprocess.run(
             [
