@@ -7,7 +7,7 @@ when the handle is 0; fanfs's own handles always equal the inode, so ``read(fh, 
 same thing with or without the patch. A marker attribute lets fanfs detect the patch at start-up
 and fall back to plain keep_cache opens when it is absent.
 
-2. The native read pool (tools/pyfuse3/fanfs_read_pool.h and .pxi): a read handler may return a
+2. The native read pool (tools/pyfuse3_patch/fanfs_read_pool.h and .pxi): a read handler may return a
 job tuple instead of bytes; C threads then read the file's bytes, check their CRC-32 and reply,
 without the GIL or a wake-up of the event loop. Cold reads of small files cost the daemon about
 half the CPU they did through trio worker threads. `pyfuse3.FANFS_PATCH >= 2` marks it; without
@@ -27,7 +27,7 @@ from pathlib import Path
 VERSION = "3.5.0"
 MARKER = "FANFS_READ_PASSES_INODE"
 PATCH_LEVEL = 2  # pyfuse3.FANFS_PATCH of the build this script makes
-POOL = Path(__file__).resolve().parent / "pyfuse3"
+POOL = Path(__file__).resolve().parent / "pyfuse3_patch"
 
 # The anchor is pyfuse3 3.5.0's fuse_read(); a different release fails loudly instead of
 # silently building an unpatched module.
