@@ -9,9 +9,9 @@ and fall back to plain keep_cache opens when it is absent.
 
 2. The native read pool (tools/pyfuse3_patch/fanfs_read_pool.h and .pxi): a read handler may
 return a job tuple instead of bytes; C threads then read the file's bytes, check their CRC-32
-and reply, without the GIL or a wake-up of the event loop. Cold reads of small files cost the daemon about
-half the CPU they did through trio worker threads. `pyfuse3.FANFS_PATCH >= 2` marks it; without
-it fanfs reads through its worker threads as before.
+and reply, without the GIL or a wake-up of the event loop. Cold reads of small files cost the
+daemon about half the CPU they did through trio worker threads. `pyfuse3.FANFS_PATCH >= 2` marks
+it; without it fanfs reads through its worker threads as before.
 
 Idempotent: does nothing when the patched build is already installed in this interpreter.
 """
