@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 # instead of 128 KiB ones (+17 to 28 % on 2 to 8 MiB files here, ENVIRONMENT.md).
 READ_AHEAD_KB = 1024
 NATIVE_THREADS = 4  # native read pool threads: concurrent disk reads of small files
-ERROR_RECORD = struct.Struct("<qii")  # the native pool's failure record: entry, errno, pad
+ERROR_RECORD = struct.Struct("=qii")  # the native pool's failure record: entry, errno, pad
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,9 +3,9 @@
 A warm read is a copy out of the page cache, and its speed depends on the folio size: the
 kernel copies folio by folio, so 4 KiB folios cost several times more per byte than 2 MiB ones.
 Linux 6.18 keeps a FUSE file's page cache in 4 KiB folios, while ext4 (since 6.16) uses folios
-up to 2 MiB for data written or read ahead in large pieces; that, more than anything fanfs does,
-sets the warm fanfs/native ratio (docs/performance.md). `fanfs bench` reports both sides' mean
-folio size next to the warm ratios.
+up to 2 MiB for data written or read ahead in large pieces; with those, native warm reads run up
+to 3x faster than the mount's (docs/performance.md, "Warm reads"). `fanfs bench` reports both
+sides' mean folio size next to every ratio, so that a warm ratio can be read for what it is.
 
 Reading frame numbers needs root: /proc/self/pagemap shows them only to CAP_SYS_ADMIN and
 /proc/kpageflags is root-only. Without them the answer is None, never a guess.
