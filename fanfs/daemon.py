@@ -291,8 +291,9 @@ class Daemon:
             self._mounted = False
             log.info("unmounting %s", self.mountpoint)
             if self.reader is not None and self.reader.native:
+                # The pool answers what is queued while the session still exists.
                 self.reader.native = False
-                pyfuse3.native_read_stop()  # type: ignore[attr-defined]  # answers the queue
+                pyfuse3.native_read_stop()  # type: ignore[attr-defined]
                 os.close(self._native_errfds[1])
             pyfuse3.close(unmount=True)
 

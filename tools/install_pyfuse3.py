@@ -26,7 +26,7 @@ from pathlib import Path
 
 VERSION = "3.5.0"
 MARKER = "FANFS_READ_PASSES_INODE"
-PATCH_LEVEL = 2  # pyfuse3.FANFS_PATCH of the build this script makes
+PATCH_LEVEL = 3  # pyfuse3.FANFS_PATCH of the build this script makes
 POOL = Path(__file__).resolve().parent / "pyfuse3_patch"
 
 # The anchor is pyfuse3 3.5.0's fuse_read(); a different release fails loudly instead of

@@ -26,7 +26,6 @@
 #include <signal.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <time.h>
 #include <unistd.h>
 
 #define FANFS_POOL_MAX_THREADS 64
@@ -60,21 +59,13 @@ static struct {
     int stopping;
     int errfd;
     fanfs_crc32_fn crc32;
-    uint64_t queued, done, bytes, errors, lost_errors, ns;
 } fanfs_pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
 
-static void fanfs_pool_add(uint64_t *counter, uint64_t n) {
-    __atomic_fetch_add(counter, n, __ATOMIC_RELAXED);
-}
-
 static void fanfs_job_run(struct fanfs_job *j) {
-    struct timespec t0, t1;
     int err = 0;
     uint32_t done = 0;
-    char *buf;
+    char *buf = malloc(j->len ? j->len : 1);
 
-    clock_gettime(CLOCK_MONOTONIC, &t0);
-    buf = malloc(j->len ? j->len : 1);
     if (buf == NULL)
         err = ENOMEM;
     while (err == 0 && done < j->len) {
@@ -92,19 +83,15 @@ static void fanfs_job_run(struct fanfs_job *j) {
         err = EBADMSG;
     if (err == 0) {
         fuse_reply_buf(j->req, buf + j->skip, j->count);
-        fanfs_pool_add(&fanfs_pool.bytes, j->len);
     } else {
+        /* A full pipe loses the record; the file is still answered EIO on every read. */
         struct fanfs_error_record rec = {j->entry, err, 0};
+        ssize_t posted;
         fuse_reply_err(j->req, EIO);
-        fanfs_pool_add(&fanfs_pool.errors, 1);
-        if (write(fanfs_pool.errfd, &rec, sizeof rec) != (ssize_t)sizeof rec)
-            fanfs_pool_add(&fanfs_pool.lost_errors, 1);
+        posted = write(fanfs_pool.errfd, &rec, sizeof rec);
+        (void)posted;
     }
     free(buf);
-    clock_gettime(CLOCK_MONOTONIC, &t1);
-    fanfs_pool_add(&fanfs_pool.ns, (uint64_t)((t1.tv_sec - t0.tv_sec) * 1000000000LL +
-                                              (t1.tv_nsec - t0.tv_nsec)));
-    fanfs_pool_add(&fanfs_pool.done, 1);
 }
 
 static void *fanfs_pool_main(void *arg) {
@@ -182,7 +169,6 @@ static int fanfs_pool_submit(fuse_req_t req, int fd, int64_t off, uint32_t len, 
     else
         fanfs_pool.head = j;
     fanfs_pool.tail = j;
-    fanfs_pool.queued++;
     pthread_cond_signal(&fanfs_pool.cond);
     pthread_mutex_unlock(&fanfs_pool.lock);
     return 0;
@@ -198,18 +184,6 @@ static void fanfs_pool_stop(void) {
     for (i = 0; i < fanfs_pool.nthreads; i++)
         pthread_join(fanfs_pool.threads[i], NULL);
     fanfs_pool.nthreads = 0;
-}
-
-/* queued, done, bytes, errors, lost error records, nanoseconds spent in jobs */
-static void fanfs_pool_stats(uint64_t *out) {
-    pthread_mutex_lock(&fanfs_pool.lock);
-    out[0] = fanfs_pool.queued;
-    pthread_mutex_unlock(&fanfs_pool.lock);
-    out[1] = __atomic_load_n(&fanfs_pool.done, __ATOMIC_RELAXED);
-    out[2] = __atomic_load_n(&fanfs_pool.bytes, __ATOMIC_RELAXED);
-    out[3] = __atomic_load_n(&fanfs_pool.errors, __ATOMIC_RELAXED);
-    out[4] = __atomic_load_n(&fanfs_pool.lost_errors, __ATOMIC_RELAXED);
-    out[5] = __atomic_load_n(&fanfs_pool.ns, __ATOMIC_RELAXED);
 }
 
 #endif

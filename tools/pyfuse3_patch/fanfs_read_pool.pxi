@@ -3,16 +3,15 @@
 # (fd, offset, length, crc, entry, skip, count) instead of bytes hands the request to the pool,
 # which reads, checks and answers it without the GIL (see fuse_read_async).
 
-from libc.stdint cimport int64_t, uint64_t
+from libc.stdint cimport int64_t
 
 cdef extern from "fanfs_read_pool.h" nogil:
     int fanfs_pool_start(int nthreads, int errfd)
     int fanfs_pool_submit(fuse_req_t req, int fd, int64_t off, uint32_t len, uint32_t crc,
                           int64_t entry, uint32_t skip, uint32_t count)
     void fanfs_pool_stop()
-    void fanfs_pool_stats(uint64_t *out)
 
-FANFS_PATCH = 2
+FANFS_PATCH = 3
 
 
 cdef int _native_read_submit(fuse_req_t req, tuple job):
@@ -31,9 +30,3 @@ def native_read_stop():
     with nogil:
         fanfs_pool_stop()
 
-
-def native_read_stats():
-    '''(queued, done, bytes, errors, lost error records, nanoseconds in jobs)'''
-    cdef uint64_t out[6]
-    fanfs_pool_stats(out)
-    return tuple(out[i] for i in range(6))
