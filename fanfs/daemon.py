@@ -114,6 +114,7 @@ class Daemon:
         self.mountpoint = Path(cfg.mountpoint)
         self._mounted = False
         self._native_errfds = (-1, -1)
+        self._native_crc32: str | None = None  # the library the native pool checks CRCs with
 
     def status(self) -> dict[str, Any]:
         assert self.catalog is not None and self.store is not None and self.reader is not None
@@ -131,6 +132,7 @@ class Daemon:
             "serving": self.serving,
             "no_open": PATCHED,
             "native_read_pool": self.reader.native,
+            "native_crc32": self._native_crc32,
             "uptime_s": round(time.time() - self.started, 3),
             "catalog": {
                 "entries": self.catalog.n_entries,
@@ -265,12 +267,15 @@ class Daemon:
         rfd, wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         stack.callback(os.close, rfd)  # runs once trio is done with it
         try:
-            pyfuse3.native_read_start(NATIVE_THREADS, wfd)  # type: ignore[attr-defined]
+            crc = pyfuse3.native_read_start(NATIVE_THREADS, wfd)  # type: ignore[attr-defined]
         except OSError as e:
             os.close(wfd)
             log.warning("native read pool unavailable, reading in Python: %s", e)
             return
         self._native_errfds = rfd, wfd  # wfd closes in _unmount, once the pool has stopped
+        self._native_crc32 = crc if isinstance(crc, str) else "zlib"  # older builds: None
+        if self._native_crc32 != "isa-l":
+            log.info("native read pool: CRC-32 by zlib (install libisal2 for a faster one)")
         self.reader.native = True
 
     async def _native_errors(self, fd: int) -> None:

@@ -278,6 +278,7 @@ def test_native_pool_serves_cold_files_and_refuses_a_corrupt_one(
 
         assert wait_until(lambda: status()["store"]["staging_done"], timeout=30)
         assert status()["native_read_pool"]
+        assert status()["native_crc32"] == "isa-l"  # tools/setup_system.sh installs libisal2
         staged = local / cat.partition_name(int(c.part[victim]))
         with open(staged, "r+b") as f:  # the staged copy goes bad after staging checked it
             f.seek(int(c.data_off[victim]) + 10)

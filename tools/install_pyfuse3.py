@@ -1,4 +1,4 @@
-"""Build and install pyfuse3 with fanfs's two patches.
+"""Build and install pyfuse3 with fanfs's three patches.
 
 1. Why: fanfs answers OPEN with ENOSYS so the kernel stops sending OPEN/RELEASE ("no_open") and
 keeps the page cache across opens. The kernel then sends READ with file handle 0, and stock
@@ -11,7 +11,13 @@ and fall back to plain keep_cache opens when it is absent.
 return a job tuple instead of bytes; C threads then read the file's bytes, check their CRC-32
 and reply, without the GIL or a wake-up of the event loop. Cold reads of small files cost the
 daemon about half the CPU they did through trio worker threads. `pyfuse3.FANFS_PATCH >= 2` marks
-it; without it fanfs reads through its worker threads as before.
+it; without it fanfs reads through its worker threads as before. Its CRC-32 comes from ISA-L
+(Debian's libisal2, installed by tools/setup_system.sh) when present, else from zlib.
+
+3. The session loop takes a request that is already queued straight from the (non-blocking)
+FUSE fd, and goes through trio's wait for readability (a lock, an epoll_ctl, an epoll_wait)
+only when there is none: several readers keep a queue, and each wait cost the daemon's one
+thread CPU it shares with them. Nothing for fanfs to detect: it is the same API.
 
 Idempotent: does nothing when the patched build is already installed in this interpreter.
 """
@@ -26,7 +32,7 @@ from pathlib import Path
 
 VERSION = "3.5.0"
 MARKER = "FANFS_READ_PASSES_INODE"
-PATCH_LEVEL = 3  # pyfuse3.FANFS_PATCH of the build this script makes
+PATCH_LEVEL = 4  # pyfuse3.FANFS_PATCH of the build this script makes
 POOL = Path(__file__).resolve().parent / "pyfuse3_patch"
 
 # The anchor is pyfuse3 3.5.0's fuse_read(); a different release fails loudly instead of
@@ -56,6 +62,58 @@ REPLY_REPLACEMENT = """    else:
             PyBuffer_Release(&pybuf)
 """
 HANDLERS_INCLUDE = 'include "handlers.pxi"'
+
+# pyfuse3 3.5.0's session loop waits for the FUSE fd through trio (a lock, an epoll_ctl and an
+# epoll_wait) before every request, even when the next one is already queued. Pairs of (anchor
+# in internal.pxi, replacement).
+LOOP_PATCHES = (
+    (
+        """\
+    buf.flags = 0
+    while not fuse_session_exited(session):
+""",
+        """\
+    buf.flags = 0
+    cdef int streak = 0
+    os.set_blocking(session_fd, False)  # fanfs: see below
+    while not fuse_session_exited(session):
+""",
+    ),
+    (
+        """\
+        if not await _wait_fuse_readable():
+            break
+
+        res = fuse_session_receive_buf(session, &buf)
+""",
+        """\
+        # fanfs: the fd is non-blocking; take a request that is already queued at once
+        # and wait through trio only when there is none. Yield to other tasks every 16
+        # requests taken this way (a handler that does not suspend is no checkpoint).
+        res = fuse_session_receive_buf(session, &buf)
+        if res == -errno.EAGAIN:
+            streak = 0
+            if not await _wait_fuse_readable():
+                break
+            res = fuse_session_receive_buf(session, &buf)
+        else:
+            streak += 1
+            if streak >= 16:
+                streak = 0
+                await trio.lowlevel.cancel_shielded_checkpoint()
+""",
+    ),
+    (
+        """\
+        if res == -errno.EINTR:
+            continue
+""",
+        """\
+        if res == -errno.EINTR or res == -errno.EAGAIN:  # fanfs: another task took it
+            continue
+""",
+    ),
+)
 
 
 def installed_is_patched() -> bool:
@@ -93,16 +151,21 @@ def main() -> int:
         src = work / f"pyfuse3-{VERSION}" / "src" / "pyfuse3"
         handlers = src / "handlers.pxi"
         init = src / "__init__.pyx"
-        text, init_text = handlers.read_text(), init.read_text()
+        internal = src / "internal.pxi"
+        text, init_text, loop = handlers.read_text(), init.read_text(), internal.read_text()
         reply_at = text.find("async def fuse_read_async")
         if (text.count(ANCHOR) != 1 or text.find(REPLY_ANCHOR, reply_at) < 0
-                or init_text.count(HANDLERS_INCLUDE) != 1):  # fmt: skip
+                or init_text.count(HANDLERS_INCLUDE) != 1
+                or any(loop.count(a) != 1 for a, _ in LOOP_PATCHES)):  # fmt: skip
             sys.exit(
                 f"install_pyfuse3: unexpected pyfuse3 source in {sdist.name}; patch not applied"
             )
         text = text.replace(ANCHOR, REPLACEMENT)
         text = text[:reply_at] + text[reply_at:].replace(REPLY_ANCHOR, REPLY_REPLACEMENT, 1)
         handlers.write_text(text)
+        for anchor, replacement in LOOP_PATCHES:
+            loop = loop.replace(anchor, replacement)
+        internal.write_text(loop)
         for name in ("fanfs_read_pool.h", "fanfs_read_pool.pxi"):
             (src / name).write_text((POOL / name).read_text())
         init_text = init_text.replace(

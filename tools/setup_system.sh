@@ -4,8 +4,9 @@
 set -euo pipefail
 # slurm-wlm, munge, libpmix-dev: the single-machine Slurm cluster of the tests (srun --mpi=pmix).
 # fio, rsync, zip: real clients the tests run through a mount.
+# libisal2: ISA-L's CRC-32, ten times zlib's, for the native read pool (tools/install_pyfuse3.py).
 want=(libfuse3-dev fuse3 pkg-config gcc openmpi-bin libopenmpi-dev slurm-wlm munge libpmix-dev
-      fio rsync zip)
+      fio rsync zip libisal2)
 missing=()
 for pkg in "${want[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")

@@ -15,7 +15,11 @@
  * once and refuse it from then on. Nothing is cached here: the kernel's page cache keeps what
  * was read.
  *
- * CRC-32 comes from the zlib that Python already uses (dlopen, so no link flag is needed).
+ * CRC-32 comes from ISA-L (libisal.so.2, Debian's libisal2) when it is installed: its
+ * crc32_gzip_refl computes the same CRC as zlib's crc32 with carry-less multiplication, about
+ * ten times faster (60 against 6 GB/s here), and at 128 KiB per file zlib's CRC was a fifth of
+ * the daemon's CPU. Otherwise from the zlib that Python already uses. Both are dlopen'ed, so no
+ * link flag is needed.
  */
 #ifndef FANFS_READ_POOL_H
 #define FANFS_READ_POOL_H
@@ -30,7 +34,8 @@
 
 #define FANFS_POOL_MAX_THREADS 64
 
-typedef unsigned long (*fanfs_crc32_fn)(unsigned long, const unsigned char *, unsigned int);
+typedef unsigned long (*fanfs_zlib_crc32_fn)(unsigned long, const unsigned char *, unsigned int);
+typedef uint32_t (*fanfs_isal_crc32_fn)(uint32_t, const unsigned char *, uint64_t);
 
 struct fanfs_job {
     struct fanfs_job *next;
@@ -58,13 +63,39 @@ static struct {
     int nthreads;
     int stopping;
     int errfd;
-    fanfs_crc32_fn crc32;
+    fanfs_isal_crc32_fn isal_crc32; /* preferred when present */
+    fanfs_zlib_crc32_fn zlib_crc32;
 } fanfs_pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
+
+static uint32_t fanfs_crc32(const unsigned char *buf, uint32_t len) {
+    if (fanfs_pool.isal_crc32 != NULL)
+        return fanfs_pool.isal_crc32(0, buf, len);
+    return (uint32_t)fanfs_pool.zlib_crc32(0, buf, len);
+}
+
+/* Each thread keeps its buffer: a fresh one per file costs page faults (glibc maps blocks of
+ * 128 KiB and more straight from the kernel). Kept up to 1 MiB, the largest READ. */
+#define FANFS_POOL_KEEP (1u << 20)
+static __thread char *fanfs_tbuf;
+static __thread uint32_t fanfs_tcap;
+
+static char *fanfs_buffer(uint32_t len) {
+    if (len <= fanfs_tcap)
+        return fanfs_tbuf;
+    if (len > FANFS_POOL_KEEP)
+        return malloc(len);
+    free(fanfs_tbuf);
+    fanfs_tcap = 0;
+    fanfs_tbuf = malloc(FANFS_POOL_KEEP);
+    if (fanfs_tbuf != NULL)
+        fanfs_tcap = FANFS_POOL_KEEP;
+    return fanfs_tbuf;
+}
 
 static void fanfs_job_run(struct fanfs_job *j) {
     int err = 0;
     uint32_t done = 0;
-    char *buf = malloc(j->len ? j->len : 1);
+    char *buf = fanfs_buffer(j->len ? j->len : 1);
 
     if (buf == NULL)
         err = ENOMEM;
@@ -79,7 +110,7 @@ static void fanfs_job_run(struct fanfs_job *j) {
         else
             done += (uint32_t)n;
     }
-    if (err == 0 && (uint32_t)fanfs_pool.crc32(0, (const unsigned char *)buf, j->len) != j->crc)
+    if (err == 0 && fanfs_crc32((const unsigned char *)buf, j->len) != j->crc)
         err = EBADMSG;
     if (err == 0) {
         fuse_reply_buf(j->req, buf + j->skip, j->count);
@@ -91,7 +122,8 @@ static void fanfs_job_run(struct fanfs_job *j) {
         posted = write(fanfs_pool.errfd, &rec, sizeof rec);
         (void)posted;
     }
-    free(buf);
+    if (buf != fanfs_tbuf)
+        free(buf);
 }
 
 static void *fanfs_pool_main(void *arg) {
@@ -109,27 +141,33 @@ static void *fanfs_pool_main(void *arg) {
         }
         pthread_mutex_unlock(&fanfs_pool.lock);
         if (j == NULL)
-            return NULL; /* stopping, and every queued job is answered */
+            break; /* stopping, and every queued job is answered */
         fanfs_job_run(j);
         free(j);
     }
+    free(fanfs_tbuf);
+    fanfs_tbuf = NULL;
+    fanfs_tcap = 0;
+    return NULL;
 }
 
 /* Start `nthreads` threads (idempotent); error records go to `errfd` (non-blocking pipe). */
 static int fanfs_pool_start(int nthreads, int errfd) {
     sigset_t all, old;
-    void *zlib;
+    void *zlib, *isal;
     int i;
 
     if (fanfs_pool.nthreads > 0)
         return 0;
     if (nthreads < 1 || nthreads > FANFS_POOL_MAX_THREADS)
         return -EINVAL;
+    isal = dlopen("libisal.so.2", RTLD_NOW | RTLD_LOCAL);
+    if (isal != NULL)
+        fanfs_pool.isal_crc32 = (fanfs_isal_crc32_fn)dlsym(isal, "crc32_gzip_refl");
     zlib = dlopen("libz.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (zlib == NULL)
-        return -ENOENT;
-    fanfs_pool.crc32 = (fanfs_crc32_fn)dlsym(zlib, "crc32");
-    if (fanfs_pool.crc32 == NULL)
+    if (zlib != NULL)
+        fanfs_pool.zlib_crc32 = (fanfs_zlib_crc32_fn)dlsym(zlib, "crc32");
+    if (fanfs_pool.isal_crc32 == NULL && fanfs_pool.zlib_crc32 == NULL)
         return -ENOENT;
     fanfs_pool.errfd = errfd;
     fanfs_pool.stopping = 0;
@@ -143,6 +181,11 @@ static int fanfs_pool_start(int nthreads, int errfd) {
     }
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     return fanfs_pool.nthreads > 0 ? 0 : -EAGAIN;
+}
+
+/* Which library computes the CRC-32 of the running pool. */
+static const char *fanfs_pool_crc_name(void) {
+    return fanfs_pool.isal_crc32 != NULL ? "isa-l" : "zlib";
 }
 
 /* Queue a job; -1 if the pool is not running (the caller answers the request itself). */

@@ -10,8 +10,9 @@ cdef extern from "fanfs_read_pool.h" nogil:
     int fanfs_pool_submit(fuse_req_t req, int fd, int64_t off, uint32_t len, uint32_t crc,
                           int64_t entry, uint32_t skip, uint32_t count)
     void fanfs_pool_stop()
+    const char *fanfs_pool_crc_name()
 
-FANFS_PATCH = 3
+FANFS_PATCH = 4
 
 
 cdef int _native_read_submit(fuse_req_t req, tuple job):
@@ -19,10 +20,12 @@ cdef int _native_read_submit(fuse_req_t req, tuple job):
 
 
 def native_read_start(int nthreads, int errfd):
-    '''Start the native read pool; raises OSError if it cannot run.'''
+    '''Start the native read pool; raises OSError if it cannot run. Returns the library that
+    computes its CRC-32: "isa-l" or "zlib".'''
     cdef int ret = fanfs_pool_start(nthreads, errfd)
     if ret != 0:
         raise OSError(-ret, 'native read pool: ' + os.strerror(-ret))
+    return fanfs_pool_crc_name().decode()
 
 
 def native_read_stop():
