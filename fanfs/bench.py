@@ -4,9 +4,14 @@ For each file size: generate a dataset (incompressible bytes), prepare it, mount
 finished first), then for each reader count, cold (kernel caches dropped, when permitted) and
 warm, read every file whole in a random order with that many reader processes, alternating
 native and fanfs runs (and which of them goes first) so that drift on a shared machine hits
-both alike; a warm pass reads the files as many times as it takes to last half a second. With `--ranks N` it
-also mounts N daemons under mpirun and reads, through daemon 0, only the files other daemons
-own (remote), against the same files read natively. Reports files/s, MB/s, per-file latency
+both alike; a warm pass reads the files as many times as it takes to last half a second. With
+`--ranks N` it also mounts N daemons under mpirun and reads, through daemon 0, only the files
+other daemons own (remote), against the same files read natively.
+
+How a file is read (`--client`): "raw" opens it unbuffered and reads it into one buffer, as C,
+TensorFlow or DALI readers do; "python" is `open(path, "rb").read()`, what PIL, numpy.load and
+torch.load do, which on Python 3.13 and older also asks the file whether it is a terminal
+(an ioctl that FUSE sends to the daemon on every open). Reports files/s, MB/s, per-file latency
 percentiles and the fanfs/native ratio (median of the repetitions, with min and max), as a
 table, JSON and a PNG plot.
 
@@ -55,12 +60,16 @@ def size_label(n: int) -> str:
     return str(n)
 
 
+CLIENTS = ("raw", "python")
+
+
 @dataclass(frozen=True, slots=True)
 class Case:
     size: int
     readers: int
     temp: str  # cold | warm
     where: str  # local | remote
+    client: str = "raw"  # see CLIENTS
 
 
 @dataclass
@@ -88,7 +97,7 @@ def drop_caches() -> bool:
         return False
 
 
-def _read_files(paths: Sequence[str], start: Any, out: Any) -> None:
+def _read_files(paths: Sequence[str], client: str, start: Any, out: Any) -> None:
     buf = bytearray(64 << 20)
     lat = []
     total = 0
@@ -96,19 +105,25 @@ def _read_files(paths: Sequence[str], start: Any, out: Any) -> None:
     t0 = time.monotonic()
     for p in paths:
         t = time.perf_counter()
-        with open(p, "rb", buffering=0) as f:
-            while n := f.readinto(buf):
-                total += n
+        if client == "python":
+            with open(p, "rb") as f:
+                total += len(f.read())
+        else:
+            with open(p, "rb", buffering=0) as f:
+                while n := f.readinto(buf):
+                    total += n
         lat.append(time.perf_counter() - t)
     out.put((t0, time.monotonic(), total, lat))
 
 
-def read_all(paths: Sequence[str], readers: int) -> tuple[float, int, list[float]]:
+def read_all(
+    paths: Sequence[str], readers: int, client: str = "raw"
+) -> tuple[float, int, list[float]]:
     """Read every path whole with `readers` processes; (wall seconds, bytes, latencies)."""
     ctx = mp.get_context("fork")
     start = ctx.Event()
     out = ctx.Queue()
-    procs = [ctx.Process(target=_read_files, args=(paths[i::readers], start, out))
+    procs = [ctx.Process(target=_read_files, args=(paths[i::readers], client, start, out))
              for i in range(readers)]  # fmt: skip
     for p in procs:
         p.start()
@@ -202,9 +217,9 @@ def measure(case: Case, reader: str, root: Path, rels: list[str], seed: int) -> 
     if case.temp == "cold":
         drop_caches()
     else:
-        wall, _, _ = read_all(paths, case.readers)  # warm up exactly what is measured
+        wall, _, _ = read_all(paths, case.readers, case.client)  # warm up what is measured
         rounds = max(1, min(WARM_MAX_ROUNDS, round(WARM_MIN_S / max(wall, 1e-3))))
-    wall, nbytes, lat = read_all(paths * rounds, case.readers)
+    wall, nbytes, lat = read_all(paths * rounds, case.readers, case.client)
     p50, p99 = np.percentile(np.array(lat) * 1e3, [50, 99])
     folio = pagecache.folio_kib(paths[:FOLIO_SAMPLE])
     return Result(case, reader, wall, len(paths) * rounds, nbytes, float(p50), float(p99), folio)
@@ -236,13 +251,13 @@ def summarize(results: list[Result]) -> list[dict[str, Any]]:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'where':6} {'size':>5} {'temp':4} {'rd':>2} {'native f/s':>10} {'fanfs f/s':>10} "
+    head = (f"{'where':9} {'size':>5} {'temp':4} {'rd':>2} {'native f/s':>10} {'fanfs f/s':>10} "
             f"{'nat MB/s':>8} {'fan MB/s':>8} {'nat p50/p99 ms':>15} {'fan p50/p99 ms':>15} "
             f"{'folio KiB n/f':>13} {'ratio':>5} {'(min-max)':>11}")  # fmt: skip
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r['where']:6} {size_label(r['size']):>5} {r['temp']:4} {r['readers']:>2} "
+            f"{_where(r):9} {size_label(r['size']):>5} {r['temp']:4} {r['readers']:>2} "
             f"{r['native_files_per_s']:10.0f} {r['fanfs_files_per_s']:10.0f} "
             f"{r['native_mb_per_s']:8.0f} {r['fanfs_mb_per_s']:8.0f} "
             f"{r['native_p50_ms']:7.2f}/{r['native_p99_ms']:<7.2f} "
@@ -250,6 +265,10 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"{_folios(r):>13} {r['ratio']:5.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})"
         )
     return "\n".join(lines)
+
+
+def _where(row: dict[str, Any]) -> str:
+    return str(row["where"]) + ("/py" if row.get("client") == "python" else "")
 
 
 def _folios(row: dict[str, Any]) -> str:
@@ -299,6 +318,7 @@ def run(
     ranks: int,
     temps: Sequence[str] = ("cold", "warm"),
     log: Any = print,
+    client: str = "raw",
 ) -> list[dict[str, Any]]:
     results: list[Result] = []
     if "cold" in temps and not drop_caches():
@@ -311,7 +331,7 @@ def run(
         log(f"bench: {count} files of {size_label(size)}: generate, prepare, mount")
         rels = make_dataset(base / "src", size, count, seed=size)
         _fanfs("-q", "prepare", str(base / "src"), str(base / "img"))
-        plan = (readers, temps, repeat, log)
+        plan = (readers, temps, repeat, log, client)
         with mounted(base / "img", base / "one") as d:
             results += _cases(size, "local", base / "src", d.mnts[0], rels, *plan)
         if ranks > 1:
@@ -336,13 +356,14 @@ def _cases(
     temps: Sequence[str],
     repeat: int,
     log: Any,
+    client: str,
 ) -> list[Result]:
     """Every reader count and temperature at one size and place (local or remote), native and
     fanfs alternating, `repeat` times."""
     results: list[Result] = []
     for n in readers:
         for temp in temps:
-            case = Case(size, n, temp, where)
+            case = Case(size, n, temp, where, client)
             for i in range(repeat):
                 # Who goes first alternates: the second pass may find the machine busier
                 # (or quieter) for a reason of the first one's making.

@@ -175,7 +175,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise UsageError("bench: --temps takes cold,warm; sizes and readers must be positive")
     workdir = Path(args.workdir).absolute()
     rows = bench.run(workdir, sizes, total, args.min_files, readers, args.repeat, args.ranks,
-                     temps, log=lambda m: print(m, file=sys.stderr, flush=True))  # fmt: skip
+                     temps, log=lambda m: print(m, file=sys.stderr, flush=True),
+                     client=args.client)  # fmt: skip
     print(bench.format_table(rows))
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": os.uname().nodename,
               "cpus": os.cpu_count(), "argv": sys.argv[1:], "rows": rows}  # fmt: skip
@@ -364,6 +365,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--readers", default="1,2,4", help="reader processes (default: %(default)s)")
     p.add_argument("--temps", default="cold,warm", help="cold, warm or both (default: %(default)s)")
     p.add_argument("--repeat", type=_positive, default=3, help="repetitions (default: 3)")
+    p.add_argument(
+        "--client",
+        choices=("raw", "python"),
+        default="raw",
+        help="how files are read: raw (unbuffered into one buffer, like C readers) or python "
+        "(open(path, 'rb').read(), like PIL and numpy) (default: %(default)s)",
+    )
     p.add_argument(
         "--ranks",
         type=_positive,

@@ -33,6 +33,18 @@ def test_bench_runs_and_reports(tmp_path: Path) -> None:
     assert not list((tmp_path / "work").glob("*/src"))  # datasets removed after the run
 
 
+def test_bench_python_client(tmp_path: Path) -> None:
+    out_json = tmp_path / "bench.json"
+    done = fanfs("bench", "--sizes", "64K", "--total", "1M", "--min-files", "8", "--readers", "1",
+                 "--temps", "warm", "--repeat", "1", "--client", "python", "--workdir",
+                 tmp_path / "work", "--json", out_json, "--plot", tmp_path / "b.png",
+                 timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    (row,) = json.loads(out_json.read_text())["rows"]
+    assert row["client"] == "python" and row["fanfs_files_per_s"] > 0
+    assert "local/py" in done.stdout
+
+
 def test_bench_rejects_bad_options(tmp_path: Path) -> None:
     done = fanfs("bench", "--sizes", "lots", "--workdir", tmp_path)
     assert (

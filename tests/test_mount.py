@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import mmap
 import os
 import subprocess
+import termios
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +33,23 @@ def test_second_pass_is_served_by_the_kernel(awkward_src: Path, awkward_mount: M
         assert (mnt / rel).read_bytes() == (awkward_src / rel).read_bytes()
     after = json.loads(fanfs("status", mnt, "--json").stdout)["reader"]["reads"]
     assert after == before  # page cache kept across opens: no request reached the daemon
+
+
+def test_files_are_not_terminals(awkward_src: Path, awkward_mount: Mount) -> None:
+    # Python's open() (3.13 and older) asks every file it opens buffered whether it is a
+    # terminal; FUSE sends that ioctl to the daemon, whose answer must be a plain "no".
+    rel = "sizes/mixed-300k.bin"
+    fd = os.open(awkward_mount.mountpoint / rel, os.O_RDONLY)
+    try:
+        assert not os.isatty(fd)
+        with pytest.raises(OSError) as err:
+            fcntl.ioctl(fd, termios.TCGETS, bytes(64))
+        assert err.value.errno == errno.ENOTTY
+        assert os.read(fd, 1 << 20) == (awkward_src / rel).read_bytes()
+    finally:
+        os.close(fd)
+    with open(awkward_mount.mountpoint / rel, "rb") as f:  # buffered, as PIL and numpy open
+        assert f.read() == (awkward_src / rel).read_bytes()
 
 
 def _run(*cmd: str, cwd: Path | None = None) -> bytes:
