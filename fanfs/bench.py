@@ -60,16 +60,13 @@ def size_label(n: int) -> str:
     return str(n)
 
 
-CLIENTS = ("raw", "python")
-
-
 @dataclass(frozen=True, slots=True)
 class Case:
     size: int
     readers: int
     temp: str  # cold | warm
     where: str  # local | remote
-    client: str = "raw"  # see CLIENTS
+    client: str = "raw"  # raw | python: how a file is read (_read_files)
 
 
 @dataclass
