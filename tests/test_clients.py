@@ -106,7 +106,9 @@ FIO_JOBS: dict[str, list[str]] = {
     "seq": ["--rw=write", "--bs=64k"],
     "rand": ["--rw=randwrite", "--bs=16k", "--randrepeat=1", "--randseed=1234"],
 }
-FIO_COMMON = ["--size=2m", "--nrfiles=2", "--verify=crc32c", "--verify_fatal=1"]
+# --verify_state_save=0: a failed verify would otherwise drop a state file into the cwd.
+FIO_COMMON = ["--size=2m", "--nrfiles=2", "--verify=crc32c", "--verify_fatal=1",
+              "--verify_state_save=0"]  # fmt: skip
 
 
 def fio(
