@@ -319,26 +319,21 @@ class Reader:
             cached = self._cache.get(entry)
             if cached is not None and int(c.codec[entry]) == cat.CODEC_RAW:
                 return memoryview(cached)[offset : offset + length]
-            start = int(c.data_off[entry]) + offset
-            if length <= INLINE_LIMIT:
-                return self.store.pread(part, start, length)
-            data: bytes = await self._in_thread(self.store.pread, part, start, length)
-            return data
+            return await self._read_stored(entry, offset, length)
         except (CorruptFile, OSError) as e:
             log.warning("cannot serve %s to a peer: %s", self._describe(entry), e)
             return None
 
-    async def _read_stored(self, entry: int, offset: int, length: int | None) -> bytes:
-        """Stored bytes from the local store: inline from the page cache, else in a thread."""
-        c = self.catalog
-        part = int(c.part[entry])
-        start = int(c.data_off[entry]) + offset
-        n = int(c.stored_len[entry]) - offset if length is None else length
-        if n <= NOWAIT_LIMIT:
-            cached = self.store.pread_cached(part, start, n)
+    async def _read_stored(self, entry: int, offset: int, length: int) -> bytes:
+        """Stored bytes from the local store: inline from the page cache, else in a thread
+        (a read that waits for the disk never blocks the event loop)."""
+        part = int(self.catalog.part[entry])
+        start = int(self.catalog.data_off[entry]) + offset
+        if length <= NOWAIT_LIMIT:
+            cached = self.store.pread_cached(part, start, length)
             if cached is not None:
                 return cached  # type: ignore[return-value]
-        data: bytes = await self._in_thread(self.store.pread, part, start, n)
+        data: bytes = await self._in_thread(self.store.pread, part, start, length)
         return data
 
     async def _verify_large(self, entry: int) -> None:
