@@ -33,6 +33,7 @@ from fanfs.catalog import Catalog
 from fanfs.errors import ExitCode, FanfsError, MountFailed, MountpointError
 from fanfs.fuse_ops import NATIVE_POOL, PATCHED, FanfsOperations
 from fanfs.reader import Reader
+from fanfs.staging import default_parent
 from fanfs.store import PartitionStore, check_partitions
 
 log = logging.getLogger(__name__)
@@ -48,8 +49,9 @@ ERROR_RECORD = struct.Struct("=qii")  # the native pool's failure record: entry,
 class MountConfig:
     image: Path
     mountpoint: str  # may contain {rank} and {node}
-    local: str | None = None  # likewise; None: a per-user, per-job directory
+    local: str | None = None  # likewise; the parent of the private staging directory
     keep_local: bool = False
+    nonempty: bool = False  # mount over a directory that holds something (hiding it)
     cache_bytes: int = 512 << 20
     replicas: int = 1
     peer_timeout: float = 5.0
@@ -65,21 +67,25 @@ def expand(template: str, rank: int, node: str) -> str:
     return template.replace("{rank}", str(rank)).replace("{node}", node)
 
 
-def default_local(rank: int, node: str) -> str:
-    base = os.environ.get("TMPDIR") or "/tmp"
-    user = os.environ.get("USER") or str(os.getuid())
-    job = os.environ.get("SLURM_JOB_ID")
-    tail = f"job{job}-{node}" if job else f"pid{os.getpid()}"
-    return f"{base}/fanfs-{user}/{tail}"
-
-
-def check_mountpoint(mountpoint: Path) -> None:
+def check_mountpoint(mountpoint: Path, nonempty: bool = False) -> None:
     if mounts.find(mountpoint) is not None:
         raise MountpointError(f"{mountpoint}: already mounted")
     if not mountpoint.exists():
         raise MountpointError(f"{mountpoint}: mount point does not exist")
     if not mountpoint.is_dir():
         raise MountpointError(f"{mountpoint}: mount point is not a directory")
+    if not nonempty:
+        try:
+            with os.scandir(mountpoint) as it:
+                held = next(it, None)
+        except OSError as e:
+            raise MountpointError(f"{mountpoint}: cannot read mount point: {e.strerror}") from None
+        if held is not None:
+            # The mount would hide what is there (fusermount refused this for the same reason).
+            raise MountpointError(
+                f"{mountpoint}: mount point is not empty (holds {held.name!r}); "
+                "use --nonempty to mount over it anyway"
+            )
 
 
 def _tune_readahead(mountpoint: Path) -> None:
@@ -215,23 +221,21 @@ class Daemon:
         cfg = self.cfg
         node = node_name(self.rank)
         self.mountpoint = Path(mounts.canonical(expand(cfg.mountpoint, self.rank, node)))
-        local = Path(
-            os.path.abspath(expand(cfg.local or default_local(self.rank, node), self.rank, node))
-        )
+        local = Path(os.path.abspath(expand(cfg.local or default_parent(), self.rank, node)))
         catalog = self._load_catalog()
         self.catalog = catalog
-        error = None
-        try:
-            check_mountpoint(self.mountpoint)
-        except FanfsError as e:
-            error = e
-        self._agree(error)
         owners = placement.place(catalog.part_size, catalog.part_flags, self.size, cfg.replicas)
         owned = placement.owned_by(owners, self.rank)
         with contextlib.ExitStack() as stack:
-            store = PartitionStore(cfg.image, catalog, local, owned, cfg.keep_local)
-            stack.callback(store.close)
-            self.store = store
+            error = None
+            try:
+                check_mountpoint(self.mountpoint, cfg.nonempty)
+                store = PartitionStore(cfg.image, catalog, local, owned, cfg.keep_local)
+                stack.callback(store.close)
+                self.store = store
+            except FanfsError as e:
+                error = e
+            self._agree(error)  # every rank fails together, or none
             if self.world is not None:
                 from fanfs.transport.mpi import MpiTransport
 
@@ -241,7 +245,10 @@ class Daemon:
                 self.transport.serve_fn = self.reader.serve
             ops = FanfsOperations(catalog, self.reader, self.status)
             options = set(pyfuse3.default_options)
-            options |= {"fsname=fanfs", "subtype=fanfs", "ro", "default_permissions"}
+            # nosuid, nodev: a hostile image cannot offer a set-uid program or a device node
+            # (a root daemon's mount would otherwise honour both).
+            options |= {"fsname=fanfs", "subtype=fanfs", "ro", "default_permissions", "nosuid",
+                        "nodev"}  # fmt: skip
             error = None
             try:
                 pyfuse3.init(ops, str(self.mountpoint), options)

@@ -17,7 +17,7 @@ class ExitCode(enum.IntEnum):
     USAGE = 2  # bad command line (argparse)
     SOURCE = 3  # dataset directory missing or unreadable, or IMAGE exists without --force
     IMAGE = 4  # image missing, corrupt, truncated, of an unknown version, or a partition missing
-    MOUNTPOINT = 5  # mount point missing, not a directory, already mounted, or not mounted
+    MOUNTPOINT = 5  # mount point missing, not a directory, not empty, mounted or not; bad --local
     TIMEOUT = 6  # `wait` or `umount` gave up after --timeout
     MOUNT = 7  # the mount itself failed (FUSE unavailable, daemon died at start)
     INTERRUPTED = 130  # SIGINT during prepare
@@ -58,6 +58,12 @@ class MissingPartition(ImageError):
 
 
 class MountpointError(FanfsError):
+    exit_code = ExitCode.MOUNTPOINT
+
+
+class StagingError(FanfsError):
+    """`--local` is unsafe (another user controls it) or unusable."""
+
     exit_code = ExitCode.MOUNTPOINT
 
 

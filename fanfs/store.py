@@ -1,7 +1,8 @@
 """The partition store: where a partition's bytes come from, the staged local copy or the image.
 
-Staging copies the partitions this daemon serves from the image to the local directory with
-large kernel-side copies (sendfile) in one background thread. Until a partition has landed, its
+Staging copies the partitions this daemon serves from the image into its private staging
+directory (fanfs/staging.py: anonymous 0600 files that cannot outlive the daemon) with large
+kernel-side copies (sendfile) in one background thread. Until a partition has landed, its
 reads go to the image, so the mount serves at once. Swapping a partition's fd is one list-item
 assignment, atomic under the GIL, and old fds stay open until `close`, so a reader that picked
 the image fd just before the swap still reads valid bytes.
@@ -19,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from fanfs import catalog as cat
-from fanfs.errors import FanfsError, MissingPartition
+from fanfs.errors import MissingPartition, StagingError
 from fanfs.progress import human_bytes
+from fanfs.staging import StagingDir
 
 log = logging.getLogger(__name__)
 
@@ -57,20 +59,15 @@ class PartitionStore:
         self.local = local
         self.owned = list(owned)
         self.keep_local = keep_local
-        if local.resolve() == image.resolve():
-            raise FanfsError(f"{local}: the local directory must not be the image directory")
-        self._created_local = not local.exists()
-        try:
-            local.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise FanfsError(f"{local}: cannot create local directory: {e.strerror}") from None
+        if local.resolve() == image.resolve() or image.resolve() in local.resolve().parents:
+            raise StagingError(f"{local}: --local must not be inside the image directory")
+        self.staging = StagingDir(local, keep_local)
         # Image fds open on first use: a daemon that owns 8 of 1024 partitions should not
         # open the other 1016 on the shared file system unless it has to fall back to them.
         self._fds: list[int] = [-1] * catalog.n_partitions
         self._open_lock = threading.Lock()
         self.image_reads = 0
         self._old_fds: list[int] = []
-        self._staged: list[Path] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.staged_parts = 0
@@ -156,29 +153,33 @@ class PartitionStore:
         return (
             f"{self.staged_parts}/{len(self.owned)} partitions, "
             f"{human_bytes(self.staged_bytes)}/{human_bytes(self.stage_total)} "
-            f"in {seconds:.1f} s ({rate:.0f} MB/s) to {self.local}"
+            f"in {seconds:.1f} s ({rate:.0f} MB/s) to {self.staging.path}"
         )
 
     def _stage_one(self, p: int) -> None:
         size = int(self.catalog.part_size[p])
-        final = self.local / cat.partition_name(p)
-        tmp = final.with_suffix(".partial")
-        self._staged.append(tmp)
-        with open(tmp, "wb") as out:
+        name = cat.partition_name(p)
+        out = self.staging.create(name)
+        try:
             done = 0
             while done < size and not self._stop.is_set():
-                sent = os.sendfile(out.fileno(), self.fd(p), done, min(COPY_CHUNK, size - done))
+                sent = os.sendfile(out, self.fd(p), done, min(COPY_CHUNK, size - done))
                 if sent == 0:
-                    raise OSError(5, f"partition {p} ended early while staging")
+                    raise OSError(errno.EIO, f"partition {p} ended early while staging")
                 done += sent
                 self.staged_bytes += sent
+            if done == size:
+                self.staging.publish(out, name)
+        except BaseException:
+            os.close(out)  # an anonymous file: closing it frees its space
+            self.staging.discard(name)
+            raise
         if done < size:
+            os.close(out)
+            self.staging.discard(name)
             return
-        os.rename(tmp, final)
-        self._staged[-1] = final
-        fd = os.open(final, os.O_RDONLY)
         self._old_fds.append(self._fds[p])
-        self._fds[p] = fd  # atomic swap: later reads of this partition are local
+        self._fds[p] = out  # atomic swap: later reads of this partition are local
         self._staged_set[p] = True
         self.staged_parts += 1
 
@@ -186,7 +187,7 @@ class PartitionStore:
 
     def statistics(self) -> dict[str, Any]:
         return {
-            "local_dir": str(self.local),
+            "local_dir": str(self.staging.path),
             "partitions_owned": len(self.owned),
             "partitions_staged": self.staged_parts,
             "bytes_staged": self.staged_bytes,
@@ -205,12 +206,4 @@ class PartitionStore:
                 os.close(fd)
         self._fds = []
         self._old_fds = []
-        if self.keep_local:
-            return
-        for path in self._staged:
-            path.unlink(missing_ok=True)
-        if self._created_local:
-            try:
-                self.local.rmdir()
-            except OSError as e:
-                log.warning("left %s in place: %s", self.local, e.strerror)
+        self.staging.close()

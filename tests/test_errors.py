@@ -270,13 +270,14 @@ def test_native_pool_serves_cold_files_and_refuses_a_corrupt_one(
     c, _ = cat.Catalog.load(image)
     victim = c.resolve(b"c2/f6.bin")
     assert victim is not None
-    local = tmp_path / "local"
-    with mounted(image, tmp_path / "mnt", local) as m:
+    with mounted(image, tmp_path / "mnt", tmp_path / "local", "--keep-local") as m:
 
         def status() -> dict[str, Any]:
             return dict(json.loads(os.getxattr(m.mountpoint, "user.fanfs.status")))
 
         assert wait_until(lambda: status()["store"]["staging_done"], timeout=30)
+        # --keep-local names the staged copies, so the test can reach the daemon's own file.
+        local = Path(status()["store"]["local_dir"])
         assert status()["native_read_pool"]
         assert status()["native_crc32"] == "isa-l"  # tools/setup_system.sh installs libisal2
         staged = local / cat.partition_name(int(c.part[victim]))
@@ -330,8 +331,10 @@ def test_umount_removes_mount_daemon_and_staged_data(small_image: Path, tmp_path
 def test_keep_local_keeps_the_staged_copies(small_image: Path, tmp_path: Path) -> None:
     with mounted(small_image, tmp_path / "mnt", tmp_path / "local", "--keep-local") as m:
         assert fanfs("umount", m.mountpoint).returncode == 0
-    staged = sorted(p.name for p in (tmp_path / "local").iterdir())
-    assert staged == [cat.partition_name(p) for p in range(4)]
+    (staging,) = (tmp_path / "local").iterdir()
+    assert staging.name.startswith("fanfs-stage-") and staging.stat().st_mode & 0o777 == 0o700
+    assert sorted(p.name for p in staging.iterdir()) == [cat.partition_name(p) for p in range(4)]
+    assert all(p.stat().st_mode & 0o777 == 0o600 for p in staging.iterdir())
 
 
 def test_umount_after_the_daemon_was_killed(small_image: Path, tmp_path: Path) -> None:

@@ -59,7 +59,7 @@ def leftovers() -> list[str]:
     """The jobs' mounts, staged and mount directories, and daemons (other tests' are not ours)."""
     left = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()
             if " fuse.fanfs " in line and " /tmp/fanfs-" in line]  # fmt: skip
-    for pattern in ("fanfs-mnt-*", "fanfs-local-*", "fanfs-*/job*"):  # the template's, fanfs's
+    for pattern in ("fanfs-mnt-*", "fanfs-stage-*"):  # the template's mounts, fanfs's staging
         left += [str(p) for p in Path("/tmp").glob(pattern)]
     daemons = subprocess.run(["pgrep", "-f", "fanfs mount .*/tmp/fanfs-mnt-"],
                              capture_output=True, text=True, check=False)  # fmt: skip
