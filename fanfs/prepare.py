@@ -38,8 +38,8 @@ import numpy as np
 import zstandard
 
 from fanfs import catalog as cat
-from fanfs import codec, logs
-from fanfs.errors import ExitCode, FanfsError, ImageExists, SourceError
+from fanfs import codec, imagedir, logs
+from fanfs.errors import ExitCode, FanfsError, SourceError, UsageError
 from fanfs.progress import Progress, human_bytes
 
 log = logging.getLogger(__name__)
@@ -84,8 +84,12 @@ class Tree:
     links: dict[int, bytes] = field(default_factory=dict)
     files: list[tuple[int, bytes]] = field(default_factory=list)  # (entry, absolute path)
     skipped: int = 0
+    # Who besides the owner can read each entry (imagedir.readers), and the image's group.
+    readers: list[int] = field(default_factory=list)
+    image_gid: int | None = None
 
-    def add(self, name: bytes, parent: int, st: os.stat_result) -> int:
+    def add(self, name: bytes, parent: int, st: os.stat_result, above: int) -> int:
+        self.readers.append(imagedir.readers(st, self.image_gid, above))
         self.names.append(name)
         self.parent.append(parent)
         self.mode.append(st.st_mode)
@@ -126,7 +130,7 @@ def _scan(path: bytes) -> list[os.DirEntry[bytes]]:
         raise SourceError(f"{os.fsdecode(path)}: cannot read directory: {e.strerror}") from None
 
 
-def walk(src: Path) -> Tree:
+def walk(src: Path, image_gid: int | None = None) -> Tree:
     """Breadth-first walk of `src`, not following symlinks."""
     root = os.fsencode(src)
     try:
@@ -135,8 +139,8 @@ def walk(src: Path) -> Tree:
         raise SourceError(f"{src}: {e.strerror}") from None
     if not stat.S_ISDIR(st.st_mode):
         raise SourceError(f"{src}: not a directory")
-    tree = Tree()
-    tree.add(b"", 0, st)
+    tree = Tree(image_gid=image_gid)
+    tree.add(b"", 0, st, imagedir.reach(src, image_gid))
     queue: deque[tuple[int, bytes]] = deque([(0, root)])
     while queue:
         _stop.check()
@@ -154,7 +158,7 @@ def walk(src: Path) -> Tree:
                 log.warning("skipping %s: not a file, directory or symlink", os.fsdecode(full))
                 tree.skipped += 1
                 continue
-            idx = tree.add(entry.name, parent, est)
+            idx = tree.add(entry.name, parent, est, tree.readers[parent])
             if fmt == stat.S_IFDIR:
                 queue.append((idx, full))
             elif fmt == stat.S_IFREG:
@@ -329,12 +333,18 @@ def _batches(tree: Tree, dict_ids: dict[bytes, int]) -> Iterator[list[Item]]:
         yield batch
 
 
-def train_dictionaries(tree: Tree, policy: codec.Policy) -> tuple[list[bytes], dict[bytes, int]]:
-    """Dictionaries for the groups of small files, and which group uses which (id = index + 1)."""
+def train_dictionaries(
+    tree: Tree, policy: codec.Policy, who: int = imagedir.EVERYONE
+) -> tuple[list[bytes], dict[bytes, int]]:
+    """Dictionaries for the groups of small files, and which group uses which (id = index + 1).
+
+    A dictionary holds pieces of its samples and goes into the catalog, which every reader of
+    the image can read: a file that fewer users may read than `who` (the image's readers) is
+    never a sample."""
     groups: dict[bytes, list[tuple[bytes, int]]] = {}
     for entry, path in tree.files:
         size = tree.size[entry]
-        if 0 < size <= codec.DICT_MAX_FILE:
+        if 0 < size <= codec.DICT_MAX_FILE and tree.readers[entry] & who == who:
             groups.setdefault(_group(path), []).append((path, size))
     ranked = sorted(
         ((sum(n for _, n in files), key, files) for key, files in groups.items()
@@ -627,9 +637,14 @@ def prepare(
     jobs: int | None = None,
     force: bool = False,
     broadcast: Sequence[str] = (),
+    mode: str = "auto",
 ) -> Summary | None:
     """Prepare IMAGE from SRC. Under an MPI launcher with several ranks, rank 0 walks, packs
-    and writes while every rank reads and compresses; ranks other than 0 return None."""
+    and writes while every rank reads and compresses; ranks other than 0 return None.
+    `mode`: who may read the image, "auto" (as private as SRC's most private file) or a name
+    of `imagedir.MODES`."""
+    if mode != "auto" and mode not in imagedir.MODES:
+        raise UsageError(f"--mode: {mode!r} is not auto, {', '.join(imagedir.MODES)}")
     policy = codec.parse_compress(compress)
     jobs = jobs or min(8, os.cpu_count() or 1)
     world = _world()
@@ -644,14 +659,13 @@ def prepare(
     try:
         image = image.absolute()
         src = src.absolute()
-        if image.exists() and not force:
-            raise ImageExists(f"{image}: already exists (use --force to replace it)")
-        if image == src or src in image.parents:
-            raise SourceError(f"{image}: the image must not be inside the source directory")
         if not image.parent.is_dir():
             raise SourceError(f"{image.parent}: no such directory")
+        imagedir.check_nesting(src, image)
+        imagedir.check_replaceable(image, force)
+        imagedir.sweep(image)
         with _stop.installed():
-            summary = _prepare(src, image, partitions, policy, jobs, broadcast, world, state)
+            summary = _prepare(src, image, partitions, policy, jobs, broadcast, world, state, mode)
     except BaseException as e:
         if world is None:
             raise
@@ -700,24 +714,26 @@ def _prepare(
     broadcast: Sequence[str],
     world: Any = None,
     state: dict[str, bool] | None = None,
+    mode: str = "auto",
 ) -> Summary:
     started = time.monotonic()
     log.info("walking %s", src)
-    tree = walk(src)
+    tree = walk(src, imagedir.image_gid(image.parent))
+    who = _image_readers(tree, mode)
     bcast = _match(tree, os.fsencode(src), broadcast)
     bcast_bytes = sum(tree.size[e] for e in bcast)
     total = sum(tree.size[e] for e, _ in tree.files)
     n_parts = partitions or default_partitions(total - bcast_bytes, len(tree.files) - len(bcast))
     n_bcast = min(len(bcast), max(1, math.ceil(bcast_bytes / PART_TARGET_BYTES))) if bcast else 0
-    dicts, dict_ids = train_dictionaries(tree, policy) if policy.compresses else ([], {})
+    dicts, dict_ids = train_dictionaries(tree, policy, who) if policy.compresses else ([], {})
     encoder = codec.Encoder(policy, dicts)
     if world is not None and state is not None:
         log.info("packing with %d ranks, %d processes each", world.size, jobs)
         world.bcast((policy.mode, policy.level, dicts))
         state["ranks_told"] = True
-    tmp = image.parent / f".{image.name}.partial-{os.getpid()}"
+    tmp = imagedir.partial_path(image)
     try:
-        tmp.mkdir()
+        tmp.mkdir(mode=0o700)  # nobody else reads it while it is built, whatever it holds
         packer = _Packer(tmp, n_parts, n_bcast, len(tree.names))
         packer.broadcast = bcast
         progress = Progress("prepare", len(tree.files), total)
@@ -731,9 +747,9 @@ def _prepare(
         packer.close()
         _write_catalog(tmp, tree, packer, encoder, src)
         _stop.check()  # the last moment an interrupt can still leave nothing behind
-        _publish(tmp, image)
+        _publish(tmp, image, who, mode == "auto")
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # our own mkdtemp-like directory, nobody else's
         raise
     progress.close()
     return Summary(
@@ -796,12 +812,43 @@ def _write_catalog(
         os.fsync(f.fileno())
 
 
-def _publish(tmp: Path, image: Path) -> None:
-    """Rename the finished image into place; an old image (with --force) goes only after."""
+def _image_readers(tree: Tree, mode: str) -> int:
+    """Who may read the image besides its owner (imagedir.GROUP/OTHERS), with a warning
+    where SRC holds files that not every user may read."""
+    files = [e for e, _ in tree.files]
+    private = [e for e in files if tree.readers[e] != imagedir.EVERYONE]
+    least = imagedir.EVERYONE
+    for e in private:
+        least &= tree.readers[e]
+    who = least if mode == "auto" else imagedir.MODES[mode]
+    if private:
+        example = os.fsdecode(tree.files[files.index(private[0])][1])
+        exposed = [e for e in private if tree.readers[e] & who != who]
+        log.warning(
+            "%d of %d files in the source are not readable by every user (e.g. %s); the image "
+            "will be readable by %s%s", len(private), len(files), example,
+            imagedir.describe(who),
+            f": --mode {mode} exposes {len(exposed)} of them" if exposed else
+            " (--mode public|group to share it)",
+        )  # fmt: skip
+    return who
+
+
+def _publish(tmp: Path, image: Path, who: int, umask: bool) -> None:
+    """Give the image its permissions, then rename it into place; an old image (with --force,
+    checked to be one) goes only after the new one is in place."""
+    dir_mode, file_mode = imagedir.permissions(who)
+    if umask:
+        mask = imagedir.umask()
+        dir_mode, file_mode = dir_mode & ~mask | 0o700, file_mode & ~mask | 0o600
+    for name in os.listdir(tmp):
+        os.chmod(tmp / name, file_mode, follow_symlinks=False)
     old = None
     if image.exists() or image.is_symlink():
-        old = image.parent / f".{image.name}.old-{os.getpid()}"
+        imagedir.check_replaceable(image, force=True)  # again: it may have changed meanwhile
+        old = imagedir.old_path(image)
         image.rename(old)
+    os.chmod(tmp, dir_mode)
     tmp.rename(image)
     dir_fd = os.open(image.parent, os.O_RDONLY)
     try:
@@ -809,10 +856,7 @@ def _publish(tmp: Path, image: Path) -> None:
     finally:
         os.close(dir_fd)
     if old is not None:
-        if old.is_dir() and not old.is_symlink():
-            shutil.rmtree(old)
-        else:
-            old.unlink()
+        imagedir.remove(old)
 
 
 def main_summary(summary: Summary, image: Path) -> None:
