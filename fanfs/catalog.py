@@ -3,7 +3,12 @@
 Invariants (checked by `Catalog.from_bytes`, documented in docs/format.md):
 - Entry 0 is the root directory; inode = entry index + 1 (FUSE's root inode is 1).
 - A directory's children are contiguous (`child_start`, `child_count`) and sorted by name bytes,
-  so readdir is a slice and lookup a binary search.
+  so readdir is a slice and lookup a binary search. Entries come in walk order: every entry's
+  parent has a smaller id, the children ranges of all directories cover entries 1..n-1 once,
+  and only directories have children (so the tree has no cycle and no hidden entry).
+- Names are 1 to 255 bytes without `/` or NUL, never `.` or `..`, unique within a directory.
+- Every entry is a directory, a regular file or a symlink. A raw file's stored length is its
+  size; a file compressed whole is at most WHOLE_DECODE_MAX bytes decoded.
 - Regular files point into a partition (`part`, `data_off`, `stored_len`) that lies within the
   partition's recorded size; symlinks keep their target in the string table.
 The catalog is immutable after load: it needs no locks and is shared by every task and thread.
@@ -17,7 +22,7 @@ import json
 import stat
 import struct
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NewType
@@ -48,6 +53,12 @@ FRAME_ENTRY = 8
 FRAME_DELTA4 = 1 << 31
 
 S_IFMT = 0o170000  # the file-type bits of st_mode (stat.S_IFMT is a function)
+NAME_MAX = 255  # bytes in one name, as in every Linux file system (FUSE refuses longer ones)
+# A file compressed whole is decoded whole in memory. prepare frames every compressed file over
+# 4 MiB, so a catalog that claims a far larger whole-compressed file is hostile.
+WHOLE_DECODE_MAX = 64 << 20
+_WORD = 8  # bytes of a name compared at a time when checking the order of names
+_CHUNK = 1 << 18  # name pairs compared per numpy pass (bounds the check's memory)
 
 # Partition flags (bit set).
 PART_BROADCAST = 1
@@ -181,7 +192,8 @@ class Catalog:
         """Read and validate IMAGE's catalog; return it with its raw bytes (for broadcast)."""
         path = image / CATALOG_NAME
         if not image.is_dir():
-            raise ImageError(f"{image}: not a fanfs image (no such directory)")
+            what = "not a directory" if image.exists() else "no such directory"
+            raise ImageError(f"{image}: not a fanfs image ({what})")
         try:
             data = path.read_bytes()
         except FileNotFoundError:
@@ -245,8 +257,16 @@ class Catalog:
             raise bad("no root directory")
         if np.any(self.parent >= n):
             raise bad("parent out of range")
-        if np.any(self.name_off + self.name_len > len(self.strings)):
+        # Offsets are checked alone too: a sum of two u64 columns can wrap around.
+        if np.any(self.name_off > len(self.strings)) or np.any(
+            self.name_off + self.name_len > len(self.strings)
+        ):
             raise bad("name out of range")
+        # A device node, fifo or socket in a hostile image would be honoured by the kernel.
+        if np.any(~(self.is_dir | self.is_file | self.is_link)):
+            raise bad("entry that is not a directory, file or symlink")
+        self._check_tree(bad)
+        self._check_names(bad)
         if np.any(self.child_start.astype(np.uint64) + self.child_count > n):
             raise bad("children out of range")
         if not np.all(np.isin(self.codec, list(CODEC_NAMES))):
@@ -263,12 +283,87 @@ class Catalog:
                 raise bad("framed file shorter than its frame table")
         if np.any(self.part[files] >= self.n_partitions):
             raise bad("partition out of range")
+        limit = self.part_size[self.part[files]]
         ends = self.data_off[files] + self.stored_len[files]
-        if np.any(ends > self.part_size[self.part[files]]):
+        if (
+            np.any(self.data_off[files] > limit)
+            or np.any(self.stored_len[files] > limit)
+            or np.any(ends > limit)
+        ):
             raise bad("file data beyond its partition")
+        raw = files & (self.codec == CODEC_RAW)
+        if np.any(self.stored_len[raw] != self.size[raw]):
+            raise bad("raw file whose stored length is not its size")
+        whole = files & ~raw & ~framed
+        if np.any(self.size[whole] > WHOLE_DECODE_MAX) or np.any(self.stored_len[whole] == 0):
+            raise bad("compressed file of an impossible size")
         links = self.is_link
-        if np.any(self.data_off[links] + self.size[links] > len(self.strings)):
+        ends = self.data_off[links] + self.size[links]
+        if np.any(self.data_off[links] > len(self.strings)) or np.any(ends > len(self.strings)):
             raise bad("symlink target out of range")
+
+    def _check_tree(self, bad: Callable[[str], CorruptCatalog]) -> None:
+        """Walk order: parents first, each directory's children exactly its own range."""
+        n = self.n_entries
+        if np.any(self.parent[1:] >= np.arange(1, n, dtype=np.uint64)):
+            raise bad("a parent after its child")
+        if np.any(self.child_count[~self.is_dir] != 0):
+            raise bad("children of a non-directory")
+        dirs = np.flatnonzero(self.is_dir & (self.child_count > 0))
+        dirs = dirs[np.argsort(self.child_start[dirs], kind="stable")]
+        starts = self.child_start[dirs].astype(np.int64)
+        counts = self.child_count[dirs].astype(np.int64)
+        if int(counts.sum()) != n - 1 or (len(dirs) and starts[0] != 1):
+            raise bad("children that do not cover every entry once")
+        if np.any(starts[1:] != starts[:-1] + counts[:-1]):
+            raise bad("overlapping or gapped children")
+        if np.any(self.parent[1:] != np.repeat(dirs, counts)):
+            raise bad("an entry outside its parent's children")
+
+    def _check_names(self, bad: Callable[[str], CorruptCatalog]) -> None:
+        """Names are valid path components, sorted and unique within each directory."""
+        lens = self.name_len[1:]
+        if np.any(lens == 0) or np.any(lens > NAME_MAX):
+            raise bad("name empty or longer than 255 bytes")
+        table = np.frombuffer(self.strings, dtype=np.uint8)
+        offs = self.name_off[1:]
+        forbidden = np.flatnonzero((table == ord("/")) | (table == 0)).astype(np.uint64)
+        inside = np.searchsorted(forbidden, offs + lens) - np.searchsorted(forbidden, offs)
+        if np.any(inside):
+            raise bad("name containing '/' or NUL")
+        if len(table):
+            first = table[np.minimum(offs, len(table) - 1)]
+            second = table[np.minimum(offs + 1, len(table) - 1)]
+            dot = ord(".")
+            if np.any((first == dot) & ((lens == 1) | ((lens == 2) & (second == dot)))):
+                raise bad("name '.' or '..'")
+        # Neighbours in one directory compare word by word (big-endian, zero padded, which
+        # orders like bytes since names hold no NUL); only tied pairs go on to the next word.
+        pairs = np.flatnonzero(self.parent[1:-1] == self.parent[2:]) + 1
+        for lo in range(0, len(pairs), _CHUNK):
+            a = pairs[lo : lo + _CHUNK]
+            b = a + 1
+            k = 0
+            while len(a):
+                wa, wb = self._name_word(table, a, k), self._name_word(table, b, k)
+                if np.any(wa > wb):
+                    raise bad("names not sorted within a directory")
+                tied = wa == wb
+                upto = _WORD * (k + 1)
+                ended = (self.name_len[a] <= upto) & (self.name_len[b] <= upto)
+                if np.any(tied & ended):
+                    raise bad("duplicate names within a directory")
+                a, b, k = a[tied], b[tied], k + 1
+
+    def _name_word(self, table: np.ndarray, entries: np.ndarray, k: int) -> np.ndarray:
+        """Bytes [8k, 8k + 8) of each entry's name as a big-endian u64, zero padded."""
+        start = self.name_off[entries] + np.uint64(_WORD * k)
+        pos = start[:, None] + np.arange(_WORD, dtype=np.uint64)
+        end = self.name_off[entries] + self.name_len[entries]
+        got = np.where(pos < end[:, None], table[np.minimum(pos, len(table) - 1)], 0)
+        shifts = np.arange(8 * (_WORD - 1), -1, -8, dtype=np.uint64)
+        words: np.ndarray = (got.astype(np.uint64) << shifts).sum(axis=1, dtype=np.uint64)
+        return words
 
     # -- queries (pure, no I/O) ----------------------------------------------------------------
 
