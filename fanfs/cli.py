@@ -47,6 +47,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
             jobs=args.jobs,
             force=args.force,
             broadcast=args.broadcast,
+            mode=args.mode,
         )
     except ValueError as e:  # a bad --compress value
         raise UsageError(str(e)) from None
@@ -91,6 +92,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         mountpoint=args.mountpoint,
         local=args.local,
         keep_local=args.keep_local,
+        nonempty=args.nonempty,
         cache_bytes=args.cache_mb << 20,
         replicas=args.replicas,
         peer_timeout=args.peer_timeout,
@@ -128,12 +130,18 @@ def _exited(pid: int) -> bool:
 
 
 def _lazy_unmount(mountpoint: str) -> None:
+    """Detach the mount now (readers still inside keep what they hold); raise if that failed."""
     try:
-        subprocess.run(
-            ["fusermount3", "-u", "-z", mountpoint], capture_output=True, timeout=10, check=False
-        )
+        done = subprocess.run(
+            ["fusermount3", "-u", "-z", mountpoint], capture_output=True, text=True, timeout=10,
+            check=False,
+        )  # fmt: skip
+        why = done.stderr.strip() or f"fusermount3 exited with {done.returncode}"
+        failed = done.returncode != 0
     except (OSError, subprocess.TimeoutExpired) as e:
-        log.warning("fusermount3 -u -z %s: %s", mountpoint, e)
+        why, failed = str(e), True
+    if failed and mounts.find(mountpoint) is not None:
+        raise MountpointError(f"{mountpoint}: lazy unmount failed: {why}")
 
 
 def cmd_umount(args: argparse.Namespace) -> int:
@@ -269,7 +277,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="J",
         help="reader/compressor processes (default: cores, at most 8)",
     )
-    p.add_argument("--force", action="store_true", help="replace an existing IMAGE")
+    p.add_argument(
+        "--force", action="store_true", help="replace IMAGE if it is an existing fanfs image"
+    )
+    p.add_argument(
+        "--mode",
+        default=_env("MODE", "auto"),
+        choices=("auto", "private", "group", "public"),
+        help="who may read the image: auto (default: as private as the most private source "
+        "file), private (you), group (you and your group), public (every user)",
+    )
     p.add_argument(
         "--broadcast",
         action="append",
@@ -307,10 +324,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--local",
         default=_env("LOCAL"),
         metavar="DIR",
-        help="where to stage partitions (default: $TMPDIR/fanfs-$USER/<job>-<node>)",
+        help="directory in which to create the private staging directory (default: $TMPDIR)",
     )
     p.add_argument(
         "--keep-local", action="store_true", help="keep the staged copies after unmounting"
+    )
+    p.add_argument(
+        "--nonempty", action="store_true", help="mount over a non-empty directory (hiding it)"
     )
     p.add_argument(
         "--replicas",
@@ -407,6 +427,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs.configure(-1 if args.quiet else args.verbose)
     try:
         code: int = args.func(args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
         return code
     except FanfsError as e:
         print(f"fanfs: error: {e}", file=sys.stderr)
@@ -414,6 +435,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("fanfs: interrupted", file=sys.stderr)
         return ExitCode.INTERRUPTED
+    except BrokenPipeError:
+        # The reader of our output went away (`fanfs status | head`): not an error of ours.
+        # Python would complain again when flushing stdout at exit: point it at /dev/null.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return ExitCode.OK
 
 
 if __name__ == "__main__":

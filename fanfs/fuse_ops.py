@@ -13,12 +13,13 @@ inode, so `read` means the same with or without the patch.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import logging
 import os
 import stat
-from collections.abc import Callable
-from typing import Any, NoReturn
+from collections.abc import Awaitable, Callable
+from typing import Any, NoReturn, TypeVar
 
 import pyfuse3
 
@@ -41,6 +42,29 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 
 async def _erofs(*args: Any, **kwargs: Any) -> NoReturn:
     raise pyfuse3.FUSEError(errno.EROFS)
+
+
+Handler = TypeVar("Handler", bound=Callable[..., Awaitable[Any]])
+
+
+def _edge(handler: Handler) -> Handler:
+    """The one place where errors become errnos. A handler that raised anything but FUSEError
+    would end pyfuse3's main loop, i.e. the whole mount for every reader: a corrupt file is
+    EIO (logged once by the reader), anything unexpected is EIO too, logged with its trace."""
+
+    @functools.wraps(handler)
+    async def guarded(self: FanfsOperations, *args: Any) -> Any:
+        try:
+            return await handler(self, *args)
+        except pyfuse3.FUSEError:
+            raise
+        except CorruptFile:
+            raise pyfuse3.FUSEError(errno.EIO) from None
+        except Exception:
+            log.exception("%s%r failed, answering EIO", handler.__name__, args[:2])
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    return guarded  # type: ignore[return-value]
 
 
 class FanfsOperations(pyfuse3.Operations):
@@ -79,6 +103,7 @@ class FanfsOperations(pyfuse3.Operations):
         a.attr_timeout = CACHE_TIMEOUT_S
         return a
 
+    @_edge
     async def lookup(
         self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
@@ -96,34 +121,45 @@ class FanfsOperations(pyfuse3.Operations):
             return a
         return self._attrs(entry)
 
+    @_edge
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         return self._attrs(self._entry(inode))
 
+    @_edge
     async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
         entry = self._entry(inode)
         if not stat.S_ISLNK(int(self.catalog.mode[entry])):
             raise pyfuse3.FUSEError(errno.EINVAL)
         return self.catalog.symlink_target(entry)
 
+    @_edge
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
         entry = self._entry(inode)
         if not self.catalog.is_dir[entry]:
             raise pyfuse3.FUSEError(errno.ENOTDIR)
         return inode
 
+    @_edge
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
-        # start_id is the position in the children, so readdir resumes with no state.
-        children = self.catalog.children(fh - ROOT)
-        for pos in range(start_id, len(children)):
-            entry = children[pos]
-            if not pyfuse3.readdir_reply(
-                token, self.catalog.name(entry), self._attrs(entry), pos + 1
-            ):
+        # start_id is the position in the listing (".", "..", then the children), so readdir
+        # resumes with no state. Loaders that walk the tree (os.scandir) skip the two dots.
+        entry = self._entry(fh)
+        children = self.catalog.children(entry)
+        dots = ((b".", entry), (b"..", int(self.catalog.parent[entry])))
+        for pos in range(start_id, len(children) + 2):
+            if pos < 2:
+                name, child = dots[pos]
+            else:
+                child = children[pos - 2]
+                name = self.catalog.name(child)
+            if not pyfuse3.readdir_reply(token, name, self._attrs(child), pos + 1):
                 return
 
+    @_edge
     async def releasedir(self, fh: int) -> None:
         pass
 
+    @_edge
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
         c = self.catalog
         s = pyfuse3.StatvfsData()
@@ -135,16 +171,19 @@ class FanfsOperations(pyfuse3.Operations):
         s.f_namemax = 255
         return s
 
+    @_edge
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
         if inode == ROOT and name == STATUS_XATTR:
             return json.dumps(self.status(), sort_keys=True).encode()
         raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
 
+    @_edge
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
         return []  # the status attribute stays hidden, so cp -a / rsync -X never copy it
 
     # -- data ------------------------------------------------------------------------------
 
+    @_edge
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         if flags & _WRITE_FLAGS or (flags & _ACCMODE) != os.O_RDONLY:
             raise pyfuse3.FUSEError(errno.EROFS)
@@ -157,18 +196,18 @@ class FanfsOperations(pyfuse3.Operations):
 
     # pyfuse3's stub says bytes; its C code takes any buffer, and a memoryview slice of a
     # cached file saves one copy per request.
+    @_edge
     async def read(  # type: ignore[override]
         self, fh: int, off: int, size: int
     ) -> bytes | memoryview | NativeJob:
         # A NativeJob tuple is answered by pyfuse3's native read pool (see fanfs.reader).
-        try:
-            return await self.reader.read(fh - ROOT, off, size)
-        except CorruptFile:
-            raise pyfuse3.FUSEError(errno.EIO) from None  # logged once by the reader
+        return await self.reader.read(self._entry(fh), off, size)
 
+    @_edge
     async def release(self, fh: int) -> None:
         pass
 
+    @_edge
     async def access(self, inode: int, mode: int, ctx: pyfuse3.RequestContext) -> bool:
         if mode & os.W_OK:
             raise pyfuse3.FUSEError(errno.EROFS)
@@ -178,6 +217,7 @@ class FanfsOperations(pyfuse3.Operations):
     setattr = mknod = mkdir = unlink = rmdir = symlink = rename = link = _erofs
     create = write = setxattr = removexattr = fsync = fsyncdir = _erofs
 
+    @_edge
     async def flush(self, fh: int) -> None:
         # Nothing to flush on a read-only file system. ENOSYS (rather than success) tells the
         # kernel so once and for all ("no_flush"): otherwise every close() is a round trip.

@@ -69,7 +69,12 @@ def nodes_needed(
 
 
 def info(image: Path, local_capacity: int | None = None, replicas: int = 1) -> dict[str, Any]:
+    """What is in IMAGE; an image that could not be mounted (a partition missing or of the
+    wrong size) is an error, as `mount` would find."""
+    from fanfs.store import check_partitions
+
     c, raw = cat.Catalog.load(image)
+    check_partitions(image, c, range(c.n_partitions))
     files = c.is_file
     links = c.is_link
     bytes_in = int(c.size[files].sum())

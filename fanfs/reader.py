@@ -100,9 +100,21 @@ class Reader:
         self.native_jobs = 0
 
     async def read(self, entry: int, offset: int, size: int) -> bytes | memoryview | NativeJob:
+        """`size` bytes of `entry` from `offset`, or a job for the native pool. Any failure,
+        from the disk, a peer, the codec or a hostile catalog, ends as CorruptFile for this
+        file alone (EIO at the FUSE edge), logged once with its path."""
         self.reads += 1
         if entry in self._bad:
             raise CorruptFile(self._describe(entry))
+        try:
+            return await self._read(entry, offset, size)
+        except CorruptFile:
+            raise
+        except Exception as e:
+            self._mark_bad(entry, e)
+            raise CorruptFile(self._describe(entry)) from None
+
+    async def _read(self, entry: int, offset: int, size: int) -> bytes | memoryview | NativeJob:
         length = int(self.catalog.size[entry])
         if offset >= length or size == 0:
             return b""
@@ -189,7 +201,7 @@ class Reader:
                 break
         try:
             return await produce()
-        except (CorruptFile, OSError) as e:
+        except Exception as e:  # the disk, a codec, a hostile catalog: this file only
             self._mark_bad(entry, e)
             raise CorruptFile(self._describe(entry)) from None
         finally:
@@ -373,7 +385,10 @@ class Reader:
     def _mark_bad(self, entry: int, error: BaseException) -> None:
         if entry not in self._bad:
             self._bad.add(entry)
-            log.error("EIO for %s: %s", self._describe(entry), error)
+            expected = isinstance(error, (CorruptFile, OSError))
+            log.error("EIO for %s: %s", self._describe(entry),
+                      error if expected else f"{type(error).__name__}: {error}",
+                      exc_info=not expected)  # fmt: skip
 
     def _describe(self, entry: int) -> str:
         return os.fsdecode(b"/" + self.catalog.path(entry))

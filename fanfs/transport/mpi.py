@@ -63,6 +63,20 @@ def launched_size(environ: dict[str, str]) -> int:
     return 1
 
 
+def parse_request(header: Any, tag_ub: int) -> tuple[int, int, int, int] | None:
+    """(entry, offset, length, reply tag) of a peer's request header, or None if it is not a
+    well-formed one (the bytes come from another process and are checked like input). The
+    entry and range are checked later against the catalog by the serving side; entry -1 with
+    length 0 is a ping."""
+    try:
+        entry, offset, length, tag = (int(x) for x in header)
+    except (TypeError, ValueError):
+        return None
+    if not FIRST_REPLY_TAG <= tag < tag_ub or offset < 0 or length < 0 or entry < -1:
+        return None
+    return entry, offset, length, tag
+
+
 class World:
     """COMM_WORLD for start-up collectives (main thread, before the transport thread starts)."""
 
@@ -157,6 +171,7 @@ class MpiTransport:
         self.served = 0
         self.served_bytes = 0
         self.refused = 0
+        self.malformed = 0  # peer messages dropped as malformed
 
     # -- trio side -------------------------------------------------------------------------
 
@@ -288,6 +303,7 @@ class MpiTransport:
             "served_to_peers": self.served,
             "bytes_served_to_peers": self.served_bytes,
             "refused_to_peers": self.refused,
+            "malformed_messages": self.malformed,
             "dead_peers": sorted(self._dead),
             "peers_said_bye": sorted(self._byes),
         }
@@ -327,35 +343,61 @@ class MpiTransport:
                     cmd = self._cmds.get_nowait()
                 except queue.Empty:
                     cmd = None
-            while incoming.Test(status):
+            while (got := self._arrived(incoming, status, "request")) is not False:
                 busy = True
-                entry, offset, length, tag = (int(x) for x in header)
-                self._call_trio(self._on_request, status.Get_source(), entry, offset, length, tag)
+                request = parse_request(header, self._tag_ub) if got else None
+                if request is not None:
+                    self._call_trio(self._on_request, status.Get_source(), *request)
+                elif got:
+                    self.malformed += 1
+                    log.warning("malformed request from rank %d ignored", status.Get_source())
                 incoming = comm.Irecv(header, MPI.ANY_SOURCE, TAG_REQUEST)
-            while byes.Test(status):
+            while (got := self._arrived(byes, status, "bye")) is not False:
                 busy = True
-                self._byes.add(status.Get_source())
+                if got:
+                    self._byes.add(status.Get_source())
                 byes = comm.Irecv(bye, MPI.ANY_SOURCE, TAG_BYE)
             for tag, rec in list(receiving.items()):
                 reqs, job, first = rec
-                if first is None:
-                    if not reqs[0].Test(status):
+                try:
+                    if first is None:
+                        if not reqs[0].Test(status):
+                            continue
+                        first = rec[2] = status.Get_count(MPI.BYTE)
+                    if first < min(job.length, CHUNK):  # a short first message: a refusal
+                        for req in reqs[1:]:
+                            req.Cancel()
+                            cancelled.append(req)
+                    elif not MPI.Request.Testall(reqs[1:]):
                         continue
-                    first = rec[2] = status.Get_count(MPI.BYTE)
-                if first < min(job.length, CHUNK):  # a short first message: the owner refused
-                    for req in reqs[1:]:
-                        req.Cancel()
-                        cancelled.append(req)
-                elif not MPI.Request.Testall(reqs[1:]):
-                    continue
+                    count = job.length if first >= min(job.length, CHUNK) else first
+                except MPI.Exception as e:  # e.g. a reply longer than asked for: not this peer
+                    log.warning("bad reply from rank %d: %s", job.peer, e)
+                    count = -1
                 busy = True
                 del receiving[tag]
-                self._call_trio(
-                    self._deliver, job, job.length if first >= min(job.length, CHUNK) else first
-                )
-            sending = [(req, buf) for req, buf in sending if not req.Test()]
-            cancelled = [req for req in cancelled if not req.Test()]
+                self._call_trio(self._deliver, job, count)
+            sending = [(req, buf) for req, buf in sending if not self._done(req)]
+            cancelled = [req for req in cancelled if not self._done(req)]
             idle = POLL_MIN_S if busy else min(idle * 2, POLL_MAX_S)
+
+    def _arrived(self, req: Any, status: Any, what: str) -> bool | None:
+        """Whether a posted receive of requests or byes completed: True, False, or None when
+        it completed with an error (a peer sent a message of the wrong size), which is
+        counted as malformed and dropped. The caller posts a new receive unless False."""
+        try:
+            return bool(req.Test(status))
+        except self.MPI.Exception as e:
+            self.malformed += 1
+            log.warning("malformed %s from a peer dropped: %s", what, e)
+            return None
+
+    def _done(self, req: Any) -> bool:
+        try:
+            return bool(req.Test())
+        except self.MPI.Exception as e:
+            log.warning("MPI send failed: %s", e)
+            return True
 
     def _command(
         self,
