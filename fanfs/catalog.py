@@ -242,6 +242,9 @@ class Catalog:
         # Checked here, before the dictionaries are sliced out of the strings.
         if np.any(columns["dict_off"] + columns["dict_len"] > strings_len):
             raise CorruptCatalog(f"{where}: corrupt catalog (dictionary out of range)")
+        # Checked before the constructor, which counts subdirectories by parent.
+        if np.any(columns["parent"] >= n_entries):
+            raise CorruptCatalog(f"{where}: corrupt catalog (parent out of range)")
         catalog = cls(columns, strings, meta, frame_size)
         catalog._check_structure(where)
         return catalog

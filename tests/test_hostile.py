@@ -1,0 +1,169 @@
+"""Property-based tests of every parser of untrusted input: the catalog loader, the peer
+request parser, the serving side of peer requests and the FUSE adapter (including the status
+interface). Random and mutated inputs get a clean error or a correct result: never another
+exception, a hang or a dead daemon."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pyfuse3
+import pytest
+import trio
+from catalogs import columns_of, encode
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fanfs import catalog as cat
+from fanfs.errors import ImageError
+from fanfs.fuse_ops import ROOT, STATUS_XATTR, FanfsOperations
+from fanfs.reader import Reader
+from fanfs.store import PartitionStore
+from fanfs.transport.mpi import FIRST_REPLY_TAG, parse_request
+
+SETTINGS = settings(max_examples=300, deadline=None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+CTX = pyfuse3.RequestContext()
+
+
+def exercise(c: cat.Catalog) -> None:
+    """What a mount does with a catalog it accepted: none of it may raise."""
+    for entry, path in c.walk():
+        assert c.resolve(path) == entry
+        c.name(entry)
+        if c.is_link[entry]:
+            c.symlink_target(entry)
+        for child in c.children(entry):
+            assert int(c.parent[child]) == entry
+
+
+@pytest.fixture(scope="module")
+def raw(awkward_image: Path) -> bytes:
+    return (awkward_image / cat.CATALOG_NAME).read_bytes()
+
+
+@SETTINGS
+@given(data=st.data())
+def test_random_bytes_flipped_in_a_catalog(raw: bytes, data: st.DataObject) -> None:
+    mutated = bytearray(raw)
+    for _ in range(data.draw(st.integers(1, 8))):
+        at = data.draw(st.integers(0, len(raw) - 1))
+        mutated[at] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(0, len(raw)))
+    for candidate in (bytes(mutated), bytes(mutated[:cut])):
+        with contextlib.suppress(ImageError):
+            exercise(cat.Catalog.from_bytes(candidate))
+
+
+COLUMNS = [name for name, _ in cat.ENTRY_COLUMNS + cat.PARTITION_COLUMNS]
+
+
+@SETTINGS
+@given(data=st.data())
+def test_columns_rewritten_with_valid_checksums(raw: bytes, data: st.DataObject) -> None:
+    """Mutations behind correct checksums reach the structural checks themselves."""
+    columns, strings, meta, frame_size = columns_of(raw)
+    original = columns_of(raw)[0]
+    for _ in range(data.draw(st.integers(1, 4))):
+        name = data.draw(st.sampled_from(COLUMNS))
+        column = columns[name]
+        if not len(column):
+            continue
+        i = data.draw(st.integers(0, len(column) - 1))
+        info = np.iinfo(column.dtype)
+        column[i] = data.draw(
+            st.one_of(
+                st.integers(int(info.min), int(info.max)),
+                st.integers(0, min(300, int(info.max))),
+                st.sampled_from([int(x) for x in original[name][:50]]),
+            )
+        )
+    if data.draw(st.booleans()):
+        at = data.draw(st.integers(0, max(0, len(strings) - 1)))
+        strings = (
+            strings[:at] + data.draw(st.sampled_from([b"/", b"\0", b".", b"a"])) + strings[at + 1 :]
+        )
+    with contextlib.suppress(ImageError):
+        exercise(cat.Catalog.from_bytes(encode(columns, strings, meta, frame_size)))
+
+
+@SETTINGS
+@given(header=st.lists(st.integers(-(2**63), 2**63 - 1), min_size=0, max_size=6))
+def test_peer_request_parser(header: list[int]) -> None:
+    got = parse_request(np.array(header, dtype=np.int64), 32767)
+    if got is not None:
+        entry, offset, length, tag = got
+        assert len(header) == 4 and entry >= -1 and offset >= 0 and length >= 0
+        assert FIRST_REPLY_TAG <= tag < 32767
+
+
+@pytest.fixture
+def adapter(awkward_image: Path, tmp_path: Path) -> Iterator[tuple[FanfsOperations, Reader]]:
+    c, _ = cat.Catalog.load(awkward_image)
+    store = PartitionStore(awkward_image, c, tmp_path / "local", range(c.n_partitions))
+    reader = Reader(c, store, 1 << 20)
+    try:
+        yield FanfsOperations(c, reader, lambda: {"serving": True}), reader
+    finally:
+        store.close()
+
+
+BIG = st.integers(-(2**63), 2**64)
+
+
+@SETTINGS
+@given(entry=BIG, offset=BIG, length=BIG)
+def test_serving_any_peer_request(
+    adapter: tuple[FanfsOperations, Reader], entry: int, offset: int, length: int
+) -> None:
+    """A peer's (entry, offset, length): the stored bytes it asked for, or None."""
+    _, reader = adapter
+    c = reader.catalog
+    got = trio.run(reader.serve, entry, offset, length)
+    if got is not None:
+        assert 0 <= entry < c.n_entries and c.is_file[entry] and len(got) == length
+        assert bytes(got) == bytes(trio.run(reader._read_stored, entry, offset, length))
+
+
+async def fuse_call(ops: FanfsOperations, call: str, *args: object) -> object:
+    try:
+        return await getattr(ops, call)(*args)
+    except pyfuse3.FUSEError as e:
+        assert e.errno in (errno.ENOENT, errno.ENOTDIR, errno.EINVAL, errno.EIO, errno.EROFS,
+                           errno.ENOSYS, errno.EISDIR, pyfuse3.ENOATTR)  # fmt: skip
+        return e
+
+
+@SETTINGS
+@given(
+    inode=st.one_of(st.integers(-5, 400), st.integers(-(2**63), 2**64)),
+    name=st.binary(max_size=300),
+    offset=BIG,
+    size=st.integers(0, 1 << 22),
+)
+def test_fuse_requests_with_any_arguments(
+    adapter: tuple[FanfsOperations, Reader], inode: int, name: bytes, offset: int, size: int
+) -> None:
+    ops, _ = adapter
+
+    async def requests() -> None:
+        await fuse_call(ops, "lookup", inode, name, CTX)
+        await fuse_call(ops, "getattr", inode, CTX)
+        await fuse_call(ops, "readlink", inode, CTX)
+        await fuse_call(ops, "getxattr", inode, name, CTX)
+        await fuse_call(ops, "listxattr", inode, CTX)
+        await fuse_call(ops, "access", inode, size & 7, CTX)
+        await fuse_call(ops, "read", inode, max(0, min(offset, 2**63 - 1)), size)
+
+    trio.run(requests)
+
+
+def test_status_is_only_where_it_belongs(adapter: tuple[FanfsOperations, Reader]) -> None:
+    ops, _ = adapter
+    assert trio.run(ops.getxattr, ROOT, STATUS_XATTR, CTX) == b'{"serving": true}'
+    got = trio.run(fuse_call, ops, "getxattr", ROOT + 1, STATUS_XATTR, CTX)
+    assert isinstance(got, pyfuse3.FUSEError) and got.errno == pyfuse3.ENOATTR
