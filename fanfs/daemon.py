@@ -296,7 +296,10 @@ class Daemon:
             if not records:
                 return  # the pool has stopped and its end is closed
             for entry, err, _ in ERROR_RECORD.iter_unpack(records):
-                self.reader.native_failed(entry, err)
+                try:
+                    self.reader.native_failed(entry, err)
+                except Exception:  # a bad record must not end the daemon's task group
+                    log.exception("native read pool reported entry %d, errno %d", entry, err)
 
     def _unmount(self) -> None:
         if self._mounted:

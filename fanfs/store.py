@@ -136,7 +136,14 @@ class PartitionStore:
             for p in self.owned:
                 if self._stop.is_set():
                     return
-                self._stage_one(p)
+                try:
+                    self._stage_one(p)
+                except OSError as e:
+                    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                        raise  # the next partition would not fit either
+                    # One unreadable partition (a bad sector of the image): the image stays
+                    # its source, and its files get EIO only where the image fails too.
+                    log.error("cannot stage partition %d, reading it from the image: %s", p, e)
                 now = time.monotonic()
                 if now - last_log >= PROGRESS_INTERVAL_S:
                     last_log = now
@@ -147,6 +154,8 @@ class PartitionStore:
         except OSError as e:
             # The image stays the source for every partition not staged: reads keep working.
             log.error("staging stopped, reading the rest from the image: %s", e)
+        except Exception:
+            log.exception("staging failed, reading the rest from the image")
 
     def _stage_text(self, seconds: float) -> str:
         rate = self.staged_bytes / max(seconds, 1e-9) / 1e6
