@@ -42,17 +42,17 @@ _PART = re.compile(r"part-\d{5}\.pack")
 
 def readers(st: os.stat_result, image_gid: int | None, above: int) -> int:
     """Who besides the owner can read this entry (files) or pass through it (directories),
-    given who can reach its parent (`above`). The group counts only if it is the group the
-    image will belong to: another group's members must not gain access through the image."""
+    given who can reach its parent (`above`). GROUP means the members of the group the image
+    will belong to: the entry's group bits apply to them only if it has that group, otherwise
+    they are "others" to it (another group's members must not gain access via the image)."""
     is_dir = stat.S_ISDIR(st.st_mode)
     if stat.S_ISLNK(st.st_mode):
         return above  # a symlink's text is readable by whoever reaches it
     g_bit, o_bit = (0o010, 0o001) if is_dir else (0o040, 0o004)
-    who = 0
-    if st.st_mode & g_bit and (image_gid is None or st.st_gid == image_gid):
+    who = OTHERS if st.st_mode & o_bit else 0
+    same_group = image_gid is None or st.st_gid == image_gid
+    if st.st_mode & (g_bit if same_group else o_bit):
         who |= GROUP
-    if st.st_mode & o_bit:
-        who |= OTHERS
     return who & above
 
 
