@@ -116,6 +116,30 @@ LOOP_PATCHES = (
 )
 
 
+def safe_extract(tar: tarfile.TarFile, dest: Path) -> None:
+    """Extract a source archive that may be hostile, on every Python fanfs supports.
+
+    `extractall(filter="data")` exists only from Python 3.12 (and 3.11.4, 3.10.12); Debian 12
+    ships 3.11.2. The rule here is stricter than that filter and needs nothing new: regular
+    files and directories only (no links, devices or fifos), relative names with no `..`, and
+    no permission bits taken from the archive.
+    """
+    root = dest.resolve()
+    for member in tar.getmembers():
+        target = (root / member.name).resolve()
+        if (
+            not (member.isfile() or member.isdir())
+            or member.name.startswith("/")
+            or ".." in Path(member.name).parts
+            or (target != root and root not in target.parents)
+        ):
+            sys.exit(f"install_pyfuse3: refusing archive member {member.name!r}")
+    # Where the standard filter exists, it applies too (and keeps 3.12+ from warning).
+    extra = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+    for member in tar.getmembers():
+        tar.extract(member, root, set_attrs=False, **extra)  # type: ignore[arg-type]
+
+
 def installed_is_patched() -> bool:
     probe = (
         f"import pyfuse3, sys; sys.exit(0 if getattr(pyfuse3, {MARKER!r}, False) and "
@@ -147,7 +171,7 @@ def main() -> int:
         )
         (sdist,) = work.glob("pyfuse3-*.tar.gz")
         with tarfile.open(sdist) as tar:
-            tar.extractall(work, filter="data")
+            safe_extract(tar, work)
         src = work / f"pyfuse3-{VERSION}" / "src" / "pyfuse3"
         handlers = src / "handlers.pxi"
         init = src / "__init__.pyx"

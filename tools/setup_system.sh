@@ -11,8 +11,15 @@ missing=()
 for pkg in "${want[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
 done
-if ! python3 -c 'import venv, ensurepip' 2>/dev/null; then
+# The Python the venv is made from (make setup PYTHON=...): it needs venv and, to build
+# pyfuse3, its headers. Debian splits both out of its own python3.
+python=${PYTHON:-python3}
+if ! "$python" -c 'import venv, ensurepip' 2>/dev/null; then
     missing+=(python3-venv)
+fi
+if ! "$python" -c 'import os, sysconfig, sys
+sys.exit(not os.path.exists(os.path.join(sysconfig.get_path("include"), "Python.h")))' 2>/dev/null; then
+    missing+=(python3-dev)
 fi
 if [ ${#missing[@]} -eq 0 ]; then
     exit 0
