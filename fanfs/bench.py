@@ -79,6 +79,7 @@ class Result:
     p50_ms: float
     p99_ms: float
     folio_kib: float | None = None  # mean page-cache folio after the pass (root only)
+    dropped: bool = True  # a cold pass began with the kernel caches dropped (root only)
 
     @property
     def files_per_s(self) -> float:
@@ -211,15 +212,17 @@ def measure(case: Case, reader: str, root: Path, rels: list[str], seed: int) -> 
     random.Random(seed).shuffle(order)
     paths = [str(root / r) for r in order]
     rounds = 1
+    dropped = True
     if case.temp == "cold":
-        drop_caches()
+        dropped = drop_caches()
     else:
         wall, _, _ = read_all(paths, case.readers, case.client)  # warm up what is measured
         rounds = max(1, min(WARM_MAX_ROUNDS, round(WARM_MIN_S / max(wall, 1e-3))))
     wall, nbytes, lat = read_all(paths * rounds, case.readers, case.client)
     p50, p99 = np.percentile(np.array(lat) * 1e3, [50, 99])
     folio = pagecache.folio_kib(paths[:FOLIO_SAMPLE])
-    return Result(case, reader, wall, len(paths) * rounds, nbytes, float(p50), float(p99), folio)
+    return Result(case, reader, wall, len(paths) * rounds, nbytes, float(p50), float(p99), folio,
+                  dropped)  # fmt: skip
 
 
 def summarize(results: list[Result]) -> list[dict[str, Any]]:
@@ -234,6 +237,9 @@ def summarize(results: list[Result]) -> list[dict[str, Any]]:
             f.files_per_s / n.files_per_s for n, f in zip(by["native"], by["fanfs"], strict=True)
         ]
         row: dict[str, Any] = {**asdict(case), "repeats": len(ratios)}
+        # False: the "cold" passes could not drop the kernel caches (not root), so they read
+        # whatever memory still held: a warm-cache figure, not a disk one.
+        row["caches_dropped"] = all(r.dropped for rs in by.values() for r in rs)
         for k, rs in by.items():
             row[f"{k}_files_per_s"] = statistics.median(r.files_per_s for r in rs)
             row[f"{k}_mb_per_s"] = statistics.median(r.nbytes / r.seconds / 1e6 for r in rs)
@@ -253,15 +259,25 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"{'folio KiB n/f':>13} {'ratio':>5} {'(min-max)':>11}")  # fmt: skip
     lines = [head, "-" * len(head)]
     for r in rows:
+        temp = r["temp"] + ("" if r.get("caches_dropped", True) else "*")
         lines.append(
-            f"{_where(r):9} {size_label(r['size']):>5} {r['temp']:4} {r['readers']:>2} "
+            f"{_where(r):9} {size_label(r['size']):>5} {temp:5}{r['readers']:>2} "
             f"{r['native_files_per_s']:10.0f} {r['fanfs_files_per_s']:10.0f} "
             f"{r['native_mb_per_s']:8.0f} {r['fanfs_mb_per_s']:8.0f} "
             f"{r['native_p50_ms']:7.2f}/{r['native_p99_ms']:<7.2f} "
             f"{r['fanfs_p50_ms']:7.2f}/{r['fanfs_p99_ms']:<7.2f} "
             f"{_folios(r):>13} {r['ratio']:5.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})"
         )
+    if not all(r.get("caches_dropped", True) for r in rows):
+        lines.append(NOT_DROPPED)
     return "\n".join(lines)
+
+
+NOT_DROPPED = (
+    "* cold: the kernel caches could not be dropped (only root may): these passes read what "
+    "memory still held, so they show warm-cache speed, not the disk's; run as root for cold "
+    "figures"
+)
 
 
 def _where(row: dict[str, Any]) -> str:
@@ -319,7 +335,7 @@ def run(
 ) -> list[dict[str, Any]]:
     results: list[Result] = []
     if "cold" in temps and not drop_caches():
-        log("bench: cannot drop caches (not root): 'cold' runs are only as cold as memory allows")
+        log(f"bench: {NOT_DROPPED[2:]}")
     for size in sizes:
         count = max(min_files, total_bytes // size)
         base = workdir / size_label(size)

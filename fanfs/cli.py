@@ -187,7 +187,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                      client=args.client)  # fmt: skip
     print(bench.format_table(rows))
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": os.uname().nodename,
-              "cpus": os.cpu_count(), "argv": sys.argv[1:], "rows": rows}  # fmt: skip
+              "cpus": os.cpu_count(), "argv": sys.argv[1:],
+              "caches_dropped": all(r["caches_dropped"] for r in rows), "rows": rows}  # fmt: skip
     Path(args.json).write_text(json.dumps(report, indent=2))
     plotted = bench.plot(rows, Path(args.plot))
     print(

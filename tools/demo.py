@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from fanfs import datagen, mounts
-from fanfs.bench import drop_caches
+from fanfs.bench import NOT_DROPPED, drop_caches
 
 BIN = Path(sys.executable).with_name("fanfs")
 
@@ -96,7 +96,7 @@ def main() -> int:
             ratio = f"{rows[i - 1][2] / secs:13.2f}" if name == "fanfs" else ""
             print(f"{temp:6} {name:7} {len(rels) / secs:9.0f} {total / secs / 1e6:8.0f} {ratio}")
         if any(r[0].endswith("*") for r in rows):
-            print("* caches could not be dropped (not root): 'cold' reads may be warm")
+            print(NOT_DROPPED)
         print(f"\ndemo: {len(rels)} files checked against the source, {len(bad)} differ")
         print(fanfs("status", mnt).strip())
         ok = not bad
