@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pwd
+import shutil
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, TypeVar
 
@@ -135,3 +140,75 @@ def wait_until(predicate: object, timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+# -- an unprivileged user ---------------------------------------------------------------------
+# Cluster users are never root. CI runs as root, so the tests create a system user, run fanfs
+# as that user with setpriv, and give it what a standard distribution gives every user:
+# /dev/fuse readable and writable (this machine ships it 0600; opened for the test run only).
+
+TEST_USER = "fanfs-tester"
+
+
+@dataclass(frozen=True)
+class User:
+    name: str
+    uid: int
+    gid: int
+    home: Path  # a scratch directory of the user's own, also its TMPDIR
+
+    def env(self, **extra: str) -> dict[str, str]:
+        return {"PATH": f"{Path(sys.executable).parent}:/usr/sbin:/usr/bin:/sbin:/bin",
+                "HOME": str(self.home), "USER": self.name, "LOGNAME": self.name,
+                "TMPDIR": str(self.home / "tmp"), "LANG": "C.UTF-8", **extra}  # fmt: skip
+
+    def cmd(self, *args: str | os.PathLike[str]) -> list[str]:
+        drop = ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", "--clear-groups"]
+        return [*drop, *map(str, args)]
+
+    def run(
+        self, *args: str | os.PathLike[str], timeout: float = STEP_TIMEOUT, **env: str
+    ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(self.cmd(*args), env=self.env(**env), capture_output=True,
+                              text=True, timeout=timeout, check=False)  # fmt: skip
+
+    def popen(
+        self, *args: str | os.PathLike[str], log: Path, **env: str
+    ) -> subprocess.Popen[bytes]:
+        with open(log, "wb") as out:
+            return subprocess.Popen(self.cmd(*args), env=self.env(**env), stdout=out,
+                                    stderr=subprocess.STDOUT)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def user() -> Iterator[User]:
+    made = subprocess.run(["id", TEST_USER], capture_output=True, check=False).returncode != 0
+    if made:
+        subprocess.run(["useradd", "--system", "--no-create-home", "--home-dir", "/nonexistent",
+                        "--shell", "/usr/sbin/nologin", TEST_USER],
+                       check=True, timeout=30)  # fmt: skip
+    pw = pwd.getpwnam(TEST_USER)
+    home = Path(tempfile.mkdtemp(prefix="fanfs-user-"))
+    (home / "tmp").mkdir()
+    for d in (home, home / "tmp"):
+        os.chown(d, pw.pw_uid, pw.pw_gid)
+    home.chmod(0o755)
+    fuse_mode = stat.S_IMODE(os.stat("/dev/fuse").st_mode)
+    os.chmod("/dev/fuse", fuse_mode | 0o666)
+    u = User(TEST_USER, pw.pw_uid, pw.pw_gid, home)
+    try:
+        probe = u.run(sys.executable, "-c", "import fanfs, pyfuse3")
+        assert probe.returncode == 0, (
+            f"{TEST_USER} cannot run this checkout's fanfs (the checkout and its .venv must be "
+            f"readable by other users): {probe.stderr}"
+        )
+        yield u
+    finally:
+        os.chmod("/dev/fuse", fuse_mode)
+        subprocess.run(["pkill", "-KILL", "-u", TEST_USER], check=False, timeout=30)
+        for line in Path("/proc/mounts").read_text().splitlines():
+            if str(home) in line.split()[1]:
+                subprocess.run(["umount", "-l", line.split()[1]], check=False, timeout=30)
+        shutil.rmtree(home, ignore_errors=True)
+        if made:
+            subprocess.run(["userdel", TEST_USER], check=False, timeout=30)

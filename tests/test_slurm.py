@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import prepare
+from conftest import User, prepare
 
 from fanfs import datagen
 
@@ -26,8 +28,11 @@ NODES = 4
 
 
 @pytest.fixture(scope="module")
-def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    base = tmp_path_factory.mktemp("slurm")
+def slurm() -> Iterator[dict[str, str]]:
+    # Not under pytest's private temporary directory: a job of an unprivileged user (below)
+    # needs to reach the cluster's per-node directories (PMIx keeps its rendezvous there).
+    base = Path(tempfile.mkdtemp(prefix="fanfs-slurm-"))
+    base.chmod(0o755)
     env = {
         **os.environ,
         "SLURM_CONF": str(base / "cluster" / "slurm.conf"),
@@ -46,6 +51,7 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     finally:
         subprocess.run([str(CLUSTER), "down", str(base / "cluster")], env=env, timeout=120,
                        check=False)  # fmt: skip
+        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -146,3 +152,29 @@ def test_epilog_cleans_up_after_killed_daemons(slurm: dict[str, str], dataset: t
     output = (tmp_path / "job.out").read_text()
     assert done.returncode == 0, output
     assert nothing_left() == []
+
+
+def test_job_of_an_unprivileged_user(slurm: dict[str, str], user: User) -> None:
+    """A cluster user (never root) submits the template: their daemons, mounts, staging and
+    MPI ranks run as them, every node reads every file, and nothing is left."""
+    work = user.home / "slurm-job"
+    work.mkdir()
+    os.chown(work, user.uid, user.gid)
+    make = (
+        "import sys, pathlib; from fanfs import datagen; "
+        "datagen.sample(pathlib.Path(sys.argv[1]), n_files=80, classes=4, seed=5)"
+    )
+    assert user.run(sys.executable, "-c", make, work / "src").returncode == 0
+    done = user.run(Path(sys.executable).with_name("fanfs"), "prepare", work / "src", work / "img")
+    assert done.returncode == 0, done.stderr
+    keep = {k: slurm[k] for k in ("SLURM_CONF", "OMPI_MCA_btl")}
+    check = [sys.executable, str(REPO / "tools" / "read_check.py"), str(work / "src")]
+    out = work / "job.out"
+    done = user.run("sbatch", "--parsable", "-N", str(NODES), "-o", out, "--wait", JOB, *check,
+                    timeout=300, FANFS_IMAGE=str(work / "img"), **keep)  # fmt: skip
+    output = out.read_text() if out.exists() else done.stderr
+    assert done.returncode == 0, output
+    ok = sorted(re.findall(r"^(n\d): OK (\d+) files$", output, re.M))
+    assert ok == [(f"n{i}", "80") for i in range(1, NODES + 1)], output
+    assert nothing_left() == []
+    assert list((user.home / "tmp").iterdir()) == []  # the user's default staging parent

@@ -1,0 +1,152 @@
+"""The product as a cluster user runs it: no root anywhere in fanfs's own processes.
+
+Everything here runs as `fanfs-tester` (tests/conftest.py, `user`): prepare, mount with the
+default staging directory, read every byte, status, umount, a killed daemon cleaned up, two
+daemons under mpirun, `fanfs bench` and its note on caches. The Slurm job submitted by that
+user is in tests/test_slurm.py. After each test nothing of the user's is left: no mount, no
+daemon, no staging directory."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import FANFS, User, teardown, wait_until
+
+from fanfs import mounts
+
+REPO = Path(__file__).resolve().parent.parent
+READ_CHECK = REPO / "tools" / "read_check.py"
+
+
+@pytest.fixture
+def work(user: User, request: pytest.FixtureRequest) -> Path:
+    """A directory of the user's with a sample dataset prepared by the user."""
+    work = user.home / request.node.name
+    work.mkdir()
+    os.chown(work, user.uid, user.gid)
+    make = (
+        "import sys, pathlib; from fanfs import datagen; "
+        "datagen.sample(pathlib.Path(sys.argv[1]), n_files=120, classes=4, seed=3)"
+    )
+    done = user.run(sys.executable, "-c", make, work / "src")
+    assert done.returncode == 0, done.stderr
+    done = user.run(*FANFS, "prepare", work / "src", work / "img")
+    assert done.returncode == 0, done.stderr
+    return work
+
+
+def nothing_of_users(user: User) -> list[str]:
+    left = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()
+            if str(user.home) in line.split()[1]]  # fmt: skip
+    left += [str(p) for p in (user.home / "tmp").iterdir()]  # default staging parent
+    daemons = subprocess.run(["pgrep", "-u", user.name, "-f", "fanfs mount"],
+                             capture_output=True, text=True, check=False)  # fmt: skip
+    return left + [f"pid {p}" for p in daemons.stdout.split()]
+
+
+def read_check(user: User, src: Path, mnt: Path) -> None:
+    done = user.run(sys.executable, READ_CHECK, src, mnt)
+    assert done.returncode == 0 and "OK 120 files" in done.stdout, done.stdout + done.stderr
+
+
+def test_user_prepares_mounts_reads_and_unmounts(user: User, work: Path) -> None:
+    image = work / "img"
+    assert oct(image.stat().st_mode & 0o777) == "0o755"  # public sources: a public image
+    mnt = work / "mnt"
+    mnt.mkdir()
+    os.chown(mnt, user.uid, user.gid)
+    proc = user.popen(*FANFS, "mount", image, mnt, log=work / "mount.log")
+    try:
+        assert user.run(*FANFS, "wait", mnt, "--timeout", "30").returncode == 0
+        read_check(user, work / "src", mnt)
+        status = user.run(*FANFS, "status", mnt, "--json")
+        assert status.returncode == 0, status.stderr
+        staging = Path(json.loads(status.stdout)["store"]["local_dir"])
+        assert staging.parent == user.home / "tmp"  # the default: $TMPDIR
+        assert staging.stat().st_uid == user.uid and staging.stat().st_mode & 0o777 == 0o700
+        done = user.run(*FANFS, "umount", mnt)
+        assert done.returncode == 0, done.stderr
+        assert proc.wait(30) == 0, (work / "mount.log").read_text()
+    finally:
+        teardown(proc, [mnt], None)
+    assert nothing_of_users(user) == []
+
+
+def test_user_cleans_up_a_killed_daemon(user: User, work: Path) -> None:
+    mnt = work / "mnt"
+    mnt.mkdir()
+    os.chown(mnt, user.uid, user.gid)
+    proc = user.popen(*FANFS, "mount", work / "img", mnt, log=work / "mount.log")
+    try:
+        assert user.run(*FANFS, "wait", mnt, "--timeout", "30").returncode == 0
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        assert mounts.find(mnt) is not None  # stale, as a crash leaves it
+        done = user.run(*FANFS, "umount", mnt)  # fusermount3 -u -z, as the user
+        assert done.returncode == 0, done.stderr
+        assert mounts.find(mnt) is None
+        # Staged data went with the daemon; its empty directory goes with the next mount.
+        (left,) = (user.home / "tmp").iterdir()
+        assert list(left.iterdir()) == []
+        proc = user.popen(*FANFS, "mount", work / "img", mnt, log=work / "mount2.log")
+        assert user.run(*FANFS, "wait", mnt, "--timeout", "30").returncode == 0
+        assert not left.exists()
+        assert user.run(*FANFS, "umount", mnt).returncode == 0
+        proc.wait(30)
+    finally:
+        teardown(proc, [mnt], None)
+    assert nothing_of_users(user) == []
+
+
+def test_two_daemons_under_mpirun_as_the_user(user: User, work: Path) -> None:
+    mnts = [work / f"mnt-{r}" for r in range(2)]
+    for m in mnts:
+        m.mkdir()
+        os.chown(m, user.uid, user.gid)
+    cmd = ["mpirun", "--oversubscribe", "--enable-recovery", "-np", "2", *FANFS, "mount",
+           work / "img", work / "mnt-{rank}", "--local", work / "local-{rank}"]  # fmt: skip
+    proc = user.popen(*cmd, log=work / "mpirun.log")
+    try:
+        for m in mnts:
+            done = user.run(*FANFS, "wait", m, "--timeout", "60")
+            assert done.returncode == 0, (work / "mpirun.log").read_text()
+        for m in mnts:
+            read_check(user, work / "src", m)
+        status = json.loads(user.run(*FANFS, "status", mnts[0], "--json").stdout)
+        assert status["size"] == 2 and status["reader"]["remote_fetches"] > 0
+        # Every node at once, as a job's teardown does (each daemon lingers for its peers).
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            done = list(pool.map(lambda m: user.run(*FANFS, "umount", m), mnts))
+        assert [d.returncode for d in done] == [0, 0], [d.stderr for d in done]
+        assert proc.wait(60) == 0, (work / "mpirun.log").read_text()
+    finally:
+        teardown(proc, mnts, None)
+    assert not [m for m in mnts if mounts.find(m)]
+    assert not list(work.glob("local-*")) and nothing_of_users(user) == []
+
+
+def test_bench_as_a_user_says_its_cold_figures_are_not_cold(user: User, work: Path) -> None:
+    out = work / "bench.json"
+    done = user.run(*FANFS, "bench", "--sizes", "64K", "--total", "2M", "--min-files", "16",
+                    "--readers", "1", "--repeat", "1", "--workdir", work / "bench",
+                    "--json", out, "--plot", work / "bench.png", timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "could not be dropped" in done.stderr and "could not be dropped" in done.stdout
+    report = json.loads(out.read_text())
+    assert report["caches_dropped"] is False
+    cold = [r for r in report["rows"] if r["temp"] == "cold"]
+    warm = [r for r in report["rows"] if r["temp"] == "warm"]
+    assert cold and all(not r["caches_dropped"] for r in cold)
+    assert warm and all(r["caches_dropped"] for r in warm)
+    assert "cold*" in done.stdout
+    started = time.monotonic()
+    assert wait_until(lambda: nothing_of_users(user) == [], timeout=30), nothing_of_users(user)
+    assert time.monotonic() - started < 30
