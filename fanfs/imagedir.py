@@ -31,6 +31,7 @@ from pathlib import Path
 
 from fanfs import catalog as cat
 from fanfs.errors import ImageExists, SourceError
+from fanfs.staging import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -164,16 +165,6 @@ def old_path(image: Path) -> Path:
     return image.parent / f".{image.name}.old-{_host()}-{os.getpid()}"
 
 
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
-
-
 def sweep(image: Path) -> None:
     """Remove the leftovers of killed prepares of IMAGE on this host (see the module doc)."""
     pattern = re.compile(re.escape(f".{image.name}.") + r"(partial|old)-(.+)-(\d+)")
@@ -183,7 +174,7 @@ def sweep(image: Path) -> None:
         return
     for name in names:
         m = pattern.fullmatch(name)
-        if m is None or m.group(2) != _host() or not _gone(int(m.group(3))):
+        if m is None or m.group(2) != _host() or pid_alive(int(m.group(3))):
             continue
         path = image.parent / name
         if path.is_symlink() or not path.is_dir():

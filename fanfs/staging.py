@@ -67,7 +67,8 @@ def check_parent(path: Path) -> None:
         )
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs on this host (someone else's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -84,7 +85,7 @@ def sweep(parent_fd: int) -> None:
         if not name.startswith(PREFIX):
             continue
         pid = name[len(PREFIX) :].split("-", 1)[0]
-        if not pid.isdigit() or _pid_alive(int(pid)):
+        if not pid.isdigit() or pid_alive(int(pid)):
             continue
         with contextlib.suppress(OSError):
             if os.stat(name, dir_fd=parent_fd, follow_symlinks=False).st_uid == me:

@@ -172,6 +172,15 @@ class User:
         return subprocess.run(self.cmd(*args), env=self.env(**env), capture_output=True,
                               text=True, timeout=timeout, check=False)  # fmt: skip
 
+    def make_sample(self, dest: Path, n_files: int, seed: int) -> None:
+        """A sample dataset (fanfs.datagen) written by the user."""
+        make = (
+            "import sys, pathlib; from fanfs import datagen; datagen.sample("
+            f"pathlib.Path(sys.argv[1]), n_files={n_files}, classes=4, seed={seed})"
+        )
+        done = self.run(sys.executable, "-c", make, dest)
+        assert done.returncode == 0, done.stderr
+
     def popen(
         self, *args: str | os.PathLike[str], log: Path, **env: str
     ) -> subprocess.Popen[bytes]:

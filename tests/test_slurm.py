@@ -160,11 +160,7 @@ def test_job_of_an_unprivileged_user(slurm: dict[str, str], user: User) -> None:
     work = user.home / "slurm-job"
     work.mkdir()
     os.chown(work, user.uid, user.gid)
-    make = (
-        "import sys, pathlib; from fanfs import datagen; "
-        "datagen.sample(pathlib.Path(sys.argv[1]), n_files=80, classes=4, seed=5)"
-    )
-    assert user.run(sys.executable, "-c", make, work / "src").returncode == 0
+    user.make_sample(work / "src", n_files=80, seed=5)
     done = user.run(Path(sys.executable).with_name("fanfs"), "prepare", work / "src", work / "img")
     assert done.returncode == 0, done.stderr
     keep = {k: slurm[k] for k in ("SLURM_CONF", "OMPI_MCA_btl")}

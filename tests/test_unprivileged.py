@@ -32,12 +32,7 @@ def work(user: User, request: pytest.FixtureRequest) -> Path:
     work = user.home / request.node.name
     work.mkdir()
     os.chown(work, user.uid, user.gid)
-    make = (
-        "import sys, pathlib; from fanfs import datagen; "
-        "datagen.sample(pathlib.Path(sys.argv[1]), n_files=120, classes=4, seed=3)"
-    )
-    done = user.run(sys.executable, "-c", make, work / "src")
-    assert done.returncode == 0, done.stderr
+    user.make_sample(work / "src", n_files=120, seed=3)
     done = user.run(*FANFS, "prepare", work / "src", work / "img")
     assert done.returncode == 0, done.stderr
     return work

@@ -162,7 +162,7 @@ def main() -> int:
                 "-q",
                 "--no-deps",
                 "--no-binary",
-                ":all:",
+                "pyfuse3",  # the sdist; its build tools (Cython) may come as wheels
                 f"pyfuse3=={VERSION}",
                 "-d",
                 str(work),

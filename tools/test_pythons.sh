@@ -31,4 +31,4 @@ for v in ${FANFS_TEST_PYTHONS:-3.10 3.12 3.13}; do
     "$venv/bin/python" -m pytest -q -p no:cacheprovider "${tests[@]}"
     ran+=("$v")
 done
-echo "test-pythons: unit and adapter tiers passed under Python ${ran[*]:-(none besides the main venv's)}"
+echo "test-pythons: unit and adapter tiers passed under Python ${ran[*]:-(none but the main venv)}"
