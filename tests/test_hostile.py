@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from fanfs.errors import ImageError
 from fanfs.fuse_ops import ROOT, STATUS_XATTR, FanfsOperations
 from fanfs.reader import Reader
 from fanfs.store import PartitionStore
+from fanfs.transport import PeerTimeout
 from fanfs.transport.mpi import FIRST_REPLY_TAG, parse_request
 
 SETTINGS = settings(max_examples=300, deadline=None,
@@ -167,3 +169,56 @@ def test_status_is_only_where_it_belongs(adapter: tuple[FanfsOperations, Reader]
     assert trio.run(ops.getxattr, ROOT, STATUS_XATTR, CTX) == b'{"serving": true}'
     got = trio.run(fuse_call, ops, "getxattr", ROOT + 1, STATUS_XATTR, CTX)
     assert isinstance(got, pyfuse3.FUSEError) and got.errno == pyfuse3.ENOATTR
+
+
+class HostilePeer:
+    """A transport whose one peer answers every fetch with bytes chosen by hypothesis: the
+    right ones, other ones of the right length, a wrong length, nothing, or silence."""
+
+    rank, size = 0, 2
+
+    def __init__(self, replies: st.DataObject, right: Path):
+        self.replies = replies
+        self.right = right  # the image: where the right stored bytes are
+
+    async def fetch(self, peer: int, entry: int, offset: int, length: int) -> bytes | None:
+        kind = self.replies.draw(st.sampled_from(["right", "garbage", "short", "none", "timeout"]))
+        if kind == "timeout":
+            raise PeerTimeout(f"rank {peer} did not answer")
+        if kind == "none":
+            return None
+        if kind == "short":
+            return self.replies.draw(st.binary(max_size=max(0, length - 1)))
+        if kind == "garbage":
+            return self.replies.draw(st.binary(min_size=length, max_size=length))
+        c, _ = cat.Catalog.load(self.right)
+        with open(self.right / cat.partition_name(int(c.part[entry])), "rb") as f:
+            f.seek(int(c.data_off[entry]) + offset)
+            return f.read(length)
+
+    def is_dead(self, peer: int) -> bool:
+        return False
+
+    def statistics(self) -> dict[str, object]:
+        return {}
+
+
+@SETTINGS
+@given(replies=st.data())
+def test_hostile_replies_never_reach_the_reader(
+    awkward_image: Path, awkward_src: Path, tmp_path: Path, replies: st.DataObject
+) -> None:
+    """Every file is held by the hostile peer alone: whatever it answers, a read returns the
+    source's bytes (from the peer when they check out, else from the image)."""
+    c, _ = cat.Catalog.load(awkward_image)
+    store = PartitionStore(awkward_image, c, tmp_path / "local", [])
+    owners = [(1,)] * c.n_partitions
+    reader = Reader(c, store, 1 << 20, owners, HostilePeer(replies, awkward_image))
+    files = [e for e, _ in c.walk() if c.is_file[e] and 0 < c.size[e] <= 1 << 20]
+    try:
+        for e in replies.draw(st.lists(st.sampled_from(files), min_size=1, max_size=4)):
+            want = (awkward_src / os.fsdecode(c.path(e))).read_bytes()
+            got = trio.run(reader.read, e, 0, len(want))
+            assert bytes(got) == want  # type: ignore[arg-type]
+    finally:
+        store.close()
