@@ -35,6 +35,7 @@ from fanfs.fuse_ops import NATIVE_POOL, PATCHED, FanfsOperations
 from fanfs.reader import Reader
 from fanfs.staging import default_parent
 from fanfs.store import PartitionStore, check_partitions
+from fanfs.transport import PeerTransport
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ class Daemon:
         self.rank = 0
         self.size = 1
         self.world: Any = None
-        self.transport: Any = None
+        self.transport: PeerTransport | None = None
         self.catalog: Catalog | None = None
         self.store: PartitionStore | None = None
         self.reader: Reader | None = None

@@ -1,11 +1,26 @@
-"""How daemons ask each other for stored file bytes. `mpi.py` is the one implementation that
-crosses nodes; with a single daemon nothing is remote and no transport exists.
+"""How daemons ask each other for stored file bytes.
+
+`mpi.py` is the transport that crosses nodes; `inproc.py` runs N simulated ranks in one trio
+run with the same protocol, for tests of everything above the transport without mpirun. With
+a single daemon nothing is remote and no transport exists.
+
+`PeerTransport` holds what both share: who is dead and who said bye, the counters behind
+`fanfs status`, serving one request (the reader's `serve`, which checks it against the
+catalog), pings and the linger that keeps a daemon serving until its peers are done. Its
+methods run in the trio thread; subclasses provide `fetch`, `_say_bye` and a nursery.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any
+
+import trio
+
+from fanfs.latency import Latencies
+
+log = logging.getLogger(__name__)
 
 # Serves a peer's request: (entry, offset, length) -> the stored bytes, or None if this daemon
 # cannot (the requester then tries another source).
@@ -16,12 +31,122 @@ class PeerTimeout(Exception):
     """A peer did not answer within the peer timeout; it is routed around from now on."""
 
 
-class Transport(Protocol):
-    rank: int
-    size: int
+class PeerTransport:
+    def __init__(self, rank: int, size: int, peer_timeout: float):
+        self.rank = rank
+        self.size = size
+        self.peer_timeout = peer_timeout
+        self.serve_fn: ServeFn | None = None  # set before `run`: the reader's `serve`
+        self._dead: set[int] = set()
+        self._byes: set[int] = set()
+        self._nursery: trio.Nursery | None = None
+        self._latency = Latencies()  # of fetches from peers
+        self.fetch_bytes = 0
+        self.timeouts = 0
+        self.served = 0
+        self.served_bytes = 0
+        self.refused = 0
+        self.malformed = 0  # peer messages dropped as malformed
 
-    async def fetch(self, peer: int, entry: int, offset: int, length: int) -> bytes | None: ...
+    async def fetch(self, peer: int, entry: int, offset: int, length: int) -> bytes | None:
+        """`length` stored bytes of `entry` from `offset`, from `peer`; None if it has none.
+        Raises PeerTimeout if the peer does not answer within the peer timeout."""
+        raise NotImplementedError
 
-    def is_dead(self, peer: int) -> bool: ...
+    def _say_bye(self) -> None:
+        """Tell every live peer that this daemon has unmounted."""
+        raise NotImplementedError
 
-    def statistics(self) -> dict[str, Any]: ...
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve peers until cancelled; `started` once requests are answered."""
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        """Release what `run` started once serving is over (nothing by default)."""
+
+    def is_dead(self, peer: int) -> bool:
+        return peer in self._dead
+
+    @property
+    def dead(self) -> set[int]:
+        return set(self._dead)
+
+    def _mark_dead(self, peer: int, why: str) -> None:
+        if peer not in self._dead:
+            self._dead.add(peer)
+            log.warning("peer rank %d %s: routing around it from now on", peer, why)
+
+    def _timed_out(self, peer: int) -> PeerTimeout:
+        self.timeouts += 1
+        self._mark_dead(peer, f"did not answer within {self.peer_timeout} s")
+        return PeerTimeout(f"rank {peer} did not answer")
+
+    def _fetched(self, began: float, length: int, now: float) -> None:
+        self._latency.record(now - began)
+        self.fetch_bytes += length
+
+    async def ping(self, peer: int) -> bool:
+        """True if `peer` answers (an empty request) within the peer timeout."""
+        try:
+            await self.fetch(peer, -1, 0, 0)
+            return True
+        except PeerTimeout:
+            return False
+
+    async def _serve_request(
+        self, peer: int, entry: int, offset: int, length: int
+    ) -> bytes | memoryview | None:
+        """The reply to a peer's request: exactly `length` bytes, or None (a refusal). A ping
+        (entry -1, length 0) gets None too, which is its answer."""
+        data: bytes | memoryview | None = None
+        if entry >= 0 and length > 0:
+            try:
+                assert self.serve_fn is not None
+                data = await self.serve_fn(entry, offset, length)
+            except Exception:
+                log.exception("serving entry %d to rank %d failed", entry, peer)
+            if data is None or len(data) != length:
+                self.refused += 1
+                data = None
+            else:
+                self.served += 1
+                self.served_bytes += length
+        return data
+
+    async def linger(self, grace: float) -> None:
+        """Say bye, then keep serving until every live peer has said bye (or `grace` passed)."""
+        self._say_bye()
+        start = trio.current_time()
+        deadline = start + grace
+        checked: dict[int, float] = {}  # last ping per peer; none before one peer timeout
+        while trio.current_time() < deadline:
+            waiting = [p for p in range(self.size) if p != self.rank and p not in self._byes]
+            waiting = [p for p in waiting if p not in self._dead]
+            if not waiting:
+                return
+            # A killed peer never says bye: ping the quiet ones, once per peer timeout.
+            for p in waiting:
+                if trio.current_time() - checked.get(p, start) > self.peer_timeout:
+                    checked[p] = trio.current_time()
+                    assert self._nursery is not None
+                    self._nursery.start_soon(self.ping, p)
+            await trio.sleep(0.05)
+        log.warning("stopped waiting for peers after %.0f s", grace)
+
+    def statistics(self) -> dict[str, Any]:
+        return {
+            "remote_fetches": self._latency.count,
+            "remote_bytes": self.fetch_bytes,
+            **self._latency.percentiles_ms("remote_ms"),
+            "peer_timeouts": self.timeouts,
+            "served_to_peers": self.served,
+            "bytes_served_to_peers": self.served_bytes,
+            "refused_to_peers": self.refused,
+            "malformed_messages": self.malformed,
+            "dead_peers": sorted(self._dead),
+            "peers_said_bye": sorted(self._byes),
+        }
+
+
+# What the reader and the daemon use of a transport (both transports are PeerTransports).
+Transport = PeerTransport

@@ -30,8 +30,7 @@ from typing import Any
 import numpy as np
 import trio
 
-from fanfs.latency import Latencies
-from fanfs.transport import PeerTimeout, ServeFn
+from fanfs.transport import PeerTimeout, PeerTransport, ServeFn
 
 log = logging.getLogger(__name__)
 
@@ -148,30 +147,18 @@ class _Fetch:
     count: int = -1  # bytes received; -1: failed
 
 
-class MpiTransport:
+class MpiTransport(PeerTransport):
     def __init__(self, world: World, peer_timeout: float, serve_fn: ServeFn | None = None):
+        super().__init__(world.rank, world.size, peer_timeout)
         self.MPI = world.MPI
         self.comm = world.comm
-        self.rank = world.rank
-        self.size = world.size
-        self.peer_timeout = peer_timeout
-        self.serve_fn = serve_fn  # set before `run`: the reader's `serve`
+        self.serve_fn = serve_fn
         self._cmds: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-        self._dead: set[int] = set()
-        self._byes: set[int] = set()
         self._tag_ub = int(self.comm.Get_attr(self.MPI.TAG_UB) or 32767)
         self._next_tag = FIRST_REPLY_TAG
         self._outstanding: dict[int, _Fetch] = {}
         self._thread: threading.Thread | None = None
         self._token: trio.lowlevel.TrioToken | None = None
-        self._nursery: trio.Nursery | None = None
-        self._latency = Latencies()  # of fetches from peers
-        self.fetch_bytes = 0
-        self.timeouts = 0
-        self.served = 0
-        self.served_bytes = 0
-        self.refused = 0
-        self.malformed = 0  # peer messages dropped as malformed
 
     # -- trio side -------------------------------------------------------------------------
 
@@ -185,14 +172,6 @@ class MpiTransport:
             task_status.started()
             await trio.sleep_forever()
 
-    def is_dead(self, peer: int) -> bool:
-        return peer in self._dead
-
-    def _mark_dead(self, peer: int, why: str) -> None:
-        if peer not in self._dead:
-            self._dead.add(peer)
-            log.warning("peer rank %d %s: routing around it from now on", peer, why)
-
     def _tag(self) -> int:
         while True:
             tag = self._next_tag
@@ -201,10 +180,6 @@ class MpiTransport:
                 return tag
 
     async def fetch(self, peer: int, entry: int, offset: int, length: int) -> bytes | None:
-        """`length` stored bytes of `entry` from `offset`, from `peer`; None if it has none.
-
-        Raises PeerTimeout if the peer does not answer within the peer timeout.
-        """
         if peer in self._dead:
             raise PeerTimeout(f"rank {peer} is dead")
         tag = self._tag()
@@ -221,25 +196,14 @@ class MpiTransport:
                 self._cmds.put(("cancel", tag))
             del self._outstanding[tag]
         if not job.event.is_set():
-            self.timeouts += 1
-            self._mark_dead(peer, f"did not answer within {self.peer_timeout} s")
-            raise PeerTimeout(f"rank {peer} did not answer")
+            raise self._timed_out(peer)
         if job.count < 0:
             self._mark_dead(peer, "cannot be reached")
             raise PeerTimeout(f"rank {peer} cannot be reached")
         if job.count != length:
             return None
-        self._latency.record(time.perf_counter() - began)
-        self.fetch_bytes += length
+        self._fetched(began, length, time.perf_counter())
         return bytes(job.buf) if length <= CHUNK else job.buf  # type: ignore[return-value]
-
-    async def ping(self, peer: int) -> bool:
-        """True if `peer` answers (an empty request) within the peer timeout."""
-        try:
-            await self.fetch(peer, -1, 0, 0)
-            return True
-        except PeerTimeout:
-            return False
 
     def _deliver(self, job: _Fetch, count: int) -> None:
         job.count = count
@@ -250,63 +214,15 @@ class MpiTransport:
         self._nursery.start_soon(self._answer, peer, entry, offset, length, tag)
 
     async def _answer(self, peer: int, entry: int, offset: int, length: int, tag: int) -> None:
-        data: bytes | memoryview | None = None
-        if entry >= 0 and length > 0:
-            try:
-                assert self.serve_fn is not None
-                data = await self.serve_fn(entry, offset, length)
-            except Exception:
-                log.exception("serving entry %d to rank %d failed", entry, peer)
-            if data is None or len(data) != length:
-                self.refused += 1
-                data = None
-            else:
-                self.served += 1
-                self.served_bytes += length
-        self._cmds.put(("reply", peer, tag, data))
+        self._cmds.put(("reply", peer, tag, await self._serve_request(peer, entry, offset, length)))
 
-    async def linger(self, grace: float) -> None:
-        """Say bye, then keep serving until every live peer has said bye (or `grace` passed)."""
+    def _say_bye(self) -> None:
         self._cmds.put(("bye",))
-        start = trio.current_time()
-        deadline = start + grace
-        checked: dict[int, float] = {}  # last ping per peer; none before one peer timeout
-        while trio.current_time() < deadline:
-            waiting = [p for p in range(self.size) if p != self.rank and p not in self._byes]
-            waiting = [p for p in waiting if p not in self._dead]
-            if not waiting:
-                return
-            # A killed peer never says bye: ping the quiet ones, once per peer timeout.
-            for p in waiting:
-                if trio.current_time() - checked.get(p, start) > self.peer_timeout:
-                    checked[p] = trio.current_time()
-                    assert self._nursery is not None
-                    self._nursery.start_soon(self.ping, p)
-            await trio.sleep(0.05)
-        log.warning("stopped waiting for peers after %.0f s", grace)
 
     def stop(self) -> None:
         self._cmds.put(("stop",))
         if self._thread is not None:
             self._thread.join(timeout=10)
-
-    @property
-    def dead(self) -> set[int]:
-        return set(self._dead)
-
-    def statistics(self) -> dict[str, Any]:
-        return {
-            "remote_fetches": self._latency.count,
-            "remote_bytes": self.fetch_bytes,
-            **self._latency.percentiles_ms("remote_ms"),
-            "peer_timeouts": self.timeouts,
-            "served_to_peers": self.served,
-            "bytes_served_to_peers": self.served_bytes,
-            "refused_to_peers": self.refused,
-            "malformed_messages": self.malformed,
-            "dead_peers": sorted(self._dead),
-            "peers_said_bye": sorted(self._byes),
-        }
 
     # -- the MPI thread --------------------------------------------------------------------
 

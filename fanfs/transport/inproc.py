@@ -1,0 +1,68 @@
+"""The in-process transport: N simulated ranks in one trio run, with the MPI transport's protocol.
+
+Real code, not a test double (as dask's `inproc`): everything above the transport (remote reads,
+replicas, routing around a dead peer, lingering) runs here with no mpirun, in one process, so
+it can be tested alone and fast. `Cluster(n, peer_timeout)` holds n `InprocTransport`s, one per
+simulated daemon. A fetch awaits the peer's `serve_fn` directly and copies its reply (a peer's
+buffer is never shared, as over MPI), all bounded by the peer timeout. `Cluster.silence(rank)`
+makes a rank stop answering, as a killed or stopped daemon does: fetches to it wait for the peer
+timeout, raise PeerTimeout, and the rank is routed around from then on.
+
+Concurrency: everything runs in the one trio thread; a reply is produced by the peer's own
+reader in a task of its own, so a slow peer delays only the fetches waiting for it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import trio
+
+from fanfs.transport import PeerTimeout, PeerTransport
+
+
+class Cluster:
+    """The simulated ranks of one job."""
+
+    def __init__(self, size: int, peer_timeout: float):
+        self.ranks = [InprocTransport(self, r, size, peer_timeout) for r in range(size)]
+        self.silent: set[int] = set()
+
+    def silence(self, rank: int) -> None:
+        """From now on `rank` answers nobody (its own fetches still work)."""
+        self.silent.add(rank)
+
+
+class InprocTransport(PeerTransport):
+    def __init__(self, cluster: Cluster, rank: int, size: int, peer_timeout: float):
+        super().__init__(rank, size, peer_timeout)
+        self.cluster = cluster
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve peers until cancelled (a nursery for pings while lingering)."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    async def fetch(self, peer: int, entry: int, offset: int, length: int) -> bytes | None:
+        if peer in self._dead:
+            raise PeerTimeout(f"rank {peer} is dead")
+        began = time.perf_counter()
+        data: Any = None
+        with trio.move_on_after(self.peer_timeout) as scope:
+            if peer in self.cluster.silent:
+                await trio.sleep_forever()
+            data = await self.cluster.ranks[peer]._serve_request(self.rank, entry, offset, length)
+        if scope.cancelled_caught:
+            raise self._timed_out(peer)
+        if data is None or len(data) != length:
+            return None
+        self._fetched(began, length, time.perf_counter())
+        return bytes(data)
+
+    def _say_bye(self) -> None:
+        for peer in self.cluster.ranks:
+            if peer.rank != self.rank and self.rank not in self.cluster.silent:
+                peer._byes.add(self.rank)
