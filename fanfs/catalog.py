@@ -23,16 +23,12 @@ import stat
 import struct
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NewType
+from typing import Any
 
 import numpy as np
 
 from fanfs.errors import CorruptCatalog, ImageError, ImageVersionError
-
-EntryId = NewType("EntryId", int)
-PartitionId = NewType("PartitionId", int)
 
 MAGIC = b"FANFSCAT"
 VERSION = 2
@@ -128,16 +124,6 @@ def _body_layout(
             pos += _padded(np.dtype(dtype).itemsize * count)
     layout.append(("strings", "u1", pos, -1))
     return layout
-
-
-@dataclass(frozen=True, slots=True)
-class Attr:
-    """The attributes of one entry, as users see them."""
-
-    mode: int
-    size: int
-    mtime_ns: int
-    nlink: int
 
 
 class Catalog:
@@ -392,14 +378,6 @@ class Catalog:
     def children(self, entry: int) -> range:
         start = int(self.child_start[entry])
         return range(start, start + int(self.child_count[entry]))
-
-    def attr(self, entry: int) -> Attr:
-        return Attr(
-            mode=int(self.mode[entry]),
-            size=int(self.size[entry]),
-            mtime_ns=int(self.mtime_ns[entry]),
-            nlink=int(self.nlink[entry]),
-        )
 
     def symlink_target(self, entry: int) -> bytes:
         off = int(self.data_off[entry])

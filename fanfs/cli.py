@@ -36,21 +36,23 @@ def _env(name: str, default: str | None = None) -> str | None:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
+    from fanfs.codec import parse_compress
     from fanfs.prepare import main_summary, prepare
 
     try:
-        summary = prepare(
-            Path(args.src),
-            Path(args.image),
-            partitions=args.partitions,
-            compress=args.compress,
-            jobs=args.jobs,
-            force=args.force,
-            broadcast=args.broadcast,
-            mode=args.mode,
-        )
-    except ValueError as e:  # a bad --compress value
+        parse_compress(args.compress)  # a bad value is a usage error, found before any work
+    except ValueError as e:
         raise UsageError(str(e)) from None
+    summary = prepare(
+        Path(args.src),
+        Path(args.image),
+        partitions=args.partitions,
+        compress=args.compress,
+        jobs=args.jobs,
+        force=args.force,
+        broadcast=args.broadcast,
+        mode=args.mode,
+    )
     if summary is not None:  # None: a rank other than 0, which only helped
         main_summary(summary, Path(args.image))
     return ExitCode.OK

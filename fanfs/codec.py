@@ -25,7 +25,7 @@ from __future__ import annotations
 import struct
 import threading
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +40,7 @@ DICT_MAX_FILE = 64 << 10  # files up to this use their group's dictionary, if th
 AUTO_MIN_SAVING = 8  # auto keeps compression only if stored <= size - size / 8
 # Data zstd halves on its own is not worth a second try; below this the filter is not either.
 FILTER_MIN = 4 << 10
+STREAM_CRC_CHUNK = 8 << 20  # large raw files are checked this much at a time
 
 _local = threading.local()
 
@@ -219,6 +220,15 @@ def _decompressor(dict_bytes: bytes | None) -> zstandard.ZstdDecompressor:
     return dctx
 
 
+def streamed_crc(read_at: Callable[[int, int], bytes], start: int, length: int) -> int:
+    """CRC-32 of `length` bytes from `start`, read `STREAM_CRC_CHUNK` at a time with
+    `read_at(offset, n)`, so a large file is never held whole."""
+    crc = 0
+    for off in range(0, length, STREAM_CRC_CHUNK):
+        crc = zlib.crc32(read_at(start + off, min(STREAM_CRC_CHUNK, length - off)), crc)
+    return crc
+
+
 def _zstd(stored: bytes | memoryview, size: int, dicts: Sequence[bytes]) -> bytes:
     try:
         dict_id = zstandard.get_frame_parameters(stored).dict_id
@@ -233,10 +243,12 @@ def _zstd(stored: bytes | memoryview, size: int, dicts: Sequence[bytes]) -> byte
     return data
 
 
-def decode(stored: bytes, codec: int, size: int, crc: int, dicts: Sequence[bytes] = ()) -> bytes:
-    """Check `stored` against its CRC-32, then decode it to exactly `size` bytes.
-    Framed files are decoded through `FrameTable` instead."""
-    if zlib.crc32(stored) != crc:
+def decode(
+    stored: bytes, codec: int, size: int, crc: int | None, dicts: Sequence[bytes] = ()
+) -> bytes:
+    """Check `stored` against its CRC-32 (None: the caller has), then decode it to exactly
+    `size` bytes. Framed files are decoded through `FrameTable` instead."""
+    if crc is not None and zlib.crc32(stored) != crc:
         raise CorruptFile("checksum mismatch")
     if codec == cat.CODEC_RAW:
         return stored
@@ -250,11 +262,12 @@ def decode(stored: bytes, codec: int, size: int, crc: int, dicts: Sequence[bytes
 class FrameTable:
     """The frame table of one framed file: where each frame lies in the stored bytes."""
 
-    def __init__(self, table: bytes, size: int, stored_len: int, frame_size: int, crc: int):
+    def __init__(self, table: bytes, size: int, stored_len: int, frame_size: int, crc: int | None):
+        """`crc`: the table's CRC-32, or None when the caller has checked it."""
         n = cat.n_frames(size, frame_size)
         if len(table) != n * cat.FRAME_ENTRY:
             raise CorruptFile("frame table truncated")
-        if zlib.crc32(table) != crc:
+        if crc is not None and zlib.crc32(table) != crc:
             raise CorruptFile("frame table checksum mismatch")
         pairs = np.frombuffer(table, dtype="<u4").reshape(n, 2)
         self.frame_size = frame_size
@@ -283,9 +296,10 @@ class FrameTable:
     def decoded_len(self, i: int) -> int:
         return min(self.frame_size, self.size - i * self.frame_size)
 
-    def decode(self, i: int, stored: bytes) -> bytes:
-        """Check frame i's stored bytes against the table, then decode them."""
-        if zlib.crc32(stored) != int(self.crcs[i]):
+    def decode(self, i: int, stored: bytes, checked: bool = False) -> bytes:
+        """Check frame i's stored bytes against the table (unless `checked` already), then
+        decode them."""
+        if not checked and zlib.crc32(stored) != int(self.crcs[i]):
             raise CorruptFile(f"frame {i}: checksum mismatch")
         n = self.decoded_len(i)
         if self.filtered[i]:

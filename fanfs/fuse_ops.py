@@ -24,13 +24,15 @@ from typing import Any, NoReturn, TypeVar
 import pyfuse3
 
 from fanfs import catalog as cat
+from fanfs import mounts
 from fanfs.errors import CorruptFile
 from fanfs.reader import NativeJob, Reader
 
 log = logging.getLogger(__name__)
 
 CACHE_TIMEOUT_S = 365 * 24 * 3600.0  # "forever": the image cannot change under a mount
-STATUS_XATTR = b"user.fanfs.status"  # on the root; never listed by listxattr or readdir
+# The status attribute (mounts.STATUS_XATTR) on the root; never listed by listxattr or readdir.
+STATUS_XATTR = mounts.STATUS_XATTR.encode()
 BLKSIZE = 128 << 10  # st_blksize: tools like cp size their buffers from it
 ROOT = pyfuse3.ROOT_INODE  # inode = entry + ROOT (entry 0 is the root directory)
 PATCHED = bool(getattr(pyfuse3, "FANFS_READ_PASSES_INODE", False))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,9 +20,6 @@ from fanfs.errors import CorruptFile
 from fanfs.progress import Progress, human_bytes
 
 log = logging.getLogger(__name__)
-
-VERIFY_CHUNK = 8 << 20  # big raw files are checked in chunks, never held whole
-
 
 EXTENSION_ROWS = 12  # `info` lists the extensions holding the most bytes, then "other"
 
@@ -175,11 +171,8 @@ def _check(fd: int, c: cat.Catalog, e: int) -> None:
             off, length = table.stored(i)
             table.decode(i, _pread(fd, length, start + off))
         return
-    if c.codec[e] == cat.CODEC_RAW and n > VERIFY_CHUNK:
-        crc = 0
-        for off in range(0, n, VERIFY_CHUNK):
-            crc = zlib.crc32(_pread(fd, min(VERIFY_CHUNK, n - off), start + off), crc)
-        if crc != int(c.crc[e]):
+    if c.codec[e] == cat.CODEC_RAW and n > codec.STREAM_CRC_CHUNK:
+        if codec.streamed_crc(lambda off, k: _pread(fd, k, off), start, n) != int(c.crc[e]):
             raise CorruptFile("checksum mismatch")
         return
     codec.decode(_pread(fd, n, start), int(c.codec[e]), size, int(c.crc[e]), c.dicts)

@@ -9,13 +9,16 @@ preads of the asked range.
 A file whose bytes do not match its checksum is marked bad, logged once with its path, and every
 read of it raises `CorruptFile` (EIO at the FUSE edge); all other files keep working.
 
+This module decides how a request is answered (whole file, frame, range of a large raw file,
+native job) and keeps the bad-file registry; `sources.py` says where stored bytes come from
+(store, peer, image) and serves nothing but checked choices; `cache.py` holds decoded bytes and
+makes concurrent requests for one file share one fetch.
+
 Concurrency: all methods run in the trio thread. Between two awaits the code is atomic with
-respect to other tasks (trio is cooperative), which is what keeps `_cache`, `_tables`,
-`_inflight` and `_bad` consistent without locks. Work that may take long goes to worker threads
-under a CapacityLimiter: reads that would wait for the disk (detected with preadv2(RWF_NOWAIT),
-which fails at once instead of blocking) and decompressing or checksumming more than 256 KiB.
-Reads the page cache can answer, and small decodes, run inline, because a thread hand-off costs
-60 to 140 us, more than copying a small file from the page cache.
+respect to other tasks (trio is cooperative), which is what keeps the caches, the frame tables
+and `_bad` consistent without locks. Work that may take long goes to worker threads: reads
+that would wait for the disk (sources.py) and decompressing or checksumming more than
+256 KiB. Small decodes run inline, because a thread hand-off costs 60 to 140 us.
 
 The native read pool: with fanfs's pyfuse3 patch (tools/install_pyfuse3.py), a request for a
 whole raw file held here whose bytes are not in the page cache is not read by Python at all:
@@ -35,25 +38,18 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import Any
 
-import numpy as np
-import trio
-
 from fanfs import catalog as cat
 from fanfs import codec
+from fanfs.cache import ByteLRU, SingleFlight
 from fanfs.errors import CorruptFile
-from fanfs.latency import Latencies
+from fanfs.sources import NOWAIT_LIMIT, Sources
 from fanfs.store import PartitionStore
-from fanfs.transport import PeerTimeout, Transport
+from fanfs.transport import Transport
 
 log = logging.getLogger(__name__)
 
 WHOLE_FILE_LIMIT = 16 << 20  # raw files up to this are fetched whole and checked at once
 INLINE_LIMIT = 256 << 10  # below this, decoding runs inline (cheaper than a thread hand-off)
-# Reads of up to this many bytes that the page cache holds run inline; disk reads go to threads.
-NOWAIT_LIMIT = 1 << 20
-VERIFY_CHUNK = 8 << 20
-WORKER_THREADS = 4  # concurrent big reads/decodes; more would only contend for 2 cores here
-ENTRY_OVERHEAD = 120  # bytes a cache entry costs beyond its data (dict slot, bytes header)
 TABLES_KEPT = 4096  # parsed frame tables of framed files kept (LRU)
 
 # (fd, offset, length, crc, entry, skip, count): a whole file for pyfuse3's native read pool
@@ -71,31 +67,15 @@ class Reader:
         transport: Transport | None = None,
     ):
         self.catalog = catalog
-        self.store = store
-        self.transport = transport
-        self.rank = transport.rank if transport is not None else 0
-        # owners[p]: ranks holding partition p; without a transport this daemon holds all.
-        self.owners = owners if transport is not None and owners is not None else None
-        if self.owners is None:
-            self._mine = np.ones(catalog.n_partitions, dtype=bool)
-        else:
-            self._mine = np.array([self.rank in o for o in self.owners], dtype=bool)
-        self.cache_bytes = cache_bytes
+        self.sources = Sources(catalog, store, owners, transport)
         # Decoded whole files (key: entry) and frames of framed files (key: (entry, frame)).
-        self._cache: OrderedDict[Hashable, bytes] = OrderedDict()
-        self._cached = 0
+        self._cache = ByteLRU(cache_bytes)
         self._tables: OrderedDict[int, codec.FrameTable] = OrderedDict()
-        self._inflight: dict[Hashable, trio.Event] = {}
+        self._flights = SingleFlight()
         self._verified: set[int] = set()
         self._bad: set[int] = set()
-        self._limiter = trio.CapacityLimiter(WORKER_THREADS)
-        self._latency = Latencies()  # of local fetches
-        self.cache_hits = 0
-        self.bytes_fetched = 0
         self.bytes_served = 0
         self.reads = 0
-        self.fallbacks = 0
-        self.bad_payloads = 0
         self.native = False  # the daemon sets it once pyfuse3's native read pool runs
         self.native_jobs = 0
 
@@ -124,13 +104,11 @@ class Reader:
         if codec_id == cat.CODEC_FRAMED:
             return await self._framed(entry, offset, size)
         if codec_id == cat.CODEC_RAW and length > WHOLE_FILE_LIMIT:
-            if not self._mine[int(self.catalog.part[entry])]:
-                got = await self._remote(entry, offset, size, None)
-                if got is not None:
-                    return got
-                self.fallbacks += 1
-            await self._verify_large(entry)
-            return await self._read_stored(entry, offset, size)
+            # Checked once as a whole (locally), then served range by range.
+            data, _ = await self.sources.stored(
+                entry, offset, size, None, lambda: self._verify_large(entry)
+            )
+            return data
         if self.native and codec_id == cat.CODEC_RAW and offset == 0 and size == length:
             local = self._local_whole(entry, length)
             if local is not None:
@@ -144,43 +122,27 @@ class Reader:
         """A whole raw file held here: its checked bytes if the page cache has them (inline is
         cheapest), else a job for the native read pool; None if it is not that simple (held
         elsewhere, cached in this daemon, or being fetched: the usual path shares the work)."""
-        c = self.catalog
-        part = int(c.part[entry])
-        if not self._mine[part] or entry in self._inflight or entry in self._cache:
+        c, store = self.catalog, self.sources.store
+        if not self.sources.mine(entry) or entry in self._flights or entry in self._cache:
             return None
-        start, crc = int(c.data_off[entry]), int(c.crc[entry])
+        part, start, crc = int(c.part[entry]), int(c.data_off[entry]), int(c.crc[entry])
         began = time.perf_counter()
         if length <= NOWAIT_LIMIT:
-            cached = self.store.pread_cached(part, start, length)
+            cached = store.pread_cached(part, start, length)
             if cached is not None:
                 if zlib.crc32(cached) != crc:
                     self._mark_bad(entry, CorruptFile("checksum mismatch"))
                     raise CorruptFile(self._describe(entry))
-                self._record(began, length)
+                self.sources.record(began, length)
                 return memoryview(cached)
         self.native_jobs += 1
-        self.bytes_fetched += length
-        return (self.store.fd(part), start, length, crc, entry, 0, length)
+        self.sources.bytes_fetched += length
+        return (store.fd(part), start, length, crc, entry, 0, length)
 
     def native_failed(self, entry: int, err: int) -> None:
         """The native pool answered EIO for `entry`: refuse it from now on, log it once."""
         why = "checksum mismatch" if err == errno.EBADMSG else os.strerror(err)
         self._mark_bad(entry, CorruptFile(why))
-
-    async def _in_thread(self, fn: Any, *args: Any) -> Any:
-        return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
-
-    async def _shared(self, key: Hashable) -> trio.Event | None:
-        """Wait for another task's fetch of `key`; None if the caller should fetch."""
-        event = self._inflight.get(key)
-        if event is None:
-            self._inflight[key] = trio.Event()
-            return None
-        await event.wait()
-        return event
-
-    def _waiters(self, key: Hashable) -> int:
-        return self._inflight[key].statistics().tasks_waiting
 
     async def _once(
         self,
@@ -189,61 +151,43 @@ class Reader:
         lookup: Callable[[], Any],
         produce: Callable[[], Awaitable[Any]],
     ) -> Any:
-        """`lookup()` if it has the answer, else `produce()` run by one task however many
-        ask at once (the others wait, then look again). A failure marks `entry` bad."""
-        while True:
-            found = lookup()
-            if found is not None:
-                return found
-            if entry in self._bad:
-                raise CorruptFile(self._describe(entry))
-            if await self._shared(key) is None:
-                break
-        try:
-            return await produce()
-        except Exception as e:  # the disk, a codec, a hostile catalog: this file only
-            self._mark_bad(entry, e)
-            raise CorruptFile(self._describe(entry)) from None
-        finally:
-            self._inflight.pop(key).set()
+        """`lookup()` if it has the answer, else `produce()` run by one task however many ask
+        at once (cache.SingleFlight). A failure marks `entry` bad, for the waiters too."""
 
-    def _lookup(self, key: Hashable) -> bytes | None:
-        data = self._cache.get(key)
-        if data is not None:
-            self._cache.move_to_end(key)
-            self.cache_hits += 1
-        return data
+        def look() -> Any:
+            found = lookup()
+            if found is None and entry in self._bad:
+                raise CorruptFile(self._describe(entry))
+            return found
+
+        async def guarded() -> Any:
+            try:
+                return await produce()
+            except Exception as e:  # the disk, a codec, a hostile catalog: this file only
+                self._mark_bad(entry, e)
+                raise CorruptFile(self._describe(entry)) from None
+
+        return await self._flights.run(key, look, guarded)
 
     async def _whole(self, entry: int, keep: bool = True) -> bytes:
         async def produce() -> bytes:
             c = self.catalog
-            stored = await self._stored(entry, 0, int(c.stored_len[entry]), int(c.crc[entry]))
-            args = (stored, int(c.codec[entry]), int(c.size[entry]), int(c.crc[entry]), c.dicts)
+            crc = int(c.crc[entry])
+            stored, checked = await self.sources.stored(entry, 0, int(c.stored_len[entry]), crc)
+            args = (stored, int(c.codec[entry]), int(c.size[entry]), None if checked else crc,
+                    c.dicts)  # fmt: skip
             big = max(len(stored), int(c.size[entry])) > INLINE_LIMIT
             data: bytes = await self._maybe_threaded(big, codec.decode, *args)
             # Keep it if asked, or if other requests for this file wait on this fetch.
-            if keep or self._waiters(entry):
-                self._put(entry, data)
+            if keep or self._flights.waiters(entry):
+                self._cache.put(entry, data)
             return data
 
-        data: bytes = await self._once(entry, entry, lambda: self._lookup(entry), produce)
+        data: bytes = await self._once(entry, entry, lambda: self._cache.get(entry), produce)
         return data
 
     async def _maybe_threaded(self, big: bool, fn: Any, *args: Any) -> Any:
-        return await self._in_thread(fn, *args) if big else fn(*args)
-
-    async def _stored(self, entry: int, offset: int, length: int, crc: int | None) -> bytes:
-        """Stored bytes of `entry`: from this daemon's store, or a peer (checked against `crc`
-        when given, so a bad copy sends us to the next source), or the image as a last resort."""
-        if not self._mine[int(self.catalog.part[entry])]:
-            got = await self._remote(entry, offset, length, crc)
-            if got is not None:
-                return got
-            self.fallbacks += 1  # no peer could: read the image (shared storage)
-        began = time.perf_counter()
-        data = await self._read_stored(entry, offset, length)
-        self._record(began, length)
-        return data
+        return await self.sources.in_thread(fn, *args) if big else fn(*args)
 
     async def _framed(self, entry: int, offset: int, size: int) -> bytes | memoryview:
         """Bytes of a framed file: only the frames the range touches are fetched and decoded."""
@@ -267,8 +211,8 @@ class Reader:
             c = self.catalog
             size, stored_len, crc = int(c.size[entry]), int(c.stored_len[entry]), int(c.crc[entry])
             off, n = codec.FrameTable.span(size, stored_len, c.frame_size)
-            raw = await self._stored(entry, off, n, crc)
-            table = codec.FrameTable(raw, size, stored_len, c.frame_size, crc)
+            raw, checked = await self.sources.stored(entry, off, n, crc)
+            table = codec.FrameTable(raw, size, stored_len, c.frame_size, None if checked else crc)
             self._tables[entry] = table
             while len(self._tables) > TABLES_KEPT:
                 self._tables.popitem(last=False)
@@ -282,105 +226,43 @@ class Reader:
 
         async def produce() -> bytes:
             off, length = table.stored(i)
-            stored = await self._stored(entry, off, length, int(table.crcs[i]))
+            stored, checked = await self.sources.stored(entry, off, length, int(table.crcs[i]))
             big = max(length, table.decoded_len(i)) > INLINE_LIMIT
-            data: bytes = await self._maybe_threaded(big, table.decode, i, stored)
-            self._put(key, data)  # the rest of the frame is likely read next
+            data: bytes = await self._maybe_threaded(big, table.decode, i, stored, checked)
+            self._cache.put(key, data)  # the rest of the frame is likely read next
             return data
 
-        data: bytes = await self._once(key, entry, lambda: self._lookup(key), produce)
+        data: bytes = await self._once(key, entry, lambda: self._cache.get(key), produce)
         return data
-
-    def _sources(self, entry: int) -> list[int]:
-        """Peers holding `entry`, live ones only, rotated per file to spread load over replicas."""
-        assert self.owners is not None and self.transport is not None
-        ranks = self.owners[int(self.catalog.part[entry])]
-        k = entry % len(ranks)
-        ranks = ranks[k:] + ranks[:k]
-        return [r for r in ranks if r != self.rank and not self.transport.is_dead(r)]
-
-    async def _remote(self, entry: int, offset: int, length: int, crc: int | None) -> bytes | None:
-        """Stored bytes of `entry` from the first peer that has them, or None. With `crc`,
-        a reply that does not match it is a bad copy: the next peer is tried."""
-        assert self.transport is not None
-        for peer in self._sources(entry):
-            try:
-                stored = await self.transport.fetch(peer, entry, offset, length)
-            except PeerTimeout:
-                continue
-            if stored is None:
-                continue
-            if crc is None or zlib.crc32(stored) == crc:
-                return stored
-            self.bad_payloads += 1
-            log.warning("bad payload for %s from rank %d, trying another source",
-                        self._describe(entry), peer)  # fmt: skip
-        return None
 
     async def serve(self, entry: int, offset: int, length: int) -> bytes | memoryview | None:
         """A peer's request for stored bytes of a file this daemon holds; None if it cannot."""
         c = self.catalog
         if not (0 <= entry < c.n_entries and c.is_file[entry]):
             return None
-        part, stored_len = int(c.part[entry]), int(c.stored_len[entry])
-        if not self._mine[part] or offset < 0 or length < 0 or offset + length > stored_len:
+        stored_len = int(c.stored_len[entry])
+        if not self.sources.mine(entry) or offset < 0 or length < 0 or offset + length > stored_len:
             return None
         try:
             if int(c.codec[entry]) == cat.CODEC_RAW and stored_len > WHOLE_FILE_LIMIT:
                 await self._verify_large(entry)
-            cached = self._cache.get(entry)
+            cached = self._cache.peek(entry)
             if cached is not None and int(c.codec[entry]) == cat.CODEC_RAW:
                 return memoryview(cached)[offset : offset + length]
-            return await self._read_stored(entry, offset, length)
+            return await self.sources.local(entry, offset, length)
         except (CorruptFile, OSError) as e:
             log.warning("cannot serve %s to a peer: %s", self._describe(entry), e)
             return None
 
-    async def _read_stored(self, entry: int, offset: int, length: int) -> bytes:
-        """Stored bytes from the local store: inline from the page cache, else in a thread
-        (a read that waits for the disk never blocks the event loop)."""
-        part = int(self.catalog.part[entry])
-        start = int(self.catalog.data_off[entry]) + offset
-        if length <= NOWAIT_LIMIT:
-            cached = self.store.pread_cached(part, start, length)
-            if cached is not None:
-                return cached  # type: ignore[return-value]
-        data: bytes = await self._in_thread(self.store.pread, part, start, length)
-        return data
-
     async def _verify_large(self, entry: int) -> None:
         async def produce() -> bool:
             began = time.perf_counter()
-            await self._in_thread(self._check_large, entry)
-            self._record(began, int(self.catalog.stored_len[entry]))
+            await self.sources.in_thread(self.sources.check_large, entry)
+            self.sources.record(began, int(self.catalog.stored_len[entry]))
             self._verified.add(entry)
             return True
 
         await self._once(entry, entry, lambda: entry in self._verified or None, produce)
-
-    def _check_large(self, entry: int) -> None:
-        c = self.catalog
-        part, start, length = int(c.part[entry]), int(c.data_off[entry]), int(c.stored_len[entry])
-        crc = 0
-        for off in range(0, length, VERIFY_CHUNK):
-            crc = zlib.crc32(
-                self.store.pread(part, start + off, min(VERIFY_CHUNK, length - off)), crc
-            )
-        if crc != int(c.crc[entry]):
-            raise CorruptFile("checksum mismatch")
-
-    def _put(self, key: Hashable, data: bytes) -> None:
-        self._cache[key] = data
-        self._cached += len(data) + ENTRY_OVERHEAD
-        # Evict least recently used, but keep the newest entry even if it alone is too big:
-        # the request that fetched it must still be answered.
-        while self._cached > self.cache_bytes and len(self._cache) > 1:
-            _, old = self._cache.popitem(last=False)
-            self._cached -= len(old) + ENTRY_OVERHEAD
-
-    def _record(self, began: float, nbytes: int) -> None:
-        self._latency.record(time.perf_counter() - began)
-        self.bytes_fetched += nbytes
 
     def _mark_bad(self, entry: int, error: BaseException) -> None:
         if entry not in self._bad:
@@ -394,17 +276,18 @@ class Reader:
         return os.fsdecode(b"/" + self.catalog.path(entry))
 
     def statistics(self) -> dict[str, Any]:
+        src = self.sources
         return {
             "reads": self.reads,
-            "local_fetches": self._latency.count,
-            "cache_hits": self.cache_hits,
-            "bytes_fetched": self.bytes_fetched,
+            "local_fetches": src.latency.count,
+            "cache_hits": self._cache.hits,
+            "bytes_fetched": src.bytes_fetched,
             "bytes_served": self.bytes_served,
-            "cache_bytes": self._cached,
-            "cache_limit": self.cache_bytes,
+            "cache_bytes": self._cache.size,
+            "cache_limit": self._cache.limit,
             "bad_files": len(self._bad),
-            "fallbacks": self.fallbacks,
-            "bad_payloads": self.bad_payloads,
+            "fallbacks": src.fallbacks,
+            "bad_payloads": src.bad_payloads,
             "native_jobs": self.native_jobs,
-            **self._latency.percentiles_ms("fetch_ms"),
+            **src.latency.percentiles_ms("fetch_ms"),
         }

@@ -128,7 +128,7 @@ def test_serving_any_peer_request(
     got = trio.run(reader.serve, entry, offset, length)
     if got is not None:
         assert 0 <= entry < c.n_entries and c.is_file[entry] and len(got) == length
-        assert bytes(got) == bytes(trio.run(reader._read_stored, entry, offset, length))
+        assert bytes(got) == bytes(trio.run(reader.sources.local, entry, offset, length))
 
 
 async def fuse_call(ops: FanfsOperations, call: str, *args: object) -> object:

@@ -74,7 +74,7 @@ async def test_every_file_through_peers(job3: Job, awkward_src: Path) -> None:
     assert stats["remote_fetches"] >= len(job3.files()) - mine > 0
     served = sum(t.statistics()["served_to_peers"] for t in job3.cluster.ranks[1:])
     assert served == stats["remote_fetches"]
-    assert job3.readers[0].fallbacks == 0
+    assert job3.readers[0].sources.fallbacks == 0
 
 
 async def test_a_silent_peer_costs_one_timeout_then_the_image(job3: Job, awkward_src: Path) -> None:
@@ -87,7 +87,7 @@ async def test_a_silent_peer_costs_one_timeout_then_the_image(job3: Job, awkward
     assert trio.current_time() - started < TIMEOUT * 2 + 5  # one timeout, not one per file
     stats = job3.cluster.ranks[0].statistics()
     assert stats["dead_peers"] == [1] and stats["peer_timeouts"] == 1
-    assert job3.readers[0].fallbacks >= len(theirs)  # a framed file: one per frame
+    assert job3.readers[0].sources.fallbacks >= len(theirs)  # a framed file: one per frame
 
 
 async def test_replicas_take_over_from_a_silent_peer(
@@ -98,7 +98,7 @@ async def test_replicas_take_over_from_a_silent_peer(
         job.cluster.silence(1)
         for entry, rel in job.files():
             assert await read_whole(job.readers[0], entry) == (awkward_src / rel).read_bytes()
-        assert job.readers[0].fallbacks == 0  # every file had a live holder
+        assert job.readers[0].sources.fallbacks == 0  # every file had a live holder
     finally:
         job.close()
 

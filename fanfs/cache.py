@@ -1,0 +1,85 @@
+"""Bounded memory and shared work for the read path: a byte-bounded LRU and single-flight fetches.
+
+`ByteLRU` keeps decoded bytes (whole files, frames of framed files) up to a byte budget, each
+entry charged ENTRY_OVERHEAD beyond its data. `SingleFlight` makes one task do the work for a
+key however many ask at once; the others wait, then look again.
+
+Concurrency: the trio thread only. Between two awaits the code is atomic with respect to other
+tasks (trio is cooperative), which is what keeps both structures consistent without locks.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Hashable
+from typing import Any
+
+import trio
+
+ENTRY_OVERHEAD = 120  # bytes a cache entry costs beyond its data (dict slot, bytes header)
+
+
+class ByteLRU:
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._items: OrderedDict[Hashable, bytes] = OrderedDict()
+        self.size = 0  # bytes charged, overhead included
+        self.hits = 0
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._items
+
+    def peek(self, key: Hashable) -> bytes | None:
+        """The bytes of `key` without counting a hit or refreshing it."""
+        return self._items.get(key)
+
+    def get(self, key: Hashable) -> bytes | None:
+        data = self._items.get(key)
+        if data is not None:
+            self._items.move_to_end(key)
+            self.hits += 1
+        return data
+
+    def put(self, key: Hashable, data: bytes) -> None:
+        old = self._items.pop(key, None)
+        if old is not None:
+            self.size -= len(old) + ENTRY_OVERHEAD
+        self._items[key] = data
+        self.size += len(data) + ENTRY_OVERHEAD
+        # Evict least recently used, but keep the newest entry even if it alone is too big:
+        # the request that fetched it must still be answered.
+        while self.size > self.limit and len(self._items) > 1:
+            _, gone = self._items.popitem(last=False)
+            self.size -= len(gone) + ENTRY_OVERHEAD
+
+
+class SingleFlight:
+    def __init__(self) -> None:
+        self._inflight: dict[Hashable, trio.Event] = {}
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._inflight
+
+    def waiters(self, key: Hashable) -> int:
+        """Tasks waiting for the fetch of `key` now under way (0 if none is)."""
+        event = self._inflight.get(key)
+        return 0 if event is None else event.statistics().tasks_waiting
+
+    async def run(
+        self, key: Hashable, lookup: Callable[[], Any], produce: Callable[[], Awaitable[Any]]
+    ) -> Any:
+        """`lookup()` if it has the answer, else `produce()`, run by one task however many ask
+        at once. `lookup` may raise to stop the waiters (e.g. the file went bad meanwhile)."""
+        while True:
+            found = lookup()
+            if found is not None:
+                return found
+            event = self._inflight.get(key)
+            if event is None:
+                break
+            await event.wait()
+        self._inflight[key] = trio.Event()
+        try:
+            return await produce()
+        finally:
+            self._inflight.pop(key).set()

@@ -1,0 +1,131 @@
+"""Unit and adapter tier: the read path's pieces alone (cache.py, sources.py), with a fake store
+and the in-process transport, no kernel and no mpirun."""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+import pytest
+import trio
+
+from fanfs import catalog as cat
+from fanfs import placement
+from fanfs.cache import ENTRY_OVERHEAD, ByteLRU, SingleFlight
+from fanfs.sources import Sources
+from fanfs.store import PartitionStore
+from fanfs.transport.inproc import Cluster
+
+
+def test_lru_evicts_least_recent_and_keeps_the_newest() -> None:
+    lru = ByteLRU(limit=3 * (100 + ENTRY_OVERHEAD))
+    for k in "abc":
+        lru.put(k, bytes(100))
+    assert lru.get("a") is not None  # a is now the most recent
+    lru.put("d", bytes(100))
+    assert "b" not in lru and all(k in lru for k in "acd")
+    lru.put("c", bytes(50))  # replacing an entry charges only the new bytes
+    assert lru.size == 2 * (100 + ENTRY_OVERHEAD) + 50 + ENTRY_OVERHEAD
+    lru.put("huge", bytes(10_000))  # alone over the limit: kept, everything else goes
+    assert "huge" in lru and len([k for k in "acd" if k in lru]) == 0
+    assert lru.peek("huge") is not None and lru.hits == 1
+
+
+async def test_single_flight_runs_once_and_shares_failure() -> None:
+    flights = SingleFlight()
+    calls = []
+    results: dict[str, bytes] = {}
+
+    async def produce() -> bytes:
+        calls.append(1)
+        await trio.sleep(0.05)
+        results["k"] = b"done"
+        return b"done"
+
+    got: list[bytes] = []
+
+    async def ask() -> None:
+        got.append(await flights.run("k", lambda: results.get("k"), produce))
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(5):
+            nursery.start_soon(ask)
+        await trio.sleep(0.01)
+        assert flights.waiters("k") == 4
+    assert calls == [1] and got == [b"done"] * 5 and "k" not in flights
+
+    failed = {"bad": False}
+
+    async def fail() -> bytes:
+        await trio.sleep(0.05)
+        failed["bad"] = True
+        raise OSError("disk")
+
+    def lookup() -> None:
+        if failed["bad"]:
+            raise LookupError("gone bad")
+
+    errors: list[type[BaseException]] = []
+
+    async def ask_bad() -> None:
+        try:
+            await flights.run("x", lookup, fail)
+        except (OSError, LookupError) as e:
+            errors.append(type(e))
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(3):
+            nursery.start_soon(ask_bad)
+    assert sorted(e.__name__ for e in errors) == ["LookupError", "LookupError", "OSError"]
+
+
+class CountingStore(PartitionStore):
+    """The real store, counting the reads that reach it."""
+
+    preads = 0
+
+    def pread(self, part: int, offset: int, length: int) -> bytes:
+        self.preads += 1
+        return super().pread(part, offset, length)
+
+    def pread_cached(self, part: int, offset: int, length: int) -> bytearray | None:
+        return None  # always "not in the page cache": every local read goes to pread
+
+
+@pytest.fixture
+def image(awkward_image: Path) -> Path:
+    return awkward_image
+
+
+async def test_sources_choose_local_peer_or_image_and_say_what_is_checked(
+    image: Path, tmp_path: Path
+) -> None:
+    c, _ = cat.Catalog.load(image)
+    owners = [(p % 2,) for p in range(c.n_partitions)]  # any placement will do
+    cluster = Cluster(2, 0.2)
+    stores = [CountingStore(image, c, tmp_path / f"l{r}", placement.owned_by(owners, r))
+              for r in range(2)]  # fmt: skip
+    sources = [Sources(c, s, owners, t) for s, t in zip(stores, cluster.ranks, strict=True)]
+
+    async def serve(entry: int, offset: int, length: int) -> bytes:
+        return await sources[1].local(entry, offset, length)
+
+    cluster.ranks[1].serve_fn = serve
+    try:
+        files = [e for e, _ in c.walk()
+                 if c.is_file[e] and c.size[e] and c.codec[e] != cat.CODEC_FRAMED]  # fmt: skip
+        mine = next(e for e in files if sources[0].mine(e))
+        theirs = next(e for e in files if not sources[0].mine(e))
+        for entry, remote in ((mine, False), (theirs, True)):
+            n, crc = int(c.stored_len[entry]), int(c.crc[entry])
+            data, checked = await sources[0].stored(entry, 0, n, crc)
+            assert zlib.crc32(data) == crc and checked is remote
+        assert stores[0].preads == 1 and stores[1].preads == 1
+        # Without a CRC nothing is checked; a silenced peer sends the reader to the image.
+        cluster.silence(1)
+        data, checked = await sources[0].stored(theirs, 0, int(c.stored_len[theirs]), None)
+        assert not checked and zlib.crc32(data) == int(c.crc[theirs])
+        assert sources[0].fallbacks == 1 and stores[0].preads == 2
+    finally:
+        for s in stores:
+            s.close()
