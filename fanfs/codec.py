@@ -220,6 +220,17 @@ def _decompressor(dict_bytes: bytes | None) -> zstandard.ZstdDecompressor:
     return dctx
 
 
+def train_dictionary(size: int, samples: Sequence[bytes], dict_id: int, level: int) -> bytes:
+    """A zstd dictionary of at most `size` bytes trained on `samples`, named `dict_id` in the
+    frames made with it. ValueError when zstd cannot train one (too few or too alike)."""
+    pool: list[bytes | bytearray | memoryview] = list(samples)
+    try:
+        trained = zstandard.train_dictionary(size, pool, dict_id=dict_id, level=level)
+    except zstandard.ZstdError as e:
+        raise ValueError(str(e)) from None
+    return bytes(trained.as_bytes())
+
+
 def streamed_crc(read_at: Callable[[int, int], bytes], start: int, length: int) -> int:
     """CRC-32 of `length` bytes from `start`, read `STREAM_CRC_CHUNK` at a time with
     `read_at(offset, n)`, so a large file is never held whole."""

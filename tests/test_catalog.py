@@ -9,7 +9,7 @@ import numpy as np
 from conftest import prepare
 
 from fanfs import catalog as cat
-from fanfs.prepare import default_partitions
+from fanfs.prepare.source import default_partitions
 
 
 def test_every_path_resolves_to_its_own_entry(awkward_image: Path, awkward_src: Path) -> None:

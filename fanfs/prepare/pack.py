@@ -1,0 +1,120 @@
+"""Packing stored files into partitions: the least-filled partition of a file's set takes it.
+
+Partitions 0..n-1 are normal; the broadcast set's partitions follow. Greedy least-filled
+placement balances partitions to within one file and spreads every directory over all of them.
+Files over STREAM_THRESHOLD are copied chunk by chunk (raw, or framed), never held whole."""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import os
+import resource
+import zlib
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+from fanfs import catalog as cat
+from fanfs import codec
+from fanfs.errors import SourceError
+
+log = logging.getLogger(__name__)
+
+# Files above this are copied raw in chunks instead of being held whole in memory.
+STREAM_THRESHOLD = 256 << 20
+STREAM_CHUNK = 8 << 20
+
+
+def _copy_stream(path: bytes, size: int, out: BinaryIO, encoder: codec.Encoder) -> tuple[int, int]:
+    """Store a big file chunk by chunk, never whole in memory: raw, or framed when the policy
+    frames it. Returns (codec, CRC-32 for the catalog)."""
+    framed = encoder.framed(size)
+    chunk_size = encoder.frame_size if framed else STREAM_CHUNK
+    frames: codec.FrameWriter | None = None
+    crc = 0
+    done = 0
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(chunk_size):
+                if framed and frames is None:
+                    skip = encoder.policy.mode == "auto" and codec.already_compressed(chunk[:16])
+                    frames = codec.FrameWriter(encoder, skip)
+                if frames is not None:
+                    out.write(frames.add(chunk))
+                else:
+                    crc = zlib.crc32(chunk, crc)
+                    out.write(chunk)
+                done += len(chunk)
+                if done > size:
+                    break
+    except OSError as e:
+        raise SourceError(f"{os.fsdecode(path)}: cannot read: {e.strerror}") from None
+    if done != size:
+        raise SourceError(f"{os.fsdecode(path)}: changed size while preparing")
+    if frames is None:
+        return cat.CODEC_RAW, crc
+    table = frames.table()
+    out.write(table)
+    return cat.CODEC_FRAMED, zlib.crc32(table)
+
+
+class Packer:
+    """Appends stored files to the least-filled partition of their set (normal or broadcast).
+
+    Partitions 0..n_parts-1 are normal; the n_bcast after them hold the broadcast set.
+    """
+
+    def __init__(self, tmp: Path, n_parts: int, n_bcast: int, n_entries: int):
+        total = n_parts + n_bcast
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft < total + 64 <= hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (total + 64, hard))
+        self.outs = [open(tmp / cat.partition_name(p), "wb") for p in range(total)]  # noqa: SIM115
+        # heaps of (stored bytes, partition), one per set
+        self.fill = [(0, p) for p in range(n_parts)]
+        self.bcast_fill = [(0, p) for p in range(n_parts, total)]
+        self.part_flags = np.zeros(total, dtype=np.uint32)
+        self.part_flags[n_parts:] = cat.PART_BROADCAST
+        self.broadcast: set[int] = set()
+        n_parts = total
+        self.part_size = np.zeros(n_parts, dtype=np.uint64)
+        self.part_files = np.zeros(n_parts, dtype=np.uint64)
+        self.part = np.full(n_entries, cat.NO_PARTITION, dtype=np.uint32)
+        self.data_off = np.zeros(n_entries, dtype=np.uint64)
+        self.stored_len = np.zeros(n_entries, dtype=np.uint64)
+        self.crc = np.zeros(n_entries, dtype=np.uint32)
+        self.codec = np.zeros(n_entries, dtype=np.uint8)
+
+    def _least_filled(self, entry: int) -> list[tuple[int, int]]:
+        return self.bcast_fill if entry in self.broadcast else self.fill
+
+    def _record(self, entry: int, nbytes: int) -> None:
+        """`entry`'s nbytes were just appended to the least-filled partition of its set."""
+        heap = self._least_filled(entry)
+        used, p = heap[0]
+        heapq.heapreplace(heap, (used + nbytes, p))
+        self.part[entry] = p
+        self.data_off[entry] = used
+        self.stored_len[entry] = nbytes
+        self.part_size[p] = used + nbytes
+        self.part_files[p] += 1
+
+    def add(self, entry: int, codec_id: int, stored: bytes, crc: int) -> None:
+        self.outs[self._least_filled(entry)[0][1]].write(stored)
+        self._record(entry, len(stored))
+        self.codec[entry] = codec_id
+        self.crc[entry] = crc
+
+    def add_stream(self, entry: int, path: bytes, size: int, encoder: codec.Encoder) -> None:
+        out = self.outs[self._least_filled(entry)[0][1]]
+        start = out.tell()
+        self.codec[entry], self.crc[entry] = _copy_stream(path, size, out, encoder)
+        self._record(entry, out.tell() - start)
+
+    def close(self) -> None:
+        for out in self.outs:
+            out.flush()
+            os.fsync(out.fileno())
+            out.close()
