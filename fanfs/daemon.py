@@ -25,10 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pyfuse3
 import trio
 
-from fanfs import logs, mounts, placement
+from fanfs import fuse_ops, logs, mounts, placement
 from fanfs.catalog import Catalog
 from fanfs.errors import ExitCode, FanfsError, MountFailed, MountpointError
 from fanfs.fuse_ops import NATIVE_POOL, PATCHED, FanfsOperations
@@ -245,14 +244,9 @@ class Daemon:
             if self.transport is not None:
                 self.transport.serve_fn = self.reader.serve
             ops = FanfsOperations(catalog, self.reader, self.status)
-            options = set(pyfuse3.default_options)
-            # nosuid, nodev: a hostile image cannot offer a set-uid program or a device node
-            # (a root daemon's mount would otherwise honour both).
-            options |= {"fsname=fanfs", "subtype=fanfs", "ro", "default_permissions", "nosuid",
-                        "nodev"}  # fmt: skip
             error = None
             try:
-                pyfuse3.init(ops, str(self.mountpoint), options)
+                fuse_ops.mount(ops, str(self.mountpoint))
                 self._mounted = True
                 stack.callback(self._unmount)
             except RuntimeError as e:
@@ -275,7 +269,7 @@ class Daemon:
         rfd, wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         stack.callback(os.close, rfd)  # runs once trio is done with it
         try:
-            crc = pyfuse3.native_read_start(NATIVE_THREADS, wfd)  # type: ignore[attr-defined]
+            crc = fuse_ops.native_pool_start(NATIVE_THREADS, wfd)
         except OSError as e:
             os.close(wfd)
             log.warning("native read pool unavailable, reading in Python: %s", e)
@@ -309,9 +303,9 @@ class Daemon:
             if self.reader is not None and self.reader.native:
                 # The pool answers what is queued while the session still exists.
                 self.reader.native = False
-                pyfuse3.native_read_stop()  # type: ignore[attr-defined]
+                fuse_ops.native_pool_stop()
                 os.close(self._native_errfds[1])
-            pyfuse3.close(unmount=True)
+            fuse_ops.unmount()
 
     async def _serve(self) -> None:
         assert self.store is not None
@@ -326,7 +320,7 @@ class Daemon:
             self.serving = True
             log.info("serving %s at %s (%s)", self.cfg.image, self.mountpoint,
                      "no_open" if PATCHED else "keep_cache opens")  # fmt: skip
-            await pyfuse3.main()
+            await fuse_ops.serve()
             self.serving = False
             self._unmount()
             if self.transport is not None:
@@ -335,7 +329,7 @@ class Daemon:
             nursery.cancel_scope.cancel()
 
     async def _tune_readahead_after_init(self) -> None:
-        # The kernel sets the mount's readahead from FUSE INIT, which pyfuse3.main answers
+        # The kernel sets the mount's readahead from FUSE INIT, which fuse_ops.serve answers
         # first: a value written before that is overwritten. INIT takes well under a second.
         await trio.sleep(1.0)
         _tune_readahead(self.mountpoint)
@@ -344,5 +338,5 @@ class Daemon:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
             async for signum in signals:
                 log.info("%s: shutting down", signal.Signals(signum).name)
-                pyfuse3.terminate()
+                fuse_ops.terminate()
                 return

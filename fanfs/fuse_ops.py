@@ -1,6 +1,7 @@
 """The pyfuse3 adapter: kernel requests in, calls on the catalog and reader, FUSEError out.
 
-Nothing else in fanfs imports pyfuse3. Handlers raise only `FUSEError` (anything else would end
+Nothing else in fanfs imports pyfuse3: the daemon mounts, serves, unmounts and runs the
+native read pool through the session functions at the end of this module. Handlers raise only `FUSEError` (anything else would end
 pyfuse3's main loop); domain errors are mapped here, once.
 
 Speed: the data never changes while mounted, so every reply tells the kernel to keep it for as
@@ -224,3 +225,39 @@ class FanfsOperations(pyfuse3.Operations):
         # Nothing to flush on a read-only file system. ENOSYS (rather than success) tells the
         # kernel so once and for all ("no_flush"): otherwise every close() is a round trip.
         raise pyfuse3.FUSEError(errno.ENOSYS)
+
+
+# -- the session: the daemon's only way to pyfuse3 -------------------------------------------
+# nosuid, nodev: a hostile image cannot offer a set-uid program or a device node (a root
+# daemon's mount would otherwise honour both).
+MOUNT_OPTIONS = {"fsname=fanfs", "subtype=fanfs", "ro", "default_permissions", "nosuid", "nodev"}
+
+
+def mount(ops: FanfsOperations, mountpoint: str) -> None:
+    """Mount `ops` at `mountpoint` (RuntimeError if the kernel refuses)."""
+    pyfuse3.init(ops, mountpoint, set(pyfuse3.default_options) | MOUNT_OPTIONS)
+
+
+async def serve() -> None:
+    """Answer kernel requests until unmounted or `terminate` is called."""
+    await pyfuse3.main()
+
+
+def terminate() -> None:
+    pyfuse3.terminate()
+
+
+def unmount() -> None:
+    pyfuse3.close(unmount=True)
+
+
+def native_pool_start(threads: int, error_fd: int) -> str | None:
+    """Start pyfuse3's native read pool (OSError if it cannot); the library its CRC-32 comes
+    from ("isa-l", "zlib", or None from older builds). Failures are posted on `error_fd`."""
+    crc: str | None = pyfuse3.native_read_start(threads, error_fd)  # type: ignore[attr-defined]
+    return crc
+
+
+def native_pool_stop() -> None:
+    """Answer what is queued, then stop the pool's threads (while the session still exists)."""
+    pyfuse3.native_read_stop()  # type: ignore[attr-defined]
