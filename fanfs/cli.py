@@ -209,42 +209,14 @@ def cmd_status(args: argparse.Namespace) -> int:
         raise WaitTimeout(f"{args.mountpoint}: daemon not answering")
     if args.json:
         print(json.dumps(status, indent=2, sort_keys=True))
-    else:
-        print(format_status(status))
+        return ExitCode.OK
+    from fanfs.status import Status, render
+
+    try:
+        print(render(Status.from_json(status)))
+    except ValueError as e:  # a daemon of another fanfs version
+        raise FanfsError(f"{args.mountpoint}: {e} (try --json)") from None
     return ExitCode.OK
-
-
-def format_status(s: dict[str, Any]) -> str:
-    from fanfs.progress import human_bytes
-
-    st, rd = s["store"], s["reader"]
-    return "\n".join(
-        [
-            f"{s['mountpoint']}: {'serving' if s['serving'] else 'starting'} {s['image']} "
-            f"(rank {s['rank']}/{s['size']}@{s['host']}, pid {s['pid']}, up {s['uptime_s']:.0f} s)",
-            f"catalog:  {s['catalog']['files']} files, "
-            f"{human_bytes(s['catalog']['memory_bytes'])} in memory",
-            f"staging:  {st['partitions_staged']}/{st['partitions_owned']} partitions, "
-            f"{human_bytes(st['bytes_staged'])}/{human_bytes(st['bytes_to_stage'])} "
-            f"to {st['local_dir']}{' (done)' if st['staging_done'] else ''}",
-            f"reads:    {rd['reads']} requests, {rd['local_fetches']} local fetches, "
-            f"{rd['cache_hits']} cache hits, {human_bytes(rd['bytes_served'])} served, "
-            f"{rd['bad_files']} bad files",
-            f"latency:  fetch p50 {rd['fetch_ms_p50']} ms, p90 {rd['fetch_ms_p90']} ms, "
-            f"p99 {rd['fetch_ms_p99']} ms",
-        ]
-        + (
-            [
-                f"remote:   {rd['remote_fetches']} fetched ({human_bytes(rd['remote_bytes'])}), "
-                f"p50 {rd['remote_ms_p50']} ms, p99 {rd['remote_ms_p99']} ms; "
-                f"{rd['served_to_peers']} served to peers "
-                f"({human_bytes(rd['bytes_served_to_peers'])}); {rd['fallbacks']} image "
-                f"fallbacks, {rd['peer_timeouts']} peer timeouts, dead peers {rd['dead_peers']}"
-            ]
-            if "remote_fetches" in rd
-            else []
-        )
-    )
 
 
 # -- parser ----------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from fanfs.errors import ExitCode, FanfsError, MountFailed, MountpointError
 from fanfs.fuse_ops import NATIVE_POOL, PATCHED, FanfsOperations
 from fanfs.reader import Reader
 from fanfs.staging import default_parent
+from fanfs.status import CatalogStatus, Status
 from fanfs.store import PartitionStore, check_partitions
 from fanfs.transport import PeerTransport
 
@@ -122,32 +123,30 @@ class Daemon:
         self._native_errfds = (-1, -1)
         self._native_crc32: str | None = None  # the library the native pool checks CRCs with
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> Status:
         assert self.catalog is not None and self.store is not None and self.reader is not None
-        reader = self.reader.statistics()
-        if self.transport is not None:
-            reader.update(self.transport.statistics())
-        return {
-            "pid": os.getpid(),
-            "image": str(self.cfg.image),
-            "mountpoint": str(self.mountpoint),
-            "rank": self.rank,
-            "size": self.size,
-            "host": os.uname().nodename,
-            "node": node_name(self.rank),
-            "serving": self.serving,
-            "no_open": PATCHED,
-            "native_read_pool": self.reader.native,
-            "native_crc32": self._native_crc32,
-            "uptime_s": round(time.time() - self.started, 3),
-            "catalog": {
-                "entries": self.catalog.n_entries,
-                "files": int(self.catalog.is_file.sum()),
-                "memory_bytes": self.catalog.memory_bytes(),
-            },
-            "store": self.store.statistics(),
-            "reader": reader,
-        }
+        return Status(
+            pid=os.getpid(),
+            image=str(self.cfg.image),
+            mountpoint=str(self.mountpoint),
+            rank=self.rank,
+            size=self.size,
+            host=os.uname().nodename,
+            node=node_name(self.rank),
+            serving=self.serving,
+            no_open=PATCHED,
+            native_read_pool=self.reader.native,
+            native_crc32=self._native_crc32,
+            uptime_s=round(time.time() - self.started, 3),
+            catalog=CatalogStatus(
+                entries=self.catalog.n_entries,
+                files=int(self.catalog.is_file.sum()),
+                memory_bytes=self.catalog.memory_bytes(),
+            ),
+            store=self.store.statistics(),
+            reader=self.reader.statistics(),
+            peers=self.transport.statistics() if self.transport is not None else None,
+        )
 
     # -- start-up --------------------------------------------------------------------------
 
@@ -243,7 +242,7 @@ class Daemon:
             self.reader = Reader(catalog, store, cfg.cache_bytes, owners, self.transport)
             if self.transport is not None:
                 self.transport.serve_fn = self.reader.serve
-            ops = FanfsOperations(catalog, self.reader, self.status)
+            ops = FanfsOperations(catalog, self.reader, lambda: self.status().to_json())
             error = None
             try:
                 fuse_ops.mount(ops, str(self.mountpoint))

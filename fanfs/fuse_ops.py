@@ -1,8 +1,8 @@
 """The pyfuse3 adapter: kernel requests in, calls on the catalog and reader, FUSEError out.
 
 Nothing else in fanfs imports pyfuse3: the daemon mounts, serves, unmounts and runs the
-native read pool through the session functions at the end of this module. Handlers raise only `FUSEError` (anything else would end
-pyfuse3's main loop); domain errors are mapped here, once.
+native read pool through the session functions at the end of this module. Handlers raise only
+`FUSEError` (anything else would end pyfuse3's main loop); domain errors are mapped here, once.
 
 Speed: the data never changes while mounted, so every reply tells the kernel to keep it for as
 long as the mount lives (entry/attr timeouts, keep_cache). With pyfuse3 patched by

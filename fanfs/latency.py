@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from fanfs.status import Percentiles
+
 SAMPLES = 4096  # the most recent this many are kept
 
 
@@ -16,10 +18,8 @@ class Latencies:
         self._ring[self.count % len(self._ring)] = seconds
         self.count += 1
 
-    def percentiles_ms(self, prefix: str) -> dict[str, float]:
-        """{prefix_p50, prefix_p90, prefix_p99} in milliseconds over the kept samples."""
+    def percentiles_ms(self) -> Percentiles:
+        """p50, p90 and p99 in milliseconds over the kept samples."""
         n = min(self.count, len(self._ring))
         pct = np.percentile(self._ring[:n], [50, 90, 99]) * 1e3 if n else [0.0] * 3
-        return {
-            f"{prefix}_p{q}": round(float(v), 3) for q, v in zip((50, 90, 99), pct, strict=True)
-        }
+        return Percentiles(*(round(float(v), 3) for v in pct))

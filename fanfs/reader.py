@@ -43,6 +43,7 @@ from fanfs import codec
 from fanfs.cache import ByteLRU, SingleFlight
 from fanfs.errors import CorruptFile
 from fanfs.sources import NOWAIT_LIMIT, Sources
+from fanfs.status import ReaderStatus
 from fanfs.store import PartitionStore
 from fanfs.transport import Transport
 
@@ -275,19 +276,19 @@ class Reader:
     def _describe(self, entry: int) -> str:
         return os.fsdecode(b"/" + self.catalog.path(entry))
 
-    def statistics(self) -> dict[str, Any]:
+    def statistics(self) -> ReaderStatus:
         src = self.sources
-        return {
-            "reads": self.reads,
-            "local_fetches": src.latency.count,
-            "cache_hits": self._cache.hits,
-            "bytes_fetched": src.bytes_fetched,
-            "bytes_served": self.bytes_served,
-            "cache_bytes": self._cache.size,
-            "cache_limit": self._cache.limit,
-            "bad_files": len(self._bad),
-            "fallbacks": src.fallbacks,
-            "bad_payloads": src.bad_payloads,
-            "native_jobs": self.native_jobs,
-            **src.latency.percentiles_ms("fetch_ms"),
-        }
+        return ReaderStatus(
+            reads=self.reads,
+            local_fetches=src.latency.count,
+            cache_hits=self._cache.hits,
+            bytes_fetched=src.bytes_fetched,
+            bytes_served=self.bytes_served,
+            cache_bytes=self._cache.size,
+            cache_limit=self._cache.limit,
+            bad_files=len(self._bad),
+            fallbacks=src.fallbacks,
+            bad_payloads=src.bad_payloads,
+            native_jobs=self.native_jobs,
+            fetch_ms=src.latency.percentiles_ms(),
+        )

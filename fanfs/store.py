@@ -17,12 +17,12 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from fanfs import catalog as cat
 from fanfs.errors import MissingPartition, StagingError
 from fanfs.progress import human_bytes
 from fanfs.staging import StagingDir
+from fanfs.status import StoreStatus
 
 log = logging.getLogger(__name__)
 
@@ -194,17 +194,17 @@ class PartitionStore:
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    def statistics(self) -> dict[str, Any]:
-        return {
-            "local_dir": str(self.staging.path),
-            "partitions_owned": len(self.owned),
-            "partitions_staged": self.staged_parts,
-            "bytes_staged": self.staged_bytes,
-            "bytes_to_stage": self.stage_total,
-            "staging_done": self.stage_done,
-            "staging_seconds": round(self.stage_seconds, 3),
-            "image_reads": self.image_reads,
-        }
+    def statistics(self) -> StoreStatus:
+        return StoreStatus(
+            local_dir=str(self.staging.path),
+            partitions_owned=len(self.owned),
+            partitions_staged=self.staged_parts,
+            bytes_staged=self.staged_bytes,
+            bytes_to_stage=self.stage_total,
+            staging_done=self.stage_done,
+            staging_seconds=round(self.stage_seconds, 3),
+            image_reads=self.image_reads,
+        )
 
     def close(self) -> None:
         self._stop.set()

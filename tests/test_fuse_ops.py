@@ -77,10 +77,10 @@ async def test_whole_file_requests_are_not_cached(ops: FanfsOperations, awkward_
         bytes(await ops.read(small.st_ino, 0, 131072))
         == (awkward_src / "sizes/exact-4096.bin").read_bytes()
     )
-    assert ops.reader.statistics()["cache_bytes"] == 0  # the kernel keeps it, not us
+    assert ops.reader.statistics().cache_bytes == 0  # the kernel keeps it, not us
     mixed = await ops.lookup(sizes.st_ino, b"mixed-300k.bin", CTX)
     want = (awkward_src / "sizes/mixed-300k.bin").read_bytes()
     assert bytes(await ops.read(mixed.st_ino, 0, 131072)) == want[:131072]
-    assert ops.reader.statistics()["cache_bytes"] > len(want)  # later chunks come from memory
+    assert ops.reader.statistics().cache_bytes > len(want)  # later chunks come from memory
     assert bytes(await ops.read(mixed.st_ino, 131072, 131072)) == want[131072:262144]
-    assert ops.reader.statistics()["cache_hits"] == 1
+    assert ops.reader.statistics().cache_hits == 1

@@ -3,6 +3,7 @@ and the in-process transport, no kernel and no mpirun."""
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from pathlib import Path
 
@@ -129,3 +130,31 @@ async def test_sources_choose_local_peer_or_image_and_say_what_is_checked(
     finally:
         for s in stores:
             s.close()
+
+
+def test_status_round_trips_and_refuses_an_unknown_layout() -> None:
+    from fanfs.status import (
+        CatalogStatus,
+        PeerStatus,
+        Percentiles,
+        ReaderStatus,
+        Status,
+        StoreStatus,
+        render,
+    )
+
+    reader = ReaderStatus(1, 2, 3, 4, 5, 6, 7, 0, 1, 0, 2, Percentiles(0.1, 0.2, 0.3))
+    peers = PeerStatus(9, 10, Percentiles(1.0, 2.0, 3.0), 0, 4, 5, 0, 0, [2], [1])
+    status = Status(7, "/img", "/mnt", 0, 3, "vm", "n1", True, True, True, "isa-l", 1.5,
+                    CatalogStatus(10, 8, 1000), StoreStatus("/tmp/s", 2, 2, 100, 100, True,
+                                                            0.1, 3), reader, peers)  # fmt: skip
+    flat = status.to_json()
+    assert flat["reader"]["remote_fetches"] == 9 and flat["reader"]["fetch_ms_p99"] == 0.3
+    assert Status.from_json(flat) == status
+    single = dataclasses.replace(status, peers=None)  # one daemon: no peer counters
+    assert "remote_fetches" not in single.to_json()["reader"]
+    assert Status.from_json(single.to_json()) == single
+    assert "remote:" in render(status) and "dead peers [2]" in render(status)
+    broken = dict(flat, reader={k: v for k, v in flat["reader"].items() if k != "reads"})
+    with pytest.raises(ValueError, match="not a status"):
+        Status.from_json(broken)

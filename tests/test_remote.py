@@ -71,9 +71,9 @@ async def test_every_file_through_peers(job3: Job, awkward_src: Path) -> None:
         nursery.cancel_scope.cancel()
     stats = job3.cluster.ranks[0].statistics()
     mine = sum(1 for e, _ in job3.files() if 0 in job3.owners[job3.catalog.part[e]])
-    assert stats["remote_fetches"] >= len(job3.files()) - mine > 0
-    served = sum(t.statistics()["served_to_peers"] for t in job3.cluster.ranks[1:])
-    assert served == stats["remote_fetches"]
+    assert stats.remote_fetches >= len(job3.files()) - mine > 0
+    served = sum(t.statistics().served_to_peers for t in job3.cluster.ranks[1:])
+    assert served == stats.remote_fetches
     assert job3.readers[0].sources.fallbacks == 0
 
 
@@ -86,7 +86,7 @@ async def test_a_silent_peer_costs_one_timeout_then_the_image(job3: Job, awkward
         assert await read_whole(job3.readers[0], entry) == (awkward_src / rel).read_bytes()
     assert trio.current_time() - started < TIMEOUT * 2 + 5  # one timeout, not one per file
     stats = job3.cluster.ranks[0].statistics()
-    assert stats["dead_peers"] == [1] and stats["peer_timeouts"] == 1
+    assert stats.dead_peers == [1] and stats.peer_timeouts == 1
     assert job3.readers[0].sources.fallbacks >= len(theirs)  # a framed file: one per frame
 
 
@@ -114,4 +114,4 @@ async def test_linger_ends_when_every_peer_said_bye_or_is_dead(job3: Job) -> Non
                     lingering.start_soon(t.linger, 30.0)
         nursery.cancel_scope.cancel()
     for t in job3.cluster.ranks[:2]:
-        assert t.statistics()["dead_peers"] == [2]
+        assert t.statistics().dead_peers == [2]

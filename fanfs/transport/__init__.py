@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import trio
 
 from fanfs.latency import Latencies
+from fanfs.status import PeerStatus
 
 log = logging.getLogger(__name__)
 
@@ -133,19 +133,19 @@ class PeerTransport:
             await trio.sleep(0.05)
         log.warning("stopped waiting for peers after %.0f s", grace)
 
-    def statistics(self) -> dict[str, Any]:
-        return {
-            "remote_fetches": self._latency.count,
-            "remote_bytes": self.fetch_bytes,
-            **self._latency.percentiles_ms("remote_ms"),
-            "peer_timeouts": self.timeouts,
-            "served_to_peers": self.served,
-            "bytes_served_to_peers": self.served_bytes,
-            "refused_to_peers": self.refused,
-            "malformed_messages": self.malformed,
-            "dead_peers": sorted(self._dead),
-            "peers_said_bye": sorted(self._byes),
-        }
+    def statistics(self) -> PeerStatus:
+        return PeerStatus(
+            remote_fetches=self._latency.count,
+            remote_bytes=self.fetch_bytes,
+            remote_ms=self._latency.percentiles_ms(),
+            peer_timeouts=self.timeouts,
+            served_to_peers=self.served,
+            bytes_served_to_peers=self.served_bytes,
+            refused_to_peers=self.refused,
+            malformed_messages=self.malformed,
+            dead_peers=sorted(self._dead),
+            peers_said_bye=sorted(self._byes),
+        )
 
 
 # What the reader and the daemon use of a transport (both transports are PeerTransports).

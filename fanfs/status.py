@@ -1,0 +1,168 @@
+"""What `fanfs status` shows: typed records of each component's counters, and their rendering.
+
+Each component's `statistics()` returns its record (trio's convention); the daemon assembles a
+`Status`, which travels as JSON in the mount root's hidden extended attribute
+(mounts.STATUS_XATTR). The JSON layout is the documented one (`fanfs status --json`): the
+reader's and the transport's counters share the "reader" object. `Status.from_json` rebuilds
+the records on the CLI side and refuses a layout it does not know, so no key is ever read on
+trust.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from fanfs.progress import human_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Percentiles:
+    p50: float = 0.0
+    p90: float = 0.0
+    p99: float = 0.0
+
+    def flat(self, prefix: str) -> dict[str, float]:
+        return {f"{prefix}_{k}": v for k, v in asdict(self).items()}
+
+    @classmethod
+    def unflat(cls, d: dict[str, Any], prefix: str) -> Percentiles:
+        return cls(**{f.name: d.pop(f"{prefix}_{f.name}") for f in fields(cls)})
+
+
+@dataclass(frozen=True, slots=True)
+class CatalogStatus:
+    entries: int
+    files: int
+    memory_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStatus:
+    local_dir: str
+    partitions_owned: int
+    partitions_staged: int
+    bytes_staged: int
+    bytes_to_stage: int
+    staging_done: bool
+    staging_seconds: float
+    image_reads: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReaderStatus:
+    reads: int
+    local_fetches: int
+    cache_hits: int
+    bytes_fetched: int
+    bytes_served: int
+    cache_bytes: int
+    cache_limit: int
+    bad_files: int
+    fallbacks: int
+    bad_payloads: int
+    native_jobs: int
+    fetch_ms: Percentiles
+
+
+@dataclass(frozen=True, slots=True)
+class PeerStatus:
+    remote_fetches: int
+    remote_bytes: int
+    remote_ms: Percentiles
+    peer_timeouts: int
+    served_to_peers: int
+    bytes_served_to_peers: int
+    refused_to_peers: int
+    malformed_messages: int
+    dead_peers: list[int]
+    peers_said_bye: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    pid: int
+    image: str
+    mountpoint: str
+    rank: int
+    size: int
+    host: str
+    node: str
+    serving: bool
+    no_open: bool
+    native_read_pool: bool
+    native_crc32: str | None
+    uptime_s: float
+    catalog: CatalogStatus
+    store: StoreStatus
+    reader: ReaderStatus
+    peers: PeerStatus | None  # None: a single daemon, nothing is remote
+
+    def to_json(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["catalog"], d["store"] = asdict(self.catalog), asdict(self.store)
+        d["reader"] = _flat(self.reader)
+        peers = d.pop("peers")
+        if peers is not None:
+            d["reader"].update(_flat(peers))
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Status:
+        """The records back from `to_json`'s layout; ValueError if it is not that layout."""
+        try:
+            d = dict(d)
+            reader = dict(d.pop("reader"))
+            peers = None
+            if "remote_fetches" in reader:
+                names = [f.name for f in fields(PeerStatus)]
+                part = {k: reader.pop(k) for k in list(reader) if k.startswith("remote_ms_")}
+                part.update({k: reader.pop(k) for k in names if k in reader})
+                part["remote_ms"] = Percentiles.unflat(part, "remote_ms")
+                peers = PeerStatus(**part)
+            reader["fetch_ms"] = Percentiles.unflat(reader, "fetch_ms")
+            catalog, store = CatalogStatus(**d.pop("catalog")), StoreStatus(**d.pop("store"))
+            return cls(**d, catalog=catalog, store=store, reader=ReaderStatus(**reader),
+                       peers=peers)  # fmt: skip
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"not a status this fanfs knows: {e}") from None
+
+
+def _flat(record: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in fields(record):
+        value = getattr(record, f.name)
+        if isinstance(value, Percentiles):
+            out.update(value.flat(f.name))
+        elif dataclasses.is_dataclass(value):
+            out[f.name] = asdict(value)  # type: ignore[arg-type]
+        else:
+            out[f.name] = value
+    return out
+
+
+def render(s: Status) -> str:
+    """The human view of `fanfs status`."""
+    st, rd, p = s.store, s.reader, s.peers
+    lines = [
+        f"{s.mountpoint}: {'serving' if s.serving else 'starting'} {s.image} "
+        f"(rank {s.rank}/{s.size}@{s.host}, pid {s.pid}, up {s.uptime_s:.0f} s)",
+        f"catalog:  {s.catalog.files} files, {human_bytes(s.catalog.memory_bytes)} in memory",
+        f"staging:  {st.partitions_staged}/{st.partitions_owned} partitions, "
+        f"{human_bytes(st.bytes_staged)}/{human_bytes(st.bytes_to_stage)} "
+        f"to {st.local_dir}{' (done)' if st.staging_done else ''}",
+        f"reads:    {rd.reads} requests, {rd.local_fetches} local fetches, "
+        f"{rd.cache_hits} cache hits, {human_bytes(rd.bytes_served)} served, "
+        f"{rd.bad_files} bad files",
+        f"latency:  fetch p50 {rd.fetch_ms.p50} ms, p90 {rd.fetch_ms.p90} ms, "
+        f"p99 {rd.fetch_ms.p99} ms",
+    ]
+    if p is not None:
+        lines.append(
+            f"remote:   {p.remote_fetches} fetched ({human_bytes(p.remote_bytes)}), "
+            f"p50 {p.remote_ms.p50} ms, p99 {p.remote_ms.p99} ms; {p.served_to_peers} served "
+            f"to peers ({human_bytes(p.bytes_served_to_peers)}); {rd.fallbacks} image "
+            f"fallbacks, {p.peer_timeouts} peer timeouts, dead peers {p.dead_peers}"
+        )
+    return "\n".join(lines)
