@@ -151,7 +151,7 @@ class Daemon:
     # -- start-up --------------------------------------------------------------------------
 
     def _start_world(self) -> None:
-        from fanfs.transport import mpi
+        from fanfs.transport import world as mpi
 
         if mpi.launched_size(dict(os.environ)) <= 1:
             return

@@ -1,4 +1,4 @@
-"""The MPI transport: remote reads in one round trip. The only module that imports mpi4py.
+"""The MPI transport: remote reads in one round trip, over the `World` of transport/world.py.
 
 Protocol (point-to-point on a duplicate of COMM_WORLD, buffer API, no pickle on the data path):
 - request, tag 1: four int64 `(entry, offset, length, reply_tag)`, 32 bytes;
@@ -31,35 +31,15 @@ import numpy as np
 import trio
 
 from fanfs.transport import PeerTimeout, PeerTransport, ServeFn
+from fanfs.transport.world import CHUNK, World
 
 log = logging.getLogger(__name__)
 
 TAG_REQUEST = 1
 TAG_BYE = 2
 FIRST_REPLY_TAG = 16
-CHUNK = 1 << 30  # MPI counts are C ints: larger payloads go as several messages
 POLL_MIN_S = 50e-6
 POLL_MAX_S = 1e-3
-
-
-def _mpi() -> Any:
-    import mpi4py
-
-    mpi4py.rc.thread_level = "multiple"
-    mpi4py.rc.finalize = False  # fanfs decides: finalizing with a dead peer can hang
-    from mpi4py import MPI
-
-    return MPI
-
-
-def launched_size(environ: dict[str, str]) -> int:
-    """World size announced by an MPI launcher (mpirun, srun --mpi=pmix), or 1 without one."""
-    for key in ("OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "PMI_SIZE"):
-        if environ.get(key, "").isdigit():
-            return int(environ[key])
-    if "SLURM_STEP_ID" in environ and environ.get("SLURM_STEP_NUM_TASKS", "").isdigit():
-        return int(environ["SLURM_STEP_NUM_TASKS"])
-    return 1
 
 
 def parse_request(header: Any, tag_ub: int) -> tuple[int, int, int, int] | None:
@@ -76,68 +56,6 @@ def parse_request(header: Any, tag_ub: int) -> tuple[int, int, int, int] | None:
     return entry, offset, length, tag
 
 
-class World:
-    """COMM_WORLD for start-up collectives (main thread, before the transport thread starts)."""
-
-    def __init__(self) -> None:
-        MPI = _mpi()
-        self.MPI = MPI
-        provided = MPI.Query_thread()
-        if provided < MPI.THREAD_SERIALIZED:
-            raise RuntimeError(
-                "the MPI library gives thread level "
-                f"{provided}; fanfs needs MPI_THREAD_SERIALIZED or better"
-            )
-        self.comm = MPI.COMM_WORLD.Dup()
-        self.comm.Set_errhandler(MPI.ERRORS_RETURN)
-        self.rank: int = self.comm.Get_rank()
-        self.size: int = self.comm.Get_size()
-        self._posted: list[Any] = []  # requests of `post`, until they complete
-
-    def bcast_bytes(self, data: bytes | None) -> bytes:
-        """Rank 0's `data` on every rank (buffer API, chunked)."""
-        n = self.comm.bcast(len(data) if data is not None else 0, root=0)
-        buf = bytearray(data) if self.rank == 0 and data is not None else bytearray(n)
-        view = memoryview(buf)
-        for off in range(0, n, CHUNK):
-            self.comm.Bcast(view[off : off + CHUNK], root=0)
-        return bytes(buf)
-
-    def bcast(self, obj: Any) -> Any:
-        return self.comm.bcast(obj, root=0)
-
-    def allgather(self, obj: Any) -> list[Any]:
-        result: list[Any] = self.comm.allgather(obj)
-        return result
-
-    # Point-to-point messages of picklable objects, for `fanfs prepare` across ranks.
-
-    def post(self, obj: Any, dest: int, tag: int) -> None:
-        """Send without waiting (a blocking send could wait on a peer that is itself sending
-        to us); `drain` waits for everything posted."""
-        self._posted = [r for r in self._posted if not r.Test()]
-        self._posted.append(self.comm.isend(obj, dest=dest, tag=tag))
-
-    def drain(self) -> None:
-        self.MPI.Request.Waitall(self._posted)
-        self._posted = []
-
-    def recv(self, source: int, tag: int) -> Any:
-        return self.comm.recv(source=source, tag=tag)
-
-    def pending(self, source: int, tag: int) -> bool:
-        """Whether a message from `source` with `tag` is waiting (never blocks)."""
-        return bool(self.comm.Iprobe(source=source, tag=tag))
-
-    def abort(self, code: int) -> None:
-        """End every rank of the job now (the way out when peers may be blocked on us)."""
-        self.comm.Abort(code)
-
-    def finalize(self) -> None:
-        self.comm.Free()
-        self.MPI.Finalize()
-
-
 @dataclass
 class _Fetch:
     peer: int
@@ -147,13 +65,53 @@ class _Fetch:
     count: int = -1  # bytes received; -1: failed
 
 
+# Commands from trio tasks to the MPI thread (one queue, read only by that thread).
+@dataclass(frozen=True, slots=True)
+class _Send:
+    """Post the receive of a reply, then send the request header."""
+
+    peer: int
+    tag: int
+    header: np.ndarray
+    job: _Fetch
+
+
+@dataclass(frozen=True, slots=True)
+class _Cancel:
+    """The fetch of `tag` timed out: cancel its receives."""
+
+    tag: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Reply:
+    """Send a peer the stored bytes it asked for (None: an empty refusal)."""
+
+    peer: int
+    tag: int
+    data: bytes | memoryview | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Bye:
+    """Tell every live peer this daemon has unmounted."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Stop:
+    """Cancel the standing receives and end the MPI thread."""
+
+
+_Command = _Send | _Cancel | _Reply | _Bye | _Stop
+
+
 class MpiTransport(PeerTransport):
     def __init__(self, world: World, peer_timeout: float, serve_fn: ServeFn | None = None):
         super().__init__(world.rank, world.size, peer_timeout)
         self.MPI = world.MPI
         self.comm = world.comm
         self.serve_fn = serve_fn
-        self._cmds: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._cmds: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._tag_ub = int(self.comm.Get_attr(self.MPI.TAG_UB) or 32767)
         self._next_tag = FIRST_REPLY_TAG
         self._outstanding: dict[int, _Fetch] = {}
@@ -187,13 +145,13 @@ class MpiTransport(PeerTransport):
         self._outstanding[tag] = job
         header = np.array([entry, offset, length, tag], dtype=np.int64)
         began = time.perf_counter()
-        self._cmds.put(("fetch", peer, tag, header, job))
+        self._cmds.put(_Send(peer, tag, header, job))
         try:
             with trio.move_on_after(self.peer_timeout):
                 await job.event.wait()
         finally:
             if not job.event.is_set():
-                self._cmds.put(("cancel", tag))
+                self._cmds.put(_Cancel(tag))
             del self._outstanding[tag]
         if not job.event.is_set():
             raise self._timed_out(peer)
@@ -214,13 +172,14 @@ class MpiTransport(PeerTransport):
         self._nursery.start_soon(self._answer, peer, entry, offset, length, tag)
 
     async def _answer(self, peer: int, entry: int, offset: int, length: int, tag: int) -> None:
-        self._cmds.put(("reply", peer, tag, await self._serve_request(peer, entry, offset, length)))
+        data = await self._serve_request(peer, entry, offset, length)
+        self._cmds.put(_Reply(peer, tag, data))
 
     def _say_bye(self) -> None:
-        self._cmds.put(("bye",))
+        self._cmds.put(_Bye())
 
     def stop(self) -> None:
-        self._cmds.put(("stop",))
+        self._cmds.put(_Stop())
         if self._thread is not None:
             self._thread.join(timeout=10)
 
@@ -258,7 +217,7 @@ class MpiTransport(PeerTransport):
                 cmd = None
             while cmd is not None:
                 busy = True
-                if cmd[0] == "stop":
+                if isinstance(cmd, _Stop):
                     for req in (incoming, byes, *cancelled):
                         req.Cancel()
                     return
@@ -325,45 +284,45 @@ class MpiTransport(PeerTransport):
 
     def _command(
         self,
-        cmd: tuple[Any, ...],
+        cmd: _Command,
         receiving: dict[int, list[Any]],
         sending: list[tuple[Any, Any]],
         cancelled: list[Any],
     ) -> None:
-        comm, kind = self.comm, cmd[0]
+        comm = self.comm
         try:
-            if kind == "fetch":
-                _, peer, tag, header, job = cmd
+            if isinstance(cmd, _Send):
+                job = cmd.job
                 if job.length == 0:  # a ping: the empty reply needs a receive all the same
-                    reqs = [comm.Irecv(bytearray(1), peer, tag)]
+                    reqs = [comm.Irecv(bytearray(1), cmd.peer, cmd.tag)]
                 else:
                     view = memoryview(job.buf)
-                    reqs = [comm.Irecv(view[off : off + CHUNK], peer, tag)
+                    reqs = [comm.Irecv(view[off : off + CHUNK], cmd.peer, cmd.tag)
                             for off in range(0, job.length, CHUNK)]  # fmt: skip
-                receiving[tag] = [reqs, job, None]
-                sending.append((comm.Isend(header, peer, TAG_REQUEST), header))
-            elif kind == "cancel":
-                entry = receiving.pop(cmd[1], None)
+                receiving[cmd.tag] = [reqs, job, None]
+                sending.append((comm.Isend(cmd.header, cmd.peer, TAG_REQUEST), cmd.header))
+            elif isinstance(cmd, _Cancel):
+                entry = receiving.pop(cmd.tag, None)
                 if entry is not None:
                     for req in entry[0]:
                         req.Cancel()
                         cancelled.append(req)
-            elif kind == "reply":
-                _, peer, tag, data = cmd
-                if data is None:
-                    sending.append((comm.Isend([b"", self.MPI.BYTE], peer, tag), None))
+            elif isinstance(cmd, _Reply):
+                if cmd.data is None:
+                    sending.append((comm.Isend([b"", self.MPI.BYTE], cmd.peer, cmd.tag), None))
                 else:
-                    view = memoryview(data)
+                    view = memoryview(cmd.data)
                     for off in range(0, len(view), CHUNK):
-                        sending.append((comm.Isend(view[off : off + CHUNK], peer, tag), data))
-            elif kind == "bye":
+                        part = view[off : off + CHUNK]
+                        sending.append((comm.Isend(part, cmd.peer, cmd.tag), cmd.data))
+            elif isinstance(cmd, _Bye):
                 me = np.array([self.rank], dtype=np.int64)
                 for peer in range(self.size):
                     if peer != self.rank and peer not in self._dead:
                         sending.append((comm.Isend(me, peer, TAG_BYE), me))
         except self.MPI.Exception as e:
-            peer = cmd[1] if kind in ("fetch", "reply") else -1
-            log.warning("MPI %s to rank %d failed: %s", kind, peer, e)
-            if kind == "fetch":
-                receiving.pop(cmd[2], None)
-                self._call_trio(self._deliver, cmd[4], -1)
+            peer = cmd.peer if isinstance(cmd, (_Send, _Reply)) else -1
+            log.warning("MPI %s to rank %d failed: %s", type(cmd).__name__[1:], peer, e)
+            if isinstance(cmd, _Send):
+                receiving.pop(cmd.tag, None)
+                self._call_trio(self._deliver, cmd.job, -1)

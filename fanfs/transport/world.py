@@ -1,0 +1,96 @@
+"""The MPI world of a fanfs job: start-up collectives for the daemon, work messages for
+prepare. The only module that imports mpi4py; `mpi.py` talks MPI through the `World` it is
+given.
+
+Concurrency: a `World` is used from one thread at a time: the main thread during start-up
+(daemon) or the whole run (prepare); after the daemon's start-up only its MPI thread uses the
+duplicate communicator, and no collective runs again (a dead rank must not block one).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+CHUNK = 1 << 30  # MPI counts are C ints: larger payloads go as several messages
+
+
+def _mpi() -> Any:
+    import mpi4py
+
+    mpi4py.rc.thread_level = "multiple"
+    mpi4py.rc.finalize = False  # fanfs decides: finalizing with a dead peer can hang
+    from mpi4py import MPI
+
+    return MPI
+
+
+def launched_size(environ: dict[str, str]) -> int:
+    """World size announced by an MPI launcher (mpirun, srun --mpi=pmix), or 1 without one."""
+    for key in ("OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "PMI_SIZE"):
+        if environ.get(key, "").isdigit():
+            return int(environ[key])
+    if "SLURM_STEP_ID" in environ and environ.get("SLURM_STEP_NUM_TASKS", "").isdigit():
+        return int(environ["SLURM_STEP_NUM_TASKS"])
+    return 1
+
+
+class World:
+    """COMM_WORLD for start-up collectives (main thread, before the transport thread starts)."""
+
+    def __init__(self) -> None:
+        MPI = _mpi()
+        self.MPI = MPI
+        provided = MPI.Query_thread()
+        if provided < MPI.THREAD_SERIALIZED:
+            raise RuntimeError(
+                "the MPI library gives thread level "
+                f"{provided}; fanfs needs MPI_THREAD_SERIALIZED or better"
+            )
+        self.comm = MPI.COMM_WORLD.Dup()
+        self.comm.Set_errhandler(MPI.ERRORS_RETURN)
+        self.rank: int = self.comm.Get_rank()
+        self.size: int = self.comm.Get_size()
+        self._posted: list[Any] = []  # requests of `post`, until they complete
+
+    def bcast_bytes(self, data: bytes | None) -> bytes:
+        """Rank 0's `data` on every rank (buffer API, chunked)."""
+        n = self.comm.bcast(len(data) if data is not None else 0, root=0)
+        buf = bytearray(data) if self.rank == 0 and data is not None else bytearray(n)
+        view = memoryview(buf)
+        for off in range(0, n, CHUNK):
+            self.comm.Bcast(view[off : off + CHUNK], root=0)
+        return bytes(buf)
+
+    def bcast(self, obj: Any) -> Any:
+        return self.comm.bcast(obj, root=0)
+
+    def allgather(self, obj: Any) -> list[Any]:
+        result: list[Any] = self.comm.allgather(obj)
+        return result
+
+    # Point-to-point messages of picklable objects, for `fanfs prepare` across ranks.
+
+    def post(self, obj: Any, dest: int, tag: int) -> None:
+        """Send without waiting (a blocking send could wait on a peer that is itself sending
+        to us); `drain` waits for everything posted."""
+        self._posted = [r for r in self._posted if not r.Test()]
+        self._posted.append(self.comm.isend(obj, dest=dest, tag=tag))
+
+    def drain(self) -> None:
+        self.MPI.Request.Waitall(self._posted)
+        self._posted = []
+
+    def recv(self, source: int, tag: int) -> Any:
+        return self.comm.recv(source=source, tag=tag)
+
+    def pending(self, source: int, tag: int) -> bool:
+        """Whether a message from `source` with `tag` is waiting (never blocks)."""
+        return bool(self.comm.Iprobe(source=source, tag=tag))
+
+    def abort(self, code: int) -> None:
+        """End every rank of the job now (the way out when peers may be blocked on us)."""
+        self.comm.Abort(code)
+
+    def finalize(self) -> None:
+        self.comm.Free()
+        self.MPI.Finalize()
