@@ -1,5 +1,11 @@
 """Shared fixtures: the awkward source tree, prepared images, and real mounts that always go away.
 
+Tiers (markers, by what a test needs; `pytest -m "not slurm"`, `-m "unit or adapter"`):
+unit (pure code), adapter (handlers, reader and transports called directly under trio),
+mount (real FUSE mounts), mpi (real ranks under mpirun), slurm (the local Slurm cluster),
+clients (real clients and the benchmark through a mount). Each test file has one tier below;
+a test that also needs mpirun carries `@pytest.mark.mpi` itself.
+
 A mount is a real `fanfs mount` daemon in a subprocess. Teardown escalates: `fanfs umount`,
 then SIGTERM, then SIGKILL, then a lazy unmount, so a failing test never leaves a mount behind.
 """
@@ -26,6 +32,33 @@ import pytest
 from fanfs import datagen, mounts
 
 FANFS = [str(Path(sys.executable).with_name("fanfs"))]  # the installed entry point
+TIERS = {
+    "test_catalog": "unit",
+    "test_read_pieces": "adapter",
+    "test_hostile": "adapter",
+    "test_fuse_ops": "adapter",
+    "test_remote": "adapter",
+    "test_mount": "mount",
+    "test_errors": "mount",
+    "test_safety": "mount",
+    "test_faults": "mount",
+    "test_compression": "mount",
+    "test_unprivileged": "mount",
+    "test_mpi": "mpi",
+    "test_slurm": "slurm",
+    "test_clients": "clients",
+    "test_bench": "clients",
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.path.stem
+        if module not in TIERS:
+            raise pytest.UsageError(f"{item.path.name}: no tier in conftest.TIERS")
+        item.add_marker(getattr(pytest.mark, TIERS[module]))
+
+
 STEP_TIMEOUT = 120  # any single fanfs command in a test; a hang fails instead of blocking CI
 
 

@@ -6,12 +6,14 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 from conftest import fanfs
 
 from fanfs import pagecache
 from fanfs.errors import ExitCode
 
 
+@pytest.mark.mpi
 def test_bench_runs_and_reports(tmp_path: Path) -> None:
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
     done = fanfs("bench", "--sizes", "64K,256K", "--total", "1M", "--min-files", "8",

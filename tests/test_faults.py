@@ -199,6 +199,7 @@ def test_hostile_catalog_is_refused_everywhere(
     assert mounts.find(tmp_path / "mnt") is None
 
 
+@pytest.mark.mpi
 def test_bad_payload_and_silent_peer_are_routed_around(src: Path, tmp_path: Path) -> None:
     image = prepare(src, tmp_path / "img", "--partitions", "6", "--compress", "none")
     c, _ = cat.Catalog.load(image)

@@ -101,6 +101,7 @@ def test_user_cleans_up_a_killed_daemon(user: User, work: Path) -> None:
     assert nothing_of_users(user) == []
 
 
+@pytest.mark.mpi
 def test_two_daemons_under_mpirun_as_the_user(user: User, work: Path) -> None:
     mnts = [work / f"mnt-{r}" for r in range(2)]
     for m in mnts:
