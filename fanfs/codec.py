@@ -138,6 +138,11 @@ class Encoder:
             self._with_dict[dict_id] = cctx
         return cctx
 
+    def skips(self, head: bytes) -> bool:
+        """Whether a file (or a framed file's first frame) starting with `head` is stored raw
+        without trying: under auto, formats that are compressed already."""
+        return self.policy.mode == "auto" and already_compressed(head[:16])
+
     def framed(self, size: int) -> bool:
         return self.policy.compresses and size > FRAMED_MIN
 
@@ -146,7 +151,7 @@ class Encoder:
         size = len(data)
         if not self.policy.compresses or not data:
             return cat.CODEC_RAW, data, zlib.crc32(data)
-        skip = self.policy.mode == "auto" and already_compressed(data[:16])
+        skip = self.skips(data[:16])
         if self.framed(size):
             frames = FrameWriter(self, skip)
             view = memoryview(data)

@@ -18,6 +18,7 @@ from fanfs import catalog as cat
 from fanfs import codec, placement
 from fanfs.errors import CorruptFile
 from fanfs.progress import Progress, human_bytes
+from fanfs.store import check_partitions, pread_exact
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,6 @@ def nodes_needed(
 def info(image: Path, local_capacity: int | None = None, replicas: int = 1) -> dict[str, Any]:
     """What is in IMAGE; an image that could not be mounted (a partition missing or of the
     wrong size) is an error, as `mount` would find."""
-    from fanfs.store import check_partitions
 
     c, raw = cat.Catalog.load(image)
     check_partitions(image, c, range(c.n_partitions))
@@ -154,10 +154,10 @@ def format_info(d: dict[str, Any]) -> str:
 
 
 def _pread(fd: int, n: int, off: int) -> bytes:
-    data = os.pread(fd, n, off)
-    if len(data) != n:
-        raise CorruptFile("truncated")
-    return data
+    try:
+        return pread_exact(fd, n, off, "the partition")
+    except OSError as e:  # truncated, or a disk error: this file's problem line
+        raise CorruptFile(e.strerror or str(e)) from None
 
 
 def _check(fd: int, c: cat.Catalog, e: int) -> None:

@@ -30,6 +30,14 @@ COPY_CHUNK = 64 << 20  # per sendfile call: large enough to stream, small enough
 PROGRESS_INTERVAL_S = 10.0
 
 
+def pread_exact(fd: int, length: int, offset: int, what: str) -> bytes:
+    """Exactly `length` bytes at `offset`; a short read (a truncated file) is EIO."""
+    data = os.pread(fd, length, offset)
+    if len(data) != length:
+        raise OSError(errno.EIO, f"short read from {what} ({len(data)} of {length} bytes)")
+    return data
+
+
 def check_partitions(image: Path, catalog: cat.Catalog, parts: Sequence[int]) -> None:
     """Fail before mounting if a partition file is missing or has the wrong size."""
     for p in parts:
@@ -118,10 +126,7 @@ class PartitionStore:
     def pread(self, part: int, offset: int, length: int) -> bytes:
         if not self._staged_set[part]:
             self.image_reads += 1
-        data = os.pread(self.fd(part), length, offset)
-        if len(data) != length:
-            raise OSError(5, f"short read from partition {part}")
-        return data
+        return pread_exact(self.fd(part), length, offset, f"partition {part}")
 
     # -- staging ---------------------------------------------------------------------------
 

@@ -39,7 +39,7 @@ def _copy_stream(path: bytes, size: int, out: BinaryIO, encoder: codec.Encoder) 
         with open(path, "rb") as f:
             while chunk := f.read(chunk_size):
                 if framed and frames is None:
-                    skip = encoder.policy.mode == "auto" and codec.already_compressed(chunk[:16])
+                    skip = encoder.skips(chunk)
                     frames = codec.FrameWriter(encoder, skip)
                 if frames is not None:
                     out.write(frames.add(chunk))
