@@ -19,7 +19,6 @@ import contextlib
 import logging
 import os
 import signal
-import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,7 @@ from fanfs import fuse_ops, logs, mounts, placement
 from fanfs.catalog import Catalog
 from fanfs.errors import ExitCode, FanfsError, MountFailed, MountpointError
 from fanfs.fuse_ops import NATIVE_POOL, PATCHED, FanfsOperations
+from fanfs.native import NativePool
 from fanfs.reader import Reader
 from fanfs.staging import default_parent
 from fanfs.status import CatalogStatus, Status
@@ -42,8 +42,6 @@ log = logging.getLogger(__name__)
 # Readahead of the mount's bdi: with 1 MiB the kernel asks for big files in 1 MiB requests
 # instead of 128 KiB ones (+17 to 28 % on 2 to 8 MiB files here, ENVIRONMENT.md).
 READ_AHEAD_KB = 1024
-NATIVE_THREADS = 4  # native read pool threads: concurrent disk reads of small files
-ERROR_RECORD = struct.Struct("=qii")  # the native pool's failure record: entry, errno, pad
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,8 +118,8 @@ class Daemon:
         self.reader: Reader | None = None
         self.mountpoint = Path(cfg.mountpoint)
         self._mounted = False
-        self._native_errfds = (-1, -1)
-        self._native_crc32: str | None = None  # the library the native pool checks CRCs with
+        self.native = NativePool(fuse_ops.native_pool_start, fuse_ops.native_pool_stop,
+                                 self._native_failed)  # fmt: skip
 
     def status(self) -> Status:
         assert self.catalog is not None and self.store is not None and self.reader is not None
@@ -136,7 +134,7 @@ class Daemon:
             serving=self.serving,
             no_open=PATCHED,
             native_read_pool=self.reader.native,
-            native_crc32=self._native_crc32,
+            native_crc32=self.native.crc32,
             uptime_s=round(time.time() - self.started, 3),
             catalog=CatalogStatus(
                 entries=self.catalog.n_entries,
@@ -251,7 +249,8 @@ class Daemon:
             except RuntimeError as e:
                 error = MountFailed(f"{self.mountpoint}: cannot mount: {e}")
             self._agree(error)
-            self._start_native_pool(stack)
+            if NATIVE_POOL and self.native.start(stack):
+                self.reader.native = True
             log.info(
                 "rank %d/%d: %d of %d partitions here (%d bytes), mount %s, local %s",
                 self.rank, self.size, len(owned), catalog.n_partitions,
@@ -259,51 +258,17 @@ class Daemon:
             )  # fmt: skip
             trio.run(self._serve)
 
-    def _start_native_pool(self, stack: contextlib.ExitStack) -> None:
-        """pyfuse3's native read pool (tools/install_pyfuse3.py) answers cold whole-file reads
-        of raw files; its failures come back on a pipe that `_native_errors` reads."""
+    def _native_failed(self, entry: int, err: int) -> None:
         assert self.reader is not None
-        if not NATIVE_POOL:
-            return
-        rfd, wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        stack.callback(os.close, rfd)  # runs once trio is done with it
-        try:
-            crc = fuse_ops.native_pool_start(NATIVE_THREADS, wfd)
-        except OSError as e:
-            os.close(wfd)
-            log.warning("native read pool unavailable, reading in Python: %s", e)
-            return
-        self._native_errfds = rfd, wfd  # wfd closes in _unmount, once the pool has stopped
-        self._native_crc32 = crc if isinstance(crc, str) else "zlib"  # older builds: None
-        if self._native_crc32 != "isa-l":
-            log.info("native read pool: CRC-32 by zlib (install libisal2 for a faster one)")
-        self.reader.native = True
-
-    async def _native_errors(self, fd: int) -> None:
-        assert self.reader is not None
-        while True:
-            await trio.lowlevel.wait_readable(fd)
-            try:
-                records = os.read(fd, ERROR_RECORD.size * 256)
-            except BlockingIOError:
-                continue
-            if not records:
-                return  # the pool has stopped and its end is closed
-            for entry, err, _ in ERROR_RECORD.iter_unpack(records):
-                try:
-                    self.reader.native_failed(entry, err)
-                except Exception:  # a bad record must not end the daemon's task group
-                    log.exception("native read pool reported entry %d, errno %d", entry, err)
+        self.reader.native_failed(entry, err)
 
     def _unmount(self) -> None:
         if self._mounted:
             self._mounted = False
             log.info("unmounting %s", self.mountpoint)
-            if self.reader is not None and self.reader.native:
-                # The pool answers what is queued while the session still exists.
+            if self.reader is not None:
                 self.reader.native = False
-                fuse_ops.native_pool_stop()
-                os.close(self._native_errfds[1])
+            self.native.stop()  # it answers what is queued while the session still exists
             fuse_ops.unmount()
 
     async def _serve(self) -> None:
@@ -313,8 +278,8 @@ class Daemon:
                 await nursery.start(self.transport.run)
             nursery.start_soon(self._watch_signals)
             nursery.start_soon(self._tune_readahead_after_init)
-            if self.reader is not None and self.reader.native:
-                nursery.start_soon(self._native_errors, self._native_errfds[0])
+            if self.native.running:
+                nursery.start_soon(self.native.errors)
             self.store.start_staging()
             self.serving = True
             log.info("serving %s at %s (%s)", self.cfg.image, self.mountpoint,

@@ -27,7 +27,8 @@ import pyfuse3
 from fanfs import catalog as cat
 from fanfs import mounts
 from fanfs.errors import CorruptFile
-from fanfs.reader import NativeJob, Reader
+from fanfs.native import POOL_LEVEL, NativeJob
+from fanfs.reader import Reader
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ STATUS_XATTR = mounts.STATUS_XATTR.encode()
 BLKSIZE = 128 << 10  # st_blksize: tools like cp size their buffers from it
 ROOT = pyfuse3.ROOT_INODE  # inode = entry + ROOT (entry 0 is the root directory)
 PATCHED = bool(getattr(pyfuse3, "FANFS_READ_PASSES_INODE", False))
-NATIVE_POOL = getattr(pyfuse3, "FANFS_PATCH", 0) >= 2  # pyfuse3 has fanfs's native read pool
+NATIVE_POOL = getattr(pyfuse3, "FANFS_PATCH", 0) >= POOL_LEVEL  # pyfuse3 has the native pool
 
 _ACCMODE = os.O_RDONLY | os.O_WRONLY | os.O_RDWR
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT

@@ -29,7 +29,6 @@ thread, no GIL, no wake-up of the event loop); failures come back through `nativ
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import time
@@ -42,6 +41,7 @@ from fanfs import catalog as cat
 from fanfs import codec
 from fanfs.cache import ByteLRU, SingleFlight
 from fanfs.errors import CorruptFile
+from fanfs.native import NativeJob, failure_reason
 from fanfs.sources import NOWAIT_LIMIT, Sources
 from fanfs.status import ReaderStatus
 from fanfs.store import PartitionStore
@@ -52,10 +52,6 @@ log = logging.getLogger(__name__)
 WHOLE_FILE_LIMIT = 16 << 20  # raw files up to this are fetched whole and checked at once
 INLINE_LIMIT = 256 << 10  # below this, decoding runs inline (cheaper than a thread hand-off)
 TABLES_KEPT = 4096  # parsed frame tables of framed files kept (LRU)
-
-# (fd, offset, length, crc, entry, skip, count): a whole file for pyfuse3's native read pool
-# to read, check against `crc` and answer with bytes [skip, skip + count) of it.
-NativeJob = tuple[int, int, int, int, int, int, int]
 
 
 class Reader:
@@ -142,8 +138,7 @@ class Reader:
 
     def native_failed(self, entry: int, err: int) -> None:
         """The native pool answered EIO for `entry`: refuse it from now on, log it once."""
-        why = "checksum mismatch" if err == errno.EBADMSG else os.strerror(err)
-        self._mark_bad(entry, CorruptFile(why))
+        self._mark_bad(entry, CorruptFile(failure_reason(err)))
 
     async def _once(
         self,

@@ -24,6 +24,7 @@ Idempotent: does nothing when the patched build is already installed in this int
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import tarfile
@@ -32,7 +33,12 @@ from pathlib import Path
 
 VERSION = "3.5.0"
 MARKER = "FANFS_READ_PASSES_INODE"
-PATCH_LEVEL = 4  # pyfuse3.FANFS_PATCH of the build this script makes
+# The patch level is defined once, in fanfs/native.py (read as text: fanfs may not be
+# installed yet); it is written into the build as pyfuse3.FANFS_PATCH.
+PATCH_LEVEL = int(
+    re.search(r"^PATCH_LEVEL = (\d+)", (Path(__file__).resolve().parents[1] / "fanfs" / "native.py")
+              .read_text(), re.M).group(1)  # type: ignore[union-attr]
+)  # fmt: skip
 POOL = Path(__file__).resolve().parent / "pyfuse3_patch"
 
 # The anchor is pyfuse3 3.5.0's fuse_read(); a different release fails loudly instead of
@@ -191,7 +197,8 @@ def main() -> int:
             loop = loop.replace(anchor, replacement)
         internal.write_text(loop)
         for name in ("fanfs_read_pool.h", "fanfs_read_pool.pxi"):
-            (src / name).write_text((POOL / name).read_text())
+            text = (POOL / name).read_text().replace("@PATCH_LEVEL@", str(PATCH_LEVEL))
+            (src / name).write_text(text)
         init_text = init_text.replace(
             HANDLERS_INCLUDE, f'include "fanfs_read_pool.pxi"\n{HANDLERS_INCLUDE}'
         )

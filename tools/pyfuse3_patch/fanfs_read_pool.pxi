@@ -12,7 +12,7 @@ cdef extern from "fanfs_read_pool.h" nogil:
     void fanfs_pool_stop()
     const char *fanfs_pool_crc_name()
 
-FANFS_PATCH = 4
+FANFS_PATCH = @PATCH_LEVEL@  # fanfs/native.py's PATCH_LEVEL, written in by install_pyfuse3
 
 
 cdef int _native_read_submit(fuse_req_t req, tuple job):
