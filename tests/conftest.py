@@ -16,7 +16,6 @@ import contextlib
 import os
 import pwd
 import shutil
-import signal
 import stat
 import subprocess
 import sys
@@ -29,9 +28,11 @@ from typing import Protocol, TypeVar
 
 import pytest
 
-from fanfs import datagen, mounts
+from fanfs import datagen
+from fanfs.bench import launch
 
-FANFS = [str(Path(sys.executable).with_name("fanfs"))]  # the installed entry point
+FANFS = launch.FANFS  # the installed entry point
+STEP_TIMEOUT = launch.STEP_TIMEOUT  # any single fanfs command in a test: a hang fails
 TIERS = {
     "test_catalog": "unit",
     "test_read_pieces": "adapter",
@@ -59,61 +60,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         item.add_marker(getattr(pytest.mark, TIERS[module]))
 
 
-STEP_TIMEOUT = 120  # any single fanfs command in a test; a hang fails instead of blocking CI
+fanfs = launch.run  # `fanfs ARGS...` -> CompletedProcess, never raises
+teardown = launch.stop_process  # umount, SIGTERM, SIGKILL, lazy unmount: nothing is left
 
 
-def fanfs(
-    *args: str | os.PathLike[str], timeout: float = STEP_TIMEOUT
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*FANFS, *map(str, args)], capture_output=True, text=True, timeout=timeout, check=False
-    )
+class Mount(launch.Daemons):
+    """One real `fanfs mount` daemon in a subprocess (fanfs.bench.launch, shared with the bench
+    and the demo): serving when constructed, gone after `stop` whatever state it is in."""
 
-
-class Mount:
     def __init__(self, image: Path, mountpoint: Path, local: Path, *extra: str):
-        self.image = image
-        self.mountpoint = mountpoint
+        super().__init__(image, mountpoint, local, 1, extra, wait_s=30)
         self.local = local
-        mountpoint.mkdir(parents=True, exist_ok=True)
-        self.log = mountpoint.parent / f"{mountpoint.name}.log"
-        self._log = open(self.log, "w")  # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen(
-            [*FANFS, "mount", str(image), str(mountpoint), "--local", str(local), *extra],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
-        done = fanfs("wait", mountpoint, "--timeout", "30")
-        if done.returncode != 0:
-            self.stop()
-            raise RuntimeError(f"mount did not come up: {done.stderr}\n{self.log.read_text()}")
-
-    def log_text(self) -> str:
-        return self.log.read_text()
-
-    def stop(self) -> None:
-        def umount() -> None:
-            if mounts.find(self.mountpoint):
-                fanfs("umount", self.mountpoint, "--timeout", "30", timeout=40)
-
-        teardown(self.proc, [self.mountpoint], umount)
-        self._log.close()
-
-
-def teardown(proc: subprocess.Popen[bytes], mountpoints: list[Path], umount: object) -> None:
-    """Escalate until nothing is left: umount, SIGTERM, SIGKILL, then lazy unmounts."""
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        if proc.poll() is None and callable(umount):
-            umount()
-    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        if proc.poll() is not None:
-            break
-        proc.send_signal(sig)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(wait)
-    for m in mountpoints:
-        if mounts.find(m):
-            subprocess.run(["fusermount3", "-u", "-z", str(m)], timeout=10, check=False)
 
 
 class Stoppable(Protocol):

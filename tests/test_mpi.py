@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import json
 import os
 import random
 import re
@@ -17,52 +16,24 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import FANFS, fanfs, prepare, stopping, teardown
+from conftest import FANFS, prepare, stopping
 
 from fanfs import catalog as cat
 from fanfs import datagen, mounts, placement
+from fanfs.bench import launch
 from fanfs.compare import assert_same_tree
 from fanfs.errors import ExitCode
 
 MPIRUN = ["mpirun", "--oversubscribe", "--enable-recovery"]
-ENV = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+ENV = {**os.environ, **launch.MPI_ENV}
 
 
-class MpiMount:
+class MpiMount(launch.Daemons):
     """`mpirun -np N fanfs mount IMAGE base/mnt-{rank} --local base/local-{rank}`."""
 
     def __init__(self, image: Path, base: Path, n: int, *extra: str):
-        self.n = n
-        self.base = base
-        self.mnts = [base / f"mnt-{r}" for r in range(n)]
-        self.locals = [base / f"local-{r}" for r in range(n)]
-        for m in self.mnts:
-            m.mkdir(parents=True, exist_ok=True)
-        self.log = base / "mpirun.log"
-        self._log = open(self.log, "w")  # noqa: SIM115 (closed in stop)
-        cmd = [*MPIRUN, "-np", str(n), *FANFS, "mount", str(image), str(base / "mnt-{rank}"),
-               "--local", str(base / "local-{rank}"), "--linger", "20", *extra]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=ENV)
-        for m in self.mnts:
-            done = fanfs("wait", m, "--timeout", "60")
-            if done.returncode != 0:
-                self.stop()
-                raise RuntimeError(f"{m} did not come up: {done.stderr}\n{self.log.read_text()}")
-
-    def status(self, rank: int) -> dict:  # type: ignore[type-arg]
-        done = fanfs("status", self.mnts[rank], "--json", timeout=30)
-        assert done.returncode == 0, done.stderr
-        return json.loads(done.stdout)  # type: ignore[no-any-return]
-
-    def umount_all(self) -> list[subprocess.CompletedProcess[str]]:
-        """`fanfs umount` on every node at once, as a job's teardown step does."""
-        with concurrent.futures.ThreadPoolExecutor(self.n) as pool:
-            return list(pool.map(lambda m: fanfs("umount", m, "--timeout", "60", timeout=90),
-                                 [m for m in self.mnts if mounts.find(m)]))  # fmt: skip
-
-    def stop(self) -> None:
-        teardown(self.proc, self.mnts, self.umount_all)
-        self._log.close()
+        super().__init__(image, base / "mnt-{rank}", base / "local-{rank}", n,
+                         ["--linger", "20", *extra], log=base / "mpirun.log")  # fmt: skip
 
 
 def mpi_mounted(

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from fanfs import bench, datagen
+from fanfs.bench import launch
 from fanfs.catalog import Catalog
 
 
@@ -75,7 +76,7 @@ def generate(root: Path, kind: str, total: int, seed: int) -> list[str]:
 def _prepare(src: Path, image: Path, compress: str) -> float:
     bench.drop_caches()
     began = time.monotonic()
-    bench._fanfs("-q", "prepare", str(src), str(image), "--compress", compress)
+    launch.check("-q", "prepare", src, image, "--compress", compress, timeout=1800)
     return time.monotonic() - began
 
 
@@ -91,8 +92,8 @@ def run_kind(work: Path, kind: str, total: int, readers: int, repeat: int) -> di
     case = bench.Case(0, readers, "cold", kind)
     results: dict[str, list[bench.Result]] = {"native": [], "raw": [], "auto": []}
     with (
-        bench.mounted(base / "img-none", base / "m-none") as raw,
-        bench.mounted(base / "img-auto", base / "m-auto") as auto,
+        bench.serving(base / "img-none", base / "m-none", 1) as raw,
+        bench.serving(base / "img-auto", base / "m-auto", 1) as auto,
     ):
         roots = {"native": src, "raw": raw.mnts[0], "auto": auto.mnts[0]}
         for i in range(repeat):

@@ -11,28 +11,23 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from fanfs import datagen, mounts
-from fanfs.bench import NOT_DROPPED, drop_caches
-
-BIN = Path(sys.executable).with_name("fanfs")
+from fanfs.bench import NOT_DROPPED, drop_caches, launch
+from fanfs.errors import FanfsError
 
 
 def fanfs(*args: object, timeout: float = 300) -> str:
-    done = subprocess.run(
-        [str(BIN), *map(str, args)], capture_output=True, text=True, timeout=timeout, check=False
-    )
-    if done.returncode != 0:
-        sys.exit(f"demo: fanfs {args[0]} failed ({done.returncode}): {done.stderr.strip()}")
-    return done.stdout
+    try:
+        return launch.check(*map(str, args), timeout=timeout)
+    except FanfsError as e:
+        sys.exit(f"demo: {e}")
 
 
 def read_all(root: Path, rels: list[str]) -> tuple[float, int, dict[str, bytes]]:
@@ -64,21 +59,13 @@ def main() -> int:
     nbytes = datagen.sample(src, n_files=args.files)
     print(f"demo: {nbytes / 1e6:.0f} MB generated in {time.perf_counter() - t0:.1f} s")
     print(fanfs("prepare", src, image, "--compress", args.compress, "--force").strip())
-    mnt.mkdir(parents=True, exist_ok=True)
-    log = open(work / "daemon.log", "w")  # noqa: SIM115 (closed below)
-    daemon = subprocess.Popen(
-        [str(BIN), "mount", str(image), str(mnt), "--local", str(local)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    ok = False
+    ok = left = False
     try:
-        fanfs("wait", mnt, "--timeout", "60")
-        deadline = time.monotonic() + 120
-        while not json.loads(fanfs("status", mnt, "--json"))["store"]["staging_done"]:
-            if time.monotonic() > deadline:
-                sys.exit("demo: staging did not finish in 120 s")
-            time.sleep(0.2)
+        daemon = launch.Daemons(image, mnt, local, log=work / "daemon.log")
+    except FanfsError as e:
+        sys.exit(f"demo: {e}")
+    try:
+        daemon.wait_staged(120)
         rels = [str(p.relative_to(src)) for p in src.rglob("*") if p.is_file()]
         random.Random(0).shuffle(rels)
         rows = []
@@ -100,17 +87,11 @@ def main() -> int:
         print(f"\ndemo: {len(rels)} files checked against the source, {len(bad)} differ")
         print(fanfs("status", mnt).strip())
         ok = not bad
+    except FanfsError as e:
+        print(f"demo: {e}", file=sys.stderr)
     finally:
-        if daemon.poll() is None:
-            subprocess.run([str(BIN), "umount", str(mnt)], timeout=90, check=False)
-        try:
-            daemon.wait(30)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
-        log.close()
+        daemon.stop()
         left = mounts.find(mnt) is not None
-        if left:
-            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], timeout=10, check=False)
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     print(f"demo: unmounted, {'kept' if args.keep else 'removed'} {work}; "

@@ -21,15 +21,12 @@ The ratio is what matters: absolute numbers on a shared VM mean little (docs/per
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import multiprocessing as mp
 import os
 import random
 import shutil
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -38,19 +35,17 @@ from typing import Any
 
 import numpy as np
 
-from fanfs import mounts, pagecache
+from fanfs import pagecache
+from fanfs.bench.launch import Daemons, check, mounted
 from fanfs.catalog import Catalog
-from fanfs.errors import FanfsError
 from fanfs.placement import place
 
-FANFS = [sys.executable, "-m", "fanfs.cli"]
 FOLIO_SAMPLE = 16  # files whose page-cache folios are looked at after each pass
 # A warm pass over 256 MiB of 128 KiB files takes 40 ms: a timer tick or a neighbour's burst
 # on a shared machine moves it by a third. Warm passes therefore read the files again until
 # they have taken at least this long (at most WARM_MAX_ROUNDS times).
 WARM_MIN_S = 0.5
 WARM_MAX_ROUNDS = 50
-MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 
 def size_label(n: int) -> str:
@@ -131,68 +126,6 @@ def read_all(
         p.join()
     wall = max(g[1] for g in got) - min(g[0] for g in got)
     return wall, sum(g[2] for g in got), [x for g in got for x in g[3]]
-
-
-class Daemons:
-    """`fanfs mount` (one daemon, or N under mpirun) that always goes away."""
-
-    def __init__(self, image: Path, base: Path, ranks: int):
-        self.mnts = [base / f"mnt-{r}" for r in range(ranks)]
-        for m in self.mnts:
-            m.mkdir(parents=True, exist_ok=True)
-        self.log = open(base / "daemon.log", "ab")  # noqa: SIM115 (closed in close)
-        cmd = [*FANFS, "mount", str(image), str(base / "mnt-{rank}"), "--local",
-               str(base / "local-{rank}")]  # fmt: skip
-        if ranks > 1:
-            cmd = ["mpirun", "--oversubscribe", "-np", str(ranks), *cmd]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **MPI_ENV})  # fmt: skip
-        try:
-            for m in self.mnts:
-                _fanfs("wait", str(m), "--timeout", "120")
-            deadline = time.monotonic() + 600
-            while not all(self.status(r)["store"]["staging_done"] for r in range(ranks)):
-                if time.monotonic() > deadline:
-                    raise FanfsError("bench: staging did not finish in 600 s")
-                time.sleep(0.2)
-        except BaseException:
-            self.close()
-            raise
-
-    def status(self, rank: int) -> dict[str, Any]:
-        return json.loads(_fanfs("status", str(self.mnts[rank]), "--json"))  # type: ignore[no-any-return]
-
-    def close(self) -> None:
-        umounts = [subprocess.Popen([*FANFS, "umount", str(m)], stderr=subprocess.DEVNULL)
-                   for m in self.mnts if mounts.find(m)]  # fmt: skip
-        for u in umounts:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                u.wait(120)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(60)
-        if self.proc.poll() is None:
-            self.proc.kill()
-        for m in self.mnts:
-            if mounts.find(m):
-                subprocess.run(["fusermount3", "-u", "-z", str(m)], check=False, timeout=10)
-        self.log.close()
-
-
-def _fanfs(*args: str) -> str:
-    done = subprocess.run([*FANFS, *args], capture_output=True, text=True, timeout=600,
-                          check=False)  # fmt: skip
-    if done.returncode != 0:
-        raise FanfsError(f"bench: fanfs {args[0]} failed: {done.stderr.strip()}")
-    return done.stdout
-
-
-@contextlib.contextmanager
-def mounted(image: Path, base: Path, ranks: int = 1) -> Iterator[Daemons]:
-    d = Daemons(image, base, ranks)
-    try:
-        yield d
-    finally:
-        d.close()
 
 
 def make_dataset(root: Path, size: int, count: int, seed: int) -> list[str]:
@@ -343,9 +276,9 @@ def run(
         base.mkdir(parents=True)
         log(f"bench: {count} files of {size_label(size)}: generate, prepare, mount")
         rels = make_dataset(base / "src", size, count, seed=size)
-        _fanfs("-q", "prepare", str(base / "src"), str(base / "img"))
+        check("-q", "prepare", base / "src", base / "img", timeout=600)
         plan = (readers, temps, repeat, log, client)
-        with mounted(base / "img", base / "one") as d:
+        with serving(base / "img", base / "one", 1) as d:
             results += _cases(size, "local", base / "src", d.mnts[0], rels, *plan)
         if ranks > 1:
             catalog, _ = Catalog.load(base / "img")
@@ -353,10 +286,19 @@ def run(
             entries = {r: catalog.resolve(r.encode()) for r in rels}
             remote = [r for r, e in entries.items()
                       if e is not None and 0 not in owners[int(catalog.part[e])]]  # fmt: skip
-            with mounted(base / "img", base / "many", ranks) as d:
+            with serving(base / "img", base / "many", ranks) as d:
                 results += _cases(size, "remote", base / "src", d.mnts[0], remote, *plan)
         shutil.rmtree(base, ignore_errors=True)
     return summarize(results)
+
+
+@contextlib.contextmanager
+def serving(image: Path, base: Path, ranks: int) -> Iterator[Daemons]:
+    """Daemons serving `image` with their partitions staged, for the length of a with block."""
+    with mounted(image, base / "mnt-{rank}", base / "local-{rank}", ranks,
+                 log=base / "daemon.log", wait_s=120) as d:  # fmt: skip
+        d.wait_staged(600)
+        yield d
 
 
 def _cases(
