@@ -17,7 +17,7 @@ Where zstd alone does not halve a file or frame of whole 32-bit words, the delta
 tried too (smooth float32 simulation fields: 1.25 plain, 2.5 filtered, docs/performance.md).
 
 Concurrency: zstd (de)compressor objects are not thread-safe (a shared decompressor corrupted
-data in a probe, see ENVIRONMENT.md), so each thread gets its own through `threading.local`.
+data in a probe, see docs/environment.md), so each thread gets its own through `threading.local`.
 """
 
 from __future__ import annotations

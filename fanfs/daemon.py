@@ -40,7 +40,7 @@ from fanfs.transport import PeerTransport
 log = logging.getLogger(__name__)
 
 # Readahead of the mount's bdi: with 1 MiB the kernel asks for big files in 1 MiB requests
-# instead of 128 KiB ones (+17 to 28 % on 2 to 8 MiB files here, ENVIRONMENT.md).
+# instead of 128 KiB ones (+17 to 28 % on 2 to 8 MiB files here, docs/environment.md).
 READ_AHEAD_KB = 1024
 
 

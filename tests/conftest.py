@@ -35,6 +35,7 @@ FANFS = launch.FANFS  # the installed entry point
 STEP_TIMEOUT = launch.STEP_TIMEOUT  # any single fanfs command in a test: a hang fails
 TIERS = {
     "test_catalog": "unit",
+    "test_layers": "unit",
     "test_read_pieces": "adapter",
     "test_hostile": "adapter",
     "test_fuse_ops": "adapter",

@@ -40,7 +40,7 @@ def slurm() -> Iterator[dict[str, str]]:
         "OMPI_ALLOW_RUN_AS_ROOT": "1",
         "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
         # Virtual nodes share one machine but Open MPI believes they are separate hosts:
-        # its shared-memory transport can crash then (ENVIRONMENT.md), TCP on loopback works.
+        # its shared-memory transport can crash then (docs/environment.md), TCP on loopback works.
         "OMPI_MCA_btl": "self,tcp",
     }
     try:

@@ -4,7 +4,7 @@ Run on demand (heavy: DLIO pulls tensorflow-cpu, about 1.3 GB, into its own envi
 
     .venv/bin/python tools/dlio_bench.py [--workdir DIR] [--repeat N]
 
-1. installs dlio-benchmark 2.0.0 into `.venv-dlio` the way ENVIRONMENT.md found to work
+1. installs dlio-benchmark 2.0.0 into `.venv-dlio` the way docs/environment.md describes
    (`--no-deps`, then its light dependencies, tensorflow-cpu and the local CPU torch);
 2. generates the unet3d (npz) and resnet50 (jpeg, PyTorch loader) workloads, scaled down to
    this machine, with DLIO itself;
