@@ -347,3 +347,21 @@ def test_info_and_mount_name_the_problem(src: Path, tmp: Path) -> None:
     started = time.monotonic()
     assert_one_line_error(fanfs("mount", tmp / "file", tmp), ExitCode.IMAGE)
     assert time.monotonic() - started < 30
+
+
+def test_an_image_that_appears_meanwhile_is_replaced_only_with_force(src: Path, tmp: Path) -> None:
+    """The last check happens when the new image is renamed in, not only at the start."""
+    from fanfs.errors import ImageExists
+    from fanfs.prepare.publish import publish
+
+    other = prepare(src, tmp / "img", "--partitions", "2")  # appeared while we prepared
+    before = tree_of(other)
+    partial = tmp / ".img.partial-test"
+    partial.mkdir()
+    (partial / cat.CATALOG_NAME).write_bytes(b"new")
+    with pytest.raises(ImageExists):
+        publish(partial, other, 0, True, force=False)
+    assert tree_of(other) == before and (partial / cat.CATALOG_NAME).exists()
+    publish(partial, other, 0, True, force=True)
+    assert (other / cat.CATALOG_NAME).read_bytes() == b"new"
+    assert [p.name for p in tmp.iterdir() if ".old-" in p.name] == []

@@ -99,7 +99,9 @@ def prepare(
         imagedir.check_replaceable(image, force)
         imagedir.sweep(image)
         with stop.installed():
-            summary = _prepare(src, image, partitions, policy, jobs, broadcast, world, state, mode)
+            summary = _prepare(
+                src, image, partitions, policy, jobs, broadcast, world, state, mode, force
+            )
     except BaseException as e:
         if world is None:
             raise
@@ -149,6 +151,7 @@ def _prepare(
     world: Any = None,
     state: dict[str, bool] | None = None,
     mode: str = "auto",
+    force: bool = False,
 ) -> Summary:
     started = time.monotonic()
     log.info("walking %s", src)
@@ -181,7 +184,7 @@ def _prepare(
         packer.close()
         write_catalog(tmp, tree, packer, encoder, src)
         stop.check()  # the last moment an interrupt can still leave nothing behind
-        publish(tmp, image, who, mode == "auto")
+        publish(tmp, image, who, mode == "auto", force)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # our own mkdtemp-like directory, nobody else's
         raise

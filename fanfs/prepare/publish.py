@@ -86,7 +86,7 @@ def image_readers(tree: Tree, mode: str) -> int:
     return who
 
 
-def publish(tmp: Path, image: Path, who: int, umask: bool) -> None:
+def publish(tmp: Path, image: Path, who: int, umask: bool, force: bool) -> None:
     """Give the image its permissions, then rename it into place; an old image (with --force,
     checked to be one) goes only after the new one is in place."""
     dir_mode, file_mode = imagedir.permissions(who)
@@ -97,7 +97,7 @@ def publish(tmp: Path, image: Path, who: int, umask: bool) -> None:
         os.chmod(tmp / name, file_mode, follow_symlinks=False)
     old = None
     if image.exists() or image.is_symlink():
-        imagedir.check_replaceable(image, force=True)  # again: it may have changed meanwhile
+        imagedir.check_replaceable(image, force)  # again: it may have appeared or changed
         old = imagedir.old_path(image)
         image.rename(old)
     os.chmod(tmp, dir_mode)
