@@ -19,7 +19,7 @@ awk '$3 == "fuse.fanfs" { print $2 }' /proc/mounts | while read -r escaped; do
     case "$mnt" in
         */fanfs-mnt-"$job"-"$node") unmount "$mnt"; continue ;;
     esac
-    err=$(timeout 5 stat -- "$mnt" 2>&1 >/dev/null)
+    err=$(LC_ALL=C timeout 5 stat -- "$mnt" 2>&1 >/dev/null)  # C: the message is matched
     case "$err" in *"not connected"*) unmount "$mnt" ;; esac
 done
 
