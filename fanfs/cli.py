@@ -181,12 +181,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         total = parse_size(args.total)
     except ValueError as e:
         raise UsageError(f"bench: bad option value: {e}") from None
+    if args.epoch == "global" and args.ranks < 2:
+        raise UsageError("bench: --epoch global needs --ranks 2 or more")
     if not set(temps) <= {"cold", "warm"} or min(readers) < 1 or min(sizes) < 1:
         raise UsageError("bench: --temps takes cold,warm; sizes and readers must be positive")
     workdir = Path(args.workdir).absolute()
     rows = bench.run(workdir, sizes, total, args.min_files, readers, args.repeat, args.ranks,
                      temps, log=lambda m: print(m, file=sys.stderr, flush=True),
-                     client=args.client)  # fmt: skip
+                     client=args.client, epoch=args.epoch)  # fmt: skip
     print(bench.format_table(rows))
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": os.uname().nodename,
               "cpus": os.cpu_count(), "argv": sys.argv[1:],
@@ -373,6 +375,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         metavar="N",
         help="also measure remote reads with N daemons under mpirun (default: 1, off)",
+    )
+    p.add_argument(
+        "--epoch",
+        choices=("none", "global"),
+        default="none",
+        help="global: also read one globally shuffled epoch on every node at once, split as "
+        "DistributedSampler splits it (needs --ranks 2 or more) (default: %(default)s)",
     )
     p.add_argument("--workdir", default=os.path.join(os.environ.get("TMPDIR") or "/tmp",
                    "fanfs-bench"), help="scratch directory (default: %(default)s)")  # fmt: skip

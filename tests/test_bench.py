@@ -35,6 +35,26 @@ def test_bench_runs_and_reports(tmp_path: Path) -> None:
     assert not list((tmp_path / "work").glob("*/src"))  # datasets removed after the run
 
 
+@pytest.mark.mpi
+def test_bench_global_epoch_over_three_daemons(tmp_path: Path) -> None:
+    """Every node reads its DistributedSampler share at once; 2/3 of the reads are remote."""
+    out_json = tmp_path / "bench.json"
+    done = fanfs("bench", "--sizes", "64K", "--total", "1M", "--min-files", "24", "--readers",
+                 "1", "--repeat", "1", "--ranks", "3", "--epoch", "global", "--workdir",
+                 tmp_path / "work", "--json", out_json, "--plot", tmp_path / "b.png",
+                 timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    epoch = [r for r in json.loads(out_json.read_text())["rows"] if r["where"] == "epoch"]
+    assert {(r["temp"], r["readers"]) for r in epoch} == {("cold", 1), ("warm", 1)}
+    for r in epoch:
+        assert r["nodes"] == 3 and 0.5 < r["remote_share"] < 0.85, r
+        assert r["native_files_per_s"] > 0 and r["fanfs_files_per_s"] > 0
+        assert r["daemon_cpu_us_per_file"] >= 0 and r["daemon_idle_cpu_pct"] >= 0
+    assert "remote" in done.stderr and "idle" in done.stderr
+    bad = fanfs("bench", "--epoch", "global", "--workdir", tmp_path / "w2")
+    assert bad.returncode == ExitCode.USAGE and "--ranks 2 or more" in bad.stderr
+
+
 def test_bench_python_client(tmp_path: Path) -> None:
     out_json = tmp_path / "bench.json"
     done = fanfs("bench", "--sizes", "64K", "--total", "1M", "--min-files", "8", "--readers", "1",

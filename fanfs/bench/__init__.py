@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from fanfs import pagecache
+from fanfs.bench import epoch as global_epoch
 from fanfs.bench.launch import Daemons, check, mounted
 from fanfs.catalog import Catalog
 from fanfs.placement import place
@@ -265,8 +266,10 @@ def run(
     temps: Sequence[str] = ("cold", "warm"),
     log: Any = print,
     client: str = "raw",
+    epoch: str = "none",
 ) -> list[dict[str, Any]]:
     results: list[Result] = []
+    extras: dict[Case, dict[str, Any]] = {}
     if "cold" in temps and not drop_caches():
         log(f"bench: {NOT_DROPPED[2:]}")
     for size in sizes:
@@ -288,8 +291,17 @@ def run(
                       if e is not None and 0 not in owners[int(catalog.part[e])]]  # fmt: skip
             with serving(base / "img", base / "many", ranks) as d:
                 results += _cases(size, "remote", base / "src", d.mnts[0], remote, *plan)
+                if epoch == "global":
+                    part_of = [int(catalog.part[entries[r]]) for r in rels]
+                    got, more = _epoch_cases(size, base / "src", d, rels, part_of, owners, *plan)
+                    results += got
+                    extras.update(more)
         shutil.rmtree(base, ignore_errors=True)
-    return summarize(results)
+    rows = summarize(results)
+    for row in rows:
+        row.update(extras.get(Case(row["size"], row["readers"], row["temp"], row["where"],
+                                   row["client"]), {}))  # fmt: skip
+    return rows
 
 
 @contextlib.contextmanager
@@ -334,3 +346,63 @@ def _short(results: list[Result], case: Case) -> str:
     return (f"{case.where} {size_label(case.size)} {case.temp} {case.readers} readers: "
             f"fanfs/native {row['ratio']:.2f} ({row['native_files_per_s']:.0f} vs "
             f"{row['fanfs_files_per_s']:.0f} files/s)")  # fmt: skip
+
+
+def _epoch_cases(
+    size: int,
+    src: Path,
+    d: Daemons,
+    rels: list[str],
+    part_of: list[int],
+    owners: Any,
+    readers: Sequence[int],
+    temps: Sequence[str],
+    repeat: int,
+    log: Any,
+    client: str,
+) -> tuple[list[Any], dict[Any, dict[str, Any]]]:
+    """The global-epoch cases at one size (bench/global_epoch.py): Results (per-node means) and, per
+    case, the remote share and the daemons' CPU per file and while idle."""
+    pids = global_epoch.daemon_pids(d)
+    idle = global_epoch.idle_cpu_percent(pids)
+    results: list[Result] = []
+    extras: dict[Case, dict[str, Any]] = {}
+    for n in readers:
+        for temp in temps:
+            case = Case(size, n, temp, "epoch", client)
+            cpu_per_file, remote = [], []
+            for i in range(repeat):
+                split = global_epoch.shares(len(rels), d.ranks, seed=i)
+                remote.append(global_epoch.remote_share(split, part_of, owners))
+                sides = [("native", [src] * d.ranks), ("fanfs", d.mnts)]
+                for reader, roots in sides if i % 2 == 0 else sides[::-1]:
+                    groups = global_epoch.epoch_paths(roots, rels, split)
+                    rounds, dropped = 1, True
+                    if temp == "cold":
+                        dropped = drop_caches()
+                    else:
+                        walls = global_epoch.read_groups(groups, n, client, _read_files)
+                        wall = max(w for w, _, _ in walls)
+                        rounds = max(1, min(WARM_MAX_ROUNDS, round(WARM_MIN_S / max(wall, 1e-3))))
+                    before = global_epoch.cpu_seconds(pids)
+                    got = global_epoch.read_groups(
+                        [g * rounds for g in groups], n, client, _read_files
+                    )
+                    spent = global_epoch.cpu_seconds(pids) - before
+                    files = [len(g) * rounds for g in groups]
+                    s = global_epoch.summary(got, files)
+                    results.append(Result(case, reader, s["seconds"], int(s["files"]),
+                                          int(s["nbytes"]), s["p50_ms"], s["p99_ms"], None,
+                                          dropped))  # fmt: skip
+                    if reader == "fanfs":
+                        cpu_per_file.append(spent / max(1, sum(files)) * 1e6)
+            extras[case] = {
+                "remote_share": round(statistics.mean(remote), 3),
+                "daemon_cpu_us_per_file": round(statistics.mean(cpu_per_file), 1),
+                "daemon_idle_cpu_pct": idle,
+                "nodes": d.ranks,
+            }
+            log("  " + _short(results, case) + f", {extras[case]['remote_share']:.0%} remote, "
+                f"daemon CPU {extras[case]['daemon_cpu_us_per_file']:.0f} us/file, "
+                f"idle {idle:.1f} % of a core")  # fmt: skip
+    return results, extras

@@ -1,0 +1,111 @@
+"""`fanfs bench --ranks N --epoch global`: one globally shuffled epoch over N daemons.
+
+The order is split the way PyTorch's DistributedSampler splits it: one seeded permutation of
+all files, padded with its own head to a multiple of N, node r taking positions r, r + N, ...
+Every node's readers read that node's share at the same time as the other nodes', through the
+node's own mount (fanfs) or from the source directory (native: the same shares, from the local
+disk). About (N-1)/N of a node's files live on another node. Reported per node: files/s (the
+mean over nodes), fanfs/native, the share of remote files, and the daemons' CPU time per file
+read and while idle. On one machine every "node" shares the same cores and disk: the figures
+are a protocol's cost under contention, not a cluster's speed.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fanfs.bench.launch import Daemons
+
+IDLE_S = 2.0  # how long an idle daemon is watched for its CPU use
+
+
+def shares(n_files: int, world: int, seed: int) -> list[list[int]]:
+    """Each node's share of one shuffled epoch, as DistributedSampler splits it."""
+    order = np.random.default_rng(seed).permutation(n_files).tolist()
+    order += order[: (-len(order)) % world]
+    return [order[r::world] for r in range(world)]
+
+
+def remote_share(split: list[list[int]], part_of: Sequence[int], owners: Any) -> float:
+    """The fraction of all reads whose file is held by another node than its reader's."""
+    remote = sum(1 for r, files in enumerate(split) for f in files if r not in owners[part_of[f]])
+    return remote / max(1, sum(len(files) for files in split))
+
+
+class _Tagged:
+    """A queue end that labels what a reader process puts with its node."""
+
+    def __init__(self, queue: Any, tag: int):
+        self.queue, self.tag = queue, tag
+
+    def put(self, item: Any) -> None:
+        self.queue.put((self.tag, item))
+
+
+def read_groups(
+    groups: list[list[str]], readers: int, client: str, read_files: Any
+) -> list[tuple[float, int, list[float]]]:
+    """Every group read by `readers` processes of its own running `read_files(paths, client,
+    start, out)`, all groups at once; per group (wall seconds, bytes, per-file latencies)."""
+    ctx = mp.get_context("fork")
+    start, out = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=read_files, args=(paths[i::readers], client, start,
+                                                   _Tagged(out, g)))
+             for g, paths in enumerate(groups) for i in range(readers)]  # fmt: skip
+    for p in procs:
+        p.start()
+    start.set()
+    got: dict[int, list[Any]] = {g: [] for g in range(len(groups))}
+    for _ in procs:
+        tag, item = out.get(timeout=3600)
+        got[tag].append(item)
+    for p in procs:
+        p.join()
+    return [(max(x[1] for x in items) - min(x[0] for x in items), sum(x[2] for x in items),
+             [v for x in items for v in x[3]]) for _, items in sorted(got.items())]  # fmt: skip
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """User and system CPU time the processes have used so far."""
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def idle_cpu_percent(pids: Sequence[int], seconds: float = IDLE_S) -> float:
+    """Mean CPU use of one daemon, mounted and not read from, in percent of one core."""
+    before = cpu_seconds(pids)
+    time.sleep(seconds)
+    return round((cpu_seconds(pids) - before) / seconds / len(pids) * 100, 2)
+
+
+def daemon_pids(d: Daemons) -> list[int]:
+    return [int(d.status(r)["pid"]) for r in range(d.ranks)]
+
+
+def summary(per_node: list[tuple[float, int, list[float]]], files: list[int]) -> dict[str, float]:
+    """Mean per-node wall, files and bytes, and the latency percentiles of all reads."""
+    lat = np.array([v for _, _, ls in per_node for v in ls]) * 1e3
+    p50, p99 = np.percentile(lat, [50, 99]) if len(lat) else (0.0, 0.0)
+    return {
+        "seconds": statistics.mean(w for w, _, _ in per_node),
+        "files": statistics.mean(files),
+        "nbytes": statistics.mean(b for _, b, _ in per_node),
+        "p50_ms": float(p50),
+        "p99_ms": float(p99),
+    }
+
+
+def epoch_paths(roots: Sequence[Path], rels: list[str], split: list[list[int]]) -> list[list[str]]:
+    return [[str(roots[r] / rels[k]) for k in files] for r, files in enumerate(split)]
