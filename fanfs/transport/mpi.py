@@ -11,8 +11,10 @@ Reply tags cycle through [16, TAG_UB) and are never reused while a fetch is outs
 
 Concurrency: one thread (`fanfs-mpi`) makes every MPI call after start-up. Trio tasks hand it
 commands through a thread-safe queue; it answers with `TrioToken.run_sync_soon`, which never
-blocks the MPI thread. The thread blocks on the queue with a timeout that backs off from 50 us
-to 1 ms while idle: a blocking Recv would burn a core, and on 2-core nodes that matters.
+blocks the MPI thread. The thread blocks on the queue with a timeout: 50 us while a fetch of
+its own is outstanding and for HOT_S after any traffic, backing off to 1 ms once idle (a
+blocking Recv would burn a core, and on 2-core nodes that matters; idle, a daemon uses under
+2 % of one).
 After start-up no collective operation is used, so a dead rank can only cost its own
 requests a peer timeout, after which it is routed around.
 """
@@ -40,6 +42,10 @@ TAG_BYE = 2
 FIRST_REPLY_TAG = 16
 POLL_MIN_S = 50e-6
 POLL_MAX_S = 1e-3
+# After any traffic, or while a fetch of ours is outstanding, the thread polls at POLL_MIN_S
+# for this long before backing off: during an epoch requests and replies keep coming, and a
+# back-off to 1 ms put up to a millisecond of waiting on each side of every round trip.
+HOT_S = 20e-3
 
 
 def parse_request(header: Any, tag_ub: int) -> tuple[int, int, int, int] | None:
@@ -209,6 +215,7 @@ class MpiTransport(PeerTransport):
         sending: list[tuple[Any, Any]] = []  # (request, buffer kept alive until sent)
         cancelled: list[Any] = []
         idle = POLL_MIN_S
+        hot_until = 0.0
         while True:
             busy = False
             try:
@@ -262,7 +269,10 @@ class MpiTransport(PeerTransport):
                 self._call_trio(self._deliver, job, count)
             sending = [(req, buf) for req, buf in sending if not self._done(req)]
             cancelled = [req for req in cancelled if not self._done(req)]
-            idle = POLL_MIN_S if busy else min(idle * 2, POLL_MAX_S)
+            now = time.monotonic()
+            if busy or receiving:
+                hot_until = now + HOT_S
+            idle = POLL_MIN_S if now < hot_until else min(idle * 2, POLL_MAX_S)
 
     def _arrived(self, req: Any, status: Any, what: str) -> bool | None:
         """Whether a posted receive of requests or byes completed: True, False, or None when
