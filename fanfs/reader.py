@@ -45,7 +45,7 @@ from fanfs.native import NativeJob, failure_reason
 from fanfs.sources import NOWAIT_LIMIT, Sources
 from fanfs.status import ReaderStatus
 from fanfs.store import PartitionStore
-from fanfs.transport import Transport
+from fanfs.transport import PeerTransport
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class Reader:
         store: PartitionStore,
         cache_bytes: int,
         owners: Sequence[tuple[int, ...]] | None = None,
-        transport: Transport | None = None,
+        transport: PeerTransport | None = None,
     ):
         self.catalog = catalog
         self.sources = Sources(catalog, store, owners, transport)

@@ -31,7 +31,7 @@ from fanfs import codec
 from fanfs.errors import CorruptFile
 from fanfs.latency import Latencies
 from fanfs.store import PartitionStore
-from fanfs.transport import PeerTimeout, Transport
+from fanfs.transport import PeerTimeout, PeerTransport
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class Sources:
         catalog: cat.Catalog,
         store: PartitionStore,
         owners: Sequence[tuple[int, ...]] | None = None,
-        transport: Transport | None = None,
+        transport: PeerTransport | None = None,
     ):
         self.catalog = catalog
         self.store = store

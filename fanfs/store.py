@@ -64,9 +64,7 @@ class PartitionStore:
     ):
         self.image = image
         self.catalog = catalog
-        self.local = local
         self.owned = list(owned)
-        self.keep_local = keep_local
         if local.resolve() == image.resolve() or image.resolve() in local.resolve().parents:
             raise StagingError(f"{local}: --local must not be inside the image directory")
         self.staging = StagingDir(local, keep_local)

@@ -146,7 +146,3 @@ class PeerTransport:
             dead_peers=sorted(self._dead),
             peers_said_bye=sorted(self._byes),
         )
-
-
-# What the reader and the daemon use of a transport (both transports are PeerTransports).
-Transport = PeerTransport
