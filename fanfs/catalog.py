@@ -21,13 +21,13 @@ import hashlib
 import json
 import stat
 import struct
-import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from fanfs.checksum import crc32
 from fanfs.errors import CorruptCatalog, ImageError, ImageVersionError
 
 MAGIC = b"FANFSCAT"
@@ -203,7 +203,7 @@ class Catalog:
                 f"{where}: image format version {version}, this fanfs reads version {VERSION}{hint}"
             )
         zeroed = HEADER.pack(*fields[:2], 0, *fields[3:])
-        if zlib.crc32(zeroed) != header_crc:
+        if crc32(zeroed) != header_crc:
             raise CorruptCatalog(f"{where}: corrupt catalog header (checksum mismatch)")
         layout = _body_layout(n_entries, n_partitions, n_dicts)
         strings_at = layout[-1][2]
@@ -445,5 +445,5 @@ def encode(
     body += strings + meta_bytes
     fields = (MAGIC, VERSION, 0, n_entries, n_partitions, flags, len(strings), len(meta_bytes),
               len(body), hashlib.sha256(body).digest(), n_dicts, frame_size)  # fmt: skip
-    header_crc = zlib.crc32(HEADER.pack(*fields))
+    header_crc = crc32(HEADER.pack(*fields))
     return HEADER.pack(*fields[:2], header_crc, *fields[3:]) + bytes(body)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import struct
 import threading
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -32,6 +31,7 @@ import numpy as np
 import zstandard
 
 from fanfs import catalog as cat
+from fanfs.checksum import crc32
 from fanfs.errors import CorruptFile
 
 FRAME_SIZE = 1 << 20  # decoded bytes per frame of a framed file
@@ -150,7 +150,7 @@ class Encoder:
         """(codec, stored bytes, CRC-32 for the catalog) of one file held whole."""
         size = len(data)
         if not self.policy.compresses or not data:
-            return cat.CODEC_RAW, data, zlib.crc32(data)
+            return cat.CODEC_RAW, data, crc32(data)
         skip = self.skips(data[:16])
         if self.framed(size):
             frames = FrameWriter(self, skip)
@@ -159,7 +159,7 @@ class Encoder:
                 frames.add(view[i : i + self.frame_size]) for i in range(0, size, self.frame_size)
             ]
             table = frames.table()
-            return cat.CODEC_FRAMED, b"".join(stored) + table, zlib.crc32(table)
+            return cat.CODEC_FRAMED, b"".join(stored) + table, crc32(table)
         if not skip:
             if dict_id and size <= DICT_MAX_FILE:
                 codec_id, packed = cat.CODEC_ZSTD_DICT, self._compressor(dict_id).compress(data)
@@ -167,8 +167,8 @@ class Encoder:
                 filtered, packed = self._squeeze(data)
                 codec_id = cat.CODEC_ZSTD_DELTA4 if filtered else cat.CODEC_ZSTD
             if self._pays(len(packed), size):
-                return codec_id, packed, zlib.crc32(packed)
-        return cat.CODEC_RAW, data, zlib.crc32(data)
+                return codec_id, packed, crc32(packed)
+        return cat.CODEC_RAW, data, crc32(data)
 
     def _squeeze(self, data: bytes | memoryview) -> tuple[bool, bytes]:
         """(filtered, zstd bytes): plain zstd, or zstd after delta4 when that is smaller.
@@ -203,9 +203,7 @@ class FrameWriter:
 
     def add(self, chunk: bytes | memoryview) -> bytes | memoryview:
         filtered, stored = self.encoder.encode_frame(chunk, self.skip)
-        self.entries.append(
-            (len(stored) | (cat.FRAME_DELTA4 if filtered else 0), zlib.crc32(stored))
-        )
+        self.entries.append((len(stored) | (cat.FRAME_DELTA4 if filtered else 0), crc32(stored)))
         return stored
 
     def table(self) -> bytes:
@@ -241,7 +239,7 @@ def streamed_crc(read_at: Callable[[int, int], bytes], start: int, length: int) 
     `read_at(offset, n)`, so a large file is never held whole."""
     crc = 0
     for off in range(0, length, STREAM_CRC_CHUNK):
-        crc = zlib.crc32(read_at(start + off, min(STREAM_CRC_CHUNK, length - off)), crc)
+        crc = crc32(read_at(start + off, min(STREAM_CRC_CHUNK, length - off)), crc)
     return crc
 
 
@@ -264,7 +262,7 @@ def decode(
 ) -> bytes:
     """Check `stored` against its CRC-32 (None: the caller has), then decode it to exactly
     `size` bytes. Framed files are decoded through `FrameTable` instead."""
-    if crc is not None and zlib.crc32(stored) != crc:
+    if crc is not None and crc32(stored) != crc:
         raise CorruptFile("checksum mismatch")
     if codec == cat.CODEC_RAW:
         return stored
@@ -283,7 +281,7 @@ class FrameTable:
         n = cat.n_frames(size, frame_size)
         if len(table) != n * cat.FRAME_ENTRY:
             raise CorruptFile("frame table truncated")
-        if crc is not None and zlib.crc32(table) != crc:
+        if crc is not None and crc32(table) != crc:
             raise CorruptFile("frame table checksum mismatch")
         pairs = np.frombuffer(table, dtype="<u4").reshape(n, 2)
         self.frame_size = frame_size
@@ -315,7 +313,7 @@ class FrameTable:
     def decode(self, i: int, stored: bytes, checked: bool = False) -> bytes:
         """Check frame i's stored bytes against the table (unless `checked` already), then
         decode them."""
-        if not checked and zlib.crc32(stored) != int(self.crcs[i]):
+        if not checked and crc32(stored) != int(self.crcs[i]):
             raise CorruptFile(f"frame {i}: checksum mismatch")
         n = self.decoded_len(i)
         if self.filtered[i]:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-import zlib
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import Any
@@ -40,6 +39,7 @@ from typing import Any
 from fanfs import catalog as cat
 from fanfs import codec
 from fanfs.cache import ByteLRU, SingleFlight
+from fanfs.checksum import crc32
 from fanfs.errors import CorruptFile
 from fanfs.native import NativeJob, failure_reason
 from fanfs.sources import NOWAIT_LIMIT, Sources
@@ -127,7 +127,7 @@ class Reader:
         if length <= NOWAIT_LIMIT:
             cached = store.pread_cached(part, start, length)
             if cached is not None:
-                if zlib.crc32(cached) != crc:
+                if crc32(cached) != crc:
                     self._mark_bad(entry, CorruptFile("checksum mismatch"))
                     raise CorruptFile(self._describe(entry))
                 self.sources.record(began, length)

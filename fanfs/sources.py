@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -28,6 +27,7 @@ import trio
 
 from fanfs import catalog as cat
 from fanfs import codec
+from fanfs.checksum import crc32
 from fanfs.errors import CorruptFile
 from fanfs.latency import Latencies
 from fanfs.store import PartitionStore
@@ -113,7 +113,7 @@ class Sources:
                 continue
             if stored is None:
                 continue
-            if crc is None or zlib.crc32(stored) == crc:
+            if crc is None or crc32(stored) == crc:
                 return stored
             self.bad_payloads += 1
             log.warning("bad payload for %s from rank %d, trying another source",

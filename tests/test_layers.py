@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "fanfs"
 
 # Lower numbers are lower layers; a module may import only its own layer or lower ones.
 LAYERS = {
-    "errors": 0, "progress": 0, "status": 0, "native": 0, "logs": 0,
+    "errors": 0, "progress": 0, "status": 0, "native": 0, "logs": 0, "checksum": 0,
     "latency": 1, "catalog": 1, "placement": 1, "mounts": 1, "pagecache": 1,
     "codec": 2, "compare": 2, "datagen": 2, "staging": 2, "imagedir": 2,
     "transport.world": 2, "transport": 2, "transport.mpi": 3, "transport.inproc": 3,
@@ -21,7 +21,8 @@ LAYERS = {
     "prepare.fanout": 4, "prepare.publish": 4, "prepare": 5,
     "fuse_ops": 6, "daemon": 7, "bench.launch": 7, "bench.epoch": 7, "bench": 8, "cli": 9,
 }  # fmt: skip
-ONE_IMPORTER = {"mpi4py": "transport.world", "pyfuse3": "fuse_ops", "zstandard": "codec"}
+ONE_IMPORTER = {"mpi4py": "transport.world", "pyfuse3": "fuse_ops", "zstandard": "codec",
+                "isal": "checksum"}  # fmt: skip
 
 
 def module_name(path: Path) -> str:

@@ -10,7 +10,6 @@ import heapq
 import logging
 import os
 import resource
-import zlib
 from pathlib import Path
 from typing import BinaryIO
 
@@ -18,6 +17,7 @@ import numpy as np
 
 from fanfs import catalog as cat
 from fanfs import codec
+from fanfs.checksum import crc32
 from fanfs.errors import SourceError
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ def _copy_stream(path: bytes, size: int, out: BinaryIO, encoder: codec.Encoder) 
                 if frames is not None:
                     out.write(frames.add(chunk))
                 else:
-                    crc = zlib.crc32(chunk, crc)
+                    crc = crc32(chunk, crc)
                     out.write(chunk)
                 done += len(chunk)
                 if done > size:
@@ -57,7 +57,7 @@ def _copy_stream(path: bytes, size: int, out: BinaryIO, encoder: codec.Encoder) 
         return cat.CODEC_RAW, crc
     table = frames.table()
     out.write(table)
-    return cat.CODEC_FRAMED, zlib.crc32(table)
+    return cat.CODEC_FRAMED, crc32(table)
 
 
 class Packer:
