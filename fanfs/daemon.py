@@ -240,6 +240,7 @@ class Daemon:
             self.reader = Reader(catalog, store, cfg.cache_bytes, owners, self.transport)
             if self.transport is not None:
                 self.transport.serve_fn = self.reader.serve
+                self.transport.direct = self.reader
             ops = FanfsOperations(catalog, self.reader, lambda: self.status().to_json())
             error = None
             try:

@@ -250,6 +250,28 @@ class Reader:
             log.warning("cannot serve %s to a peer: %s", self._describe(entry), e)
             return None
 
+    def locate(self, entry: int, offset: int, length: int) -> tuple[int, int] | None:
+        """(partition, start) of a peer's request that a plain read of the store answers, for
+        the transport's threads (transport.DirectReads); None: ask `serve`, which refuses what
+        is wrong and checks a large raw file first. Safe from any thread: it reads the catalog
+        (immutable) and `_verified`, which only grows."""
+        c = self.catalog
+        if not (0 <= entry < c.n_entries and c.is_file[entry]) or not self.sources.mine(entry):
+            return None
+        stored_len = int(c.stored_len[entry])
+        if offset < 0 or length <= 0 or offset + length > stored_len:
+            return None
+        large = int(c.codec[entry]) == cat.CODEC_RAW and stored_len > WHOLE_FILE_LIMIT
+        if large and entry not in self._verified:
+            return None
+        return int(c.part[entry]), int(c.data_off[entry]) + offset
+
+    def pread_cached(self, part: int, offset: int, length: int) -> bytearray | None:
+        return self.sources.store.pread_cached(part, offset, length)
+
+    def pread(self, part: int, offset: int, length: int) -> bytes:
+        return self.sources.store.pread(part, offset, length)
+
     async def _verify_large(self, entry: int) -> None:
         async def produce() -> bool:
             began = time.perf_counter()

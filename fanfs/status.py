@@ -73,6 +73,7 @@ class PeerStatus:
     remote_ms: Percentiles
     peer_timeouts: int
     served_to_peers: int
+    served_without_event_loop: int  # of those, answered by the transport's threads
     bytes_served_to_peers: int
     refused_to_peers: int
     malformed_messages: int

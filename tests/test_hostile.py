@@ -122,13 +122,20 @@ BIG = st.integers(-(2**63), 2**64)
 def test_serving_any_peer_request(
     adapter: tuple[FanfsOperations, Reader], entry: int, offset: int, length: int
 ) -> None:
-    """A peer's (entry, offset, length): the stored bytes it asked for, or None."""
+    """A peer's (entry, offset, length): the stored bytes it asked for, or None; where the
+    transport's threads may read it alone (`locate`), they read exactly those bytes."""
     _, reader = adapter
     c = reader.catalog
     got = trio.run(reader.serve, entry, offset, length)
     if got is not None:
         assert 0 <= entry < c.n_entries and c.is_file[entry] and len(got) == length
         assert bytes(got) == bytes(trio.run(reader.sources.local, entry, offset, length))
+    located = reader.locate(entry, offset, length)
+    if located is not None:
+        assert got is not None
+        part, start = located
+        assert start + length <= int(c.part_size[part])
+        assert reader.pread(part, start, length) == bytes(got)
 
 
 async def fuse_call(ops: FanfsOperations, call: str, *args: object) -> object:

@@ -132,6 +132,8 @@ def test_every_rank_reads_every_file(tree: Path, image: Path, tmp_path: Path, n:
             if n > 1:
                 assert s["reader"]["remote_fetches"] > 0, s
                 assert s["reader"]["served_to_peers"] > 0, s
+                # Plain reads for peers never wait for the event loop.
+                assert s["reader"]["served_without_event_loop"] > 0, s
                 assert s["reader"]["fallbacks"] == 0, s
         _clean_after(m)
 

@@ -144,7 +144,7 @@ def test_status_round_trips_and_refuses_an_unknown_layout() -> None:
     )
 
     reader = ReaderStatus(1, 2, 3, 4, 5, 6, 7, 0, 1, 0, 2, Percentiles(0.1, 0.2, 0.3))
-    peers = PeerStatus(9, 10, Percentiles(1.0, 2.0, 3.0), 0, 4, 5, 0, 0, [2], [1])
+    peers = PeerStatus(9, 10, Percentiles(1.0, 2.0, 3.0), 0, 4, 3, 5, 0, 0, [2], [1])
     status = Status(7, "/img", "/mnt", 0, 3, "vm", "n1", True, True, True, "isa-l", 1.5,
                     CatalogStatus(10, 8, 1000), StoreStatus("/tmp/s", 2, 2, 100, 100, True,
                                                             0.1, 3), reader, peers)  # fmt: skip

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import trio
 
@@ -27,6 +28,20 @@ log = logging.getLogger(__name__)
 ServeFn = Callable[[int, int, int], Awaitable[bytes | memoryview | None]]
 
 
+class DirectReads(Protocol):
+    """Stored bytes a transport may read for a peer without the event loop, from any thread
+    (the reader's; see `Reader.locate`). Requests it cannot place go to `ServeFn`."""
+
+    def locate(self, entry: int, offset: int, length: int) -> tuple[int, int] | None:
+        """(partition, start) of a request a plain read answers, or None."""
+
+    def pread_cached(self, part: int, offset: int, length: int) -> bytearray | None:
+        """The bytes if the page cache holds them all (never waits for the disk), else None."""
+
+    def pread(self, part: int, offset: int, length: int) -> bytes:
+        """Exactly the bytes (may wait for the disk; OSError on failure)."""
+
+
 class PeerTimeout(Exception):
     """A peer did not answer within the peer timeout; it is routed around from now on."""
 
@@ -37,6 +52,9 @@ class PeerTransport:
         self.size = size
         self.peer_timeout = peer_timeout
         self.serve_fn: ServeFn | None = None  # set before `run`: the reader's `serve`
+        # Set before `run` too: what a transport with threads of its own may read for peers
+        # without the event loop (the MPI one does; in-process ranks share the event loop).
+        self.direct: DirectReads | None = None
         self._dead: set[int] = set()
         self._byes: set[int] = set()
         self._nursery: trio.Nursery | None = None
@@ -44,6 +62,7 @@ class PeerTransport:
         self.fetch_bytes = 0
         self.timeouts = 0
         self.served = 0
+        self.served_direct = 0  # without the event loop (the transport's own threads)
         self.served_bytes = 0
         self.refused = 0
         self.malformed = 0  # peer messages dropped as malformed
@@ -97,7 +116,8 @@ class PeerTransport:
         self, peer: int, entry: int, offset: int, length: int
     ) -> bytes | memoryview | None:
         """The reply to a peer's request: exactly `length` bytes, or None (a refusal). A ping
-        (entry -1, length 0) gets None too, which is its answer."""
+        (entry -1, length 0) gets None too, which is its answer. Not counted: the sender of
+        the reply counts it (`_count_reply`), in whichever thread sends."""
         data: bytes | memoryview | None = None
         if entry >= 0 and length > 0:
             try:
@@ -105,13 +125,19 @@ class PeerTransport:
                 data = await self.serve_fn(entry, offset, length)
             except Exception:
                 log.exception("serving entry %d to rank %d failed", entry, peer)
-            if data is None or len(data) != length:
-                self.refused += 1
+            if data is not None and len(data) != length:
                 data = None
-            else:
-                self.served += 1
-                self.served_bytes += length
         return data
+
+    def _count_reply(
+        self, entry: int, data: bytes | bytearray | memoryview | None, direct: bool = False
+    ) -> None:
+        if data is not None:
+            self.served += 1
+            self.served_direct += direct
+            self.served_bytes += len(data)
+        elif entry >= 0:  # not a ping
+            self.refused += 1
 
     async def linger(self, grace: float) -> None:
         """Say bye, then keep serving until every live peer has said bye (or `grace` passed)."""
@@ -140,6 +166,7 @@ class PeerTransport:
             remote_ms=self._latency.percentiles_ms(),
             peer_timeouts=self.timeouts,
             served_to_peers=self.served,
+            served_without_event_loop=self.served_direct,
             bytes_served_to_peers=self.served_bytes,
             refused_to_peers=self.refused,
             malformed_messages=self.malformed,

@@ -54,7 +54,9 @@ class InprocTransport(PeerTransport):
         with trio.move_on_after(self.peer_timeout) as scope:
             if peer in self.cluster.silent:
                 await trio.sleep_forever()
-            data = await self.cluster.ranks[peer]._serve_request(self.rank, entry, offset, length)
+            owner = self.cluster.ranks[peer]
+            data = await owner._serve_request(self.rank, entry, offset, length)
+            owner._count_reply(entry, data)
         if scope.cancelled_caught:
             raise self._timed_out(peer)
         if data is None or len(data) != length:

@@ -11,10 +11,15 @@ Reply tags cycle through [16, TAG_UB) and are never reused while a fetch is outs
 
 Concurrency: one thread (`fanfs-mpi`) makes every MPI call after start-up. Trio tasks hand it
 commands through a thread-safe queue; it answers with `TrioToken.run_sync_soon`, which never
-blocks the MPI thread. The thread blocks on the queue with a timeout: 50 us while a fetch of
-its own is outstanding and for HOT_S after any traffic, backing off to 1 ms once idle (a
-blocking Recv would burn a core, and on 2-core nodes that matters; idle, a daemon uses under
-2 % of one).
+blocks the MPI thread. While a fetch of its own is outstanding it polls without sleeping
+(yielding the CPU between polls): a reader is blocked on that fetch, and a sleep of even 50 us
+added a tenth of a millisecond to every remote file (see docs/performance.md). Otherwise it
+blocks on the queue with a timeout: 20 us for HOT_S after any traffic, backing off to 1 ms once
+idle (a blocking Recv would burn a core, and on 2-core nodes that matters; idle, a daemon uses
+under 2 % of one). A peer's request that a plain read answers (`DirectReads`) is served without the
+event loop: the MPI thread reads what the page cache holds, SERVER_THREADS threads read the
+rest from the disk, and both put the reply on the command queue. Other requests (refusals,
+large raw files not checked yet) go to `serve_fn` in the event loop.
 After start-up no collective operation is used, so a dead rank can only cost its own
 requests a peer timeout, after which it is routed around.
 """
@@ -22,7 +27,9 @@ requests a peer timeout, after which it is routed around.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
+import os
 import queue
 import threading
 import time
@@ -32,7 +39,7 @@ from typing import Any
 import numpy as np
 import trio
 
-from fanfs.transport import PeerTimeout, PeerTransport, ServeFn
+from fanfs.transport import DirectReads, PeerTimeout, PeerTransport, ServeFn
 from fanfs.transport.world import CHUNK, World
 
 log = logging.getLogger(__name__)
@@ -40,12 +47,27 @@ log = logging.getLogger(__name__)
 TAG_REQUEST = 1
 TAG_BYE = 2
 FIRST_REPLY_TAG = 16
-POLL_MIN_S = 50e-6
+POLL_MIN_S = 20e-6
 POLL_MAX_S = 1e-3
-# After any traffic, or while a fetch of ours is outstanding, the thread polls at POLL_MIN_S
-# for this long before backing off: during an epoch requests and replies keep coming, and a
-# back-off to 1 ms put up to a millisecond of waiting on each side of every round trip.
+# After any traffic the thread polls at POLL_MIN_S for this long before backing off: during an
+# epoch requests and replies keep coming, and a back-off to 1 ms put up to a millisecond of
+# waiting on each side of every round trip.
 HOT_S = 20e-3
+# Peers' requests that a plain read answers never pass through the event loop: bytes the page
+# cache holds (up to this size) are read by the MPI thread itself, the rest by this many server
+# threads, which hand the reply straight back to the MPI thread.
+INLINE_READ_LIMIT = 1 << 20
+PR_SET_TIMERSLACK = 29  # linux/prctl.h
+TIMER_SLACK_NS = 1000
+SERVER_THREADS = 4
+
+
+def _precise_timeouts() -> None:
+    """Let this thread's short waits end on time: Linux adds a "timer slack" of 50 us to every
+    timed wait so that wake-ups can be batched, which made a 50 us poll last 120 us here (73 us
+    with 1 us of slack, most of the rest being the wake-up itself)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_TIMERSLACK, TIMER_SLACK_NS, 0, 0, 0)
 
 
 def parse_request(header: Any, tag_ub: int) -> tuple[int, int, int, int] | None:
@@ -91,11 +113,13 @@ class _Cancel:
 
 @dataclass(frozen=True, slots=True)
 class _Reply:
-    """Send a peer the stored bytes it asked for (None: an empty refusal)."""
+    """Send a peer the stored bytes it asked for (None: an empty refusal) of `entry`."""
 
     peer: int
     tag: int
-    data: bytes | memoryview | None
+    data: bytes | bytearray | memoryview | None
+    entry: int
+    direct: bool = False  # read by the transport's threads, not through the event loop
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,11 +136,21 @@ _Command = _Send | _Cancel | _Reply | _Bye | _Stop
 
 
 class MpiTransport(PeerTransport):
-    def __init__(self, world: World, peer_timeout: float, serve_fn: ServeFn | None = None):
+    def __init__(
+        self,
+        world: World,
+        peer_timeout: float,
+        serve_fn: ServeFn | None = None,
+        direct: DirectReads | None = None,
+    ):
         super().__init__(world.rank, world.size, peer_timeout)
         self.MPI = world.MPI
         self.comm = world.comm
         self.serve_fn = serve_fn
+        self.direct = direct
+        self._reads: queue.SimpleQueue[tuple[int, int, int, int, int, int] | None]
+        self._reads = queue.SimpleQueue()  # (peer, tag, entry, part, start, length) to read
+        self._servers: list[threading.Thread] = []
         self._cmds: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._tag_ub = int(self.comm.Get_attr(self.MPI.TAG_UB) or 32767)
         self._next_tag = FIRST_REPLY_TAG
@@ -133,6 +167,11 @@ class MpiTransport(PeerTransport):
             self._nursery = nursery
             self._thread = threading.Thread(target=self._loop, name="fanfs-mpi", daemon=True)
             self._thread.start()
+            if self.direct is not None:
+                for i in range(SERVER_THREADS):
+                    t = threading.Thread(target=self._server, name=f"fanfs-serve-{i}", daemon=True)
+                    t.start()
+                    self._servers.append(t)
             task_status.started()
             await trio.sleep_forever()
 
@@ -179,15 +218,35 @@ class MpiTransport(PeerTransport):
 
     async def _answer(self, peer: int, entry: int, offset: int, length: int, tag: int) -> None:
         data = await self._serve_request(peer, entry, offset, length)
-        self._cmds.put(_Reply(peer, tag, data))
+        self._cmds.put(_Reply(peer, tag, data, entry))
 
     def _say_bye(self) -> None:
         self._cmds.put(_Bye())
 
     def stop(self) -> None:
+        for _ in self._servers:
+            self._reads.put(None)
+        for t in self._servers:
+            t.join(timeout=10)
         self._cmds.put(_Stop())
         if self._thread is not None:
             self._thread.join(timeout=10)
+
+    # -- server threads --------------------------------------------------------------------
+
+    def _server(self) -> None:
+        """Read what peers asked for that is not in the page cache (may wait for the disk)."""
+        assert self.direct is not None
+        while (job := self._reads.get()) is not None:
+            peer, tag, entry, part, start, length = job
+            data: bytes | None = None
+            try:
+                data = self.direct.pread(part, start, length)
+            except OSError as e:
+                log.warning("cannot serve entry %d to rank %d: %s", entry, peer, e)
+            except Exception:
+                log.exception("serving entry %d to rank %d failed", entry, peer)
+            self._cmds.put(_Reply(peer, tag, data, entry, direct=True))
 
     # -- the MPI thread --------------------------------------------------------------------
 
@@ -197,6 +256,7 @@ class MpiTransport(PeerTransport):
             self._token.run_sync_soon(fn, *args)
 
     def _loop(self) -> None:
+        _precise_timeouts()
         try:
             self._serve()
         except Exception:
@@ -219,9 +279,11 @@ class MpiTransport(PeerTransport):
         while True:
             busy = False
             try:
-                cmd = self._cmds.get(timeout=idle)
+                cmd = self._cmds.get(timeout=idle) if idle else self._cmds.get_nowait()
             except queue.Empty:
                 cmd = None
+                if not idle:
+                    os.sched_yield()  # spinning: let the readers and the event loop run first
             while cmd is not None:
                 busy = True
                 if isinstance(cmd, _Stop):
@@ -237,7 +299,7 @@ class MpiTransport(PeerTransport):
                 busy = True
                 request = parse_request(header, self._tag_ub) if got else None
                 if request is not None:
-                    self._call_trio(self._on_request, status.Get_source(), *request)
+                    self._request(status.Get_source(), *request)
                 elif got:
                     self.malformed += 1
                     log.warning("malformed request from rank %d ignored", status.Get_source())
@@ -272,7 +334,35 @@ class MpiTransport(PeerTransport):
             now = time.monotonic()
             if busy or receiving:
                 hot_until = now + HOT_S
-            idle = POLL_MIN_S if now < hot_until else min(idle * 2, POLL_MAX_S)
+            if receiving:
+                idle = 0.0  # a reader waits for one of our fetches: no sleep at all
+            else:
+                idle = POLL_MIN_S if now < hot_until else min(max(idle, POLL_MIN_S) * 2, POLL_MAX_S)
+
+    def _request(self, peer: int, entry: int, offset: int, length: int, tag: int) -> None:
+        """Answer a peer's request: a ping at once; a plain read from the page cache here,
+        from the disk by a server thread; anything else (a large raw file not checked yet, a
+        request to refuse) by `serve_fn` in the event loop. Replies go out through the command
+        queue, which the loop reads again before it waits."""
+        if entry == -1 and length == 0:
+            self._cmds.put(_Reply(peer, tag, None, entry))
+            return
+        located = None
+        try:
+            if self.direct is not None:
+                located = self.direct.locate(entry, offset, length)
+            if located is not None and length <= INLINE_READ_LIMIT:
+                assert self.direct is not None
+                data = self.direct.pread_cached(*located, length)
+                if data is not None:
+                    self._cmds.put(_Reply(peer, tag, data, entry, direct=True))
+                    return
+        except Exception as e:  # a disk error: the server thread tries again and reports it
+            log.debug("inline read for rank %d failed: %s", peer, e)
+        if located is not None:
+            self._reads.put((peer, tag, entry, *located, length))
+        else:
+            self._call_trio(self._on_request, peer, entry, offset, length, tag)
 
     def _arrived(self, req: Any, status: Any, what: str) -> bool | None:
         """Whether a posted receive of requests or byes completed: True, False, or None when
@@ -318,6 +408,7 @@ class MpiTransport(PeerTransport):
                         req.Cancel()
                         cancelled.append(req)
             elif isinstance(cmd, _Reply):
+                self._count_reply(cmd.entry, cmd.data, cmd.direct)
                 if cmd.data is None:
                     sending.append((comm.Isend([b"", self.MPI.BYTE], cmd.peer, cmd.tag), None))
                 else:
