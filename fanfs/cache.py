@@ -40,6 +40,11 @@ class ByteLRU:
             self.hits += 1
         return data
 
+    def drop(self, key: Hashable) -> None:
+        old = self._items.pop(key, None)
+        if old is not None:
+            self.size -= len(old) + ENTRY_OVERHEAD
+
     def put(self, key: Hashable, data: bytes) -> None:
         old = self._items.pop(key, None)
         if old is not None:

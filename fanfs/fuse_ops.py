@@ -123,6 +123,7 @@ class FanfsOperations(pyfuse3.Operations):
             a.st_ino = 0
             a.entry_timeout = CACHE_TIMEOUT_S
             return a
+        self.reader.looked_up(entry)
         return self._attrs(entry)
 
     @_edge

@@ -29,6 +29,7 @@ thread, no GIL, no wake-up of the event loop); failures come back through `nativ
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -36,11 +37,14 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import Any
 
+import trio
+
 from fanfs import catalog as cat
 from fanfs import codec
 from fanfs.cache import ByteLRU, SingleFlight
 from fanfs.checksum import crc32
 from fanfs.errors import CorruptFile
+from fanfs.lookahead import SIZE_LIMIT, LookAhead
 from fanfs.native import NativeJob, failure_reason
 from fanfs.sources import NOWAIT_LIMIT, Sources
 from fanfs.status import ReaderStatus
@@ -71,6 +75,7 @@ class Reader:
         self._flights = SingleFlight()
         self._verified: set[int] = set()
         self._bad: set[int] = set()
+        self._ahead = LookAhead()
         self.bytes_served = 0
         self.reads = 0
         self.native = False  # the daemon sets it once pyfuse3's native read pool runs
@@ -112,7 +117,11 @@ class Reader:
                 return local
         # A request for the whole file hands it all to the kernel, whose page cache keeps it:
         # caching it here too would only cost memory (1.35 M small files filled 900 MB).
-        data = await self._whole(entry, keep=offset > 0 or size < length)
+        whole = offset == 0 and size == length
+        ahead = self._ahead.read(entry)
+        data = await self._whole(entry, keep=not whole)
+        if ahead and whole:
+            self._cache.drop(entry)  # fetched at LOOKUP and kept for this READ: the kernel has it
         return memoryview(data)[offset : offset + size]
 
     def _local_whole(self, entry: int, length: int) -> memoryview | NativeJob | None:
@@ -135,6 +144,24 @@ class Reader:
         self.native_jobs += 1
         self.sources.bytes_fetched += length
         return (store.fd(part), start, length, crc, entry, 0, length)
+
+    def looked_up(self, entry: int) -> None:
+        """The kernel looked `entry` up: a small file held by a peer starts its whole-file
+        fetch now, while reads keep following lookups (fanfs/lookahead.py)."""
+        c = self.catalog
+        if self.sources.transport is None or not c.is_file[entry] or self.sources.mine(entry):
+            return
+        if int(c.codec[entry]) == cat.CODEC_FRAMED or int(c.stored_len[entry]) > SIZE_LIMIT:
+            return
+        fetching = (self._ahead.on and entry not in self._bad and entry not in self._flights
+                    and entry not in self._cache)  # fmt: skip
+        self._ahead.looked_up(entry, fetching)
+        if fetching:
+            trio.lowlevel.spawn_system_task(self._fetch_ahead, entry)
+
+    async def _fetch_ahead(self, entry: int) -> None:
+        with contextlib.suppress(Exception):  # marked bad and logged: its READ gets EIO
+            await self._whole(entry, keep=True)
 
     def native_failed(self, entry: int, err: int) -> None:
         """The native pool answered EIO for `entry`: refuse it from now on, log it once."""
@@ -307,5 +334,8 @@ class Reader:
             fallbacks=src.fallbacks,
             bad_payloads=src.bad_payloads,
             native_jobs=self.native_jobs,
+            lookup_fetches=self._ahead.fetched,
+            lookup_fetches_read=self._ahead.used,
+            lookup_fetches_unread=self._ahead.unused,
             fetch_ms=src.latency.percentiles_ms(),
         )

@@ -63,6 +63,9 @@ class ReaderStatus:
     fallbacks: int
     bad_payloads: int
     native_jobs: int
+    lookup_fetches: int  # remote files fetched at their LOOKUP (fanfs/lookahead.py)
+    lookup_fetches_read: int
+    lookup_fetches_unread: int
     fetch_ms: Percentiles
 
 
@@ -162,7 +165,8 @@ def render(s: Status) -> str:
     if p is not None:
         lines.append(
             f"remote:   {p.remote_fetches} fetched ({human_bytes(p.remote_bytes)}), "
-            f"p50 {p.remote_ms.p50} ms, p99 {p.remote_ms.p99} ms; {p.served_to_peers} served "
+            f"p50 {p.remote_ms.p50} ms, p99 {p.remote_ms.p99} ms, {rd.lookup_fetches} at lookup "
+            f"({rd.lookup_fetches_read} read); {p.served_to_peers} served "
             f"to peers ({human_bytes(p.bytes_served_to_peers)}); {rd.fallbacks} image "
             f"fallbacks, {p.peer_timeouts} peer timeouts, dead peers {p.dead_peers}"
         )

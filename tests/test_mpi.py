@@ -19,7 +19,7 @@ import pytest
 from conftest import FANFS, prepare, stopping
 
 from fanfs import catalog as cat
-from fanfs import datagen, mounts, placement
+from fanfs import datagen, lookahead, mounts, placement
 from fanfs.bench import launch
 from fanfs.compare import assert_same_tree
 from fanfs.errors import ExitCode
@@ -165,6 +165,32 @@ def test_remote_reads_of_compressed_and_framed_files(
             assert (m.mnts[reader] / rel).read_bytes() == want
             after = m.status(reader)["reader"]
             assert after["remote_fetches"] > before and after["fallbacks"] == 0, (rel, after)
+        _clean_after(m)
+
+
+def test_fetch_at_lookup_and_a_stat_walk(tree: Path, image: Path, tmp_path: Path) -> None:
+    """A file opened by path (no listing before, so the kernel sends LOOKUP) is fetched from
+    its LOOKUP, once; `ls -l`/`du` look files up without reading them, and fetching at LOOKUP
+    stops after a few of those (fanfs/lookahead.py)."""
+    c, _ = cat.Catalog.load(image)
+    owners = placement.place(c.part_size, c.part_flags, 2)
+    remote = [c.path(e).decode() for e, _ in c.walk()
+              if c.is_file[e] and c.stored_len[e] and c.codec[e] != cat.CODEC_FRAMED
+              and 0 not in owners[int(c.part[e])]]  # fmt: skip
+    read, walked = remote[:40], remote[40:]
+    assert len(walked) > 2 * (lookahead.WINDOW + 8)
+    with mpi_mounted(image, tmp_path, 2) as m:
+        for rel in read:
+            assert (m.mnts[0] / rel).read_bytes() == (tree / rel).read_bytes(), rel
+        s = m.status(0)["reader"]
+        assert s["lookup_fetches"] == s["lookup_fetches_read"] == len(read), s
+        assert s["remote_fetches"] == len(read), s  # the READ joined the fetch: no second one
+        for rel in walked:
+            os.stat(m.mnts[0] / rel)
+        s = m.status(0)["reader"]
+        assert s["lookup_fetches"] - len(read) <= lookahead.WINDOW + 8, s
+        for rel in walked:  # and every file still reads right
+            assert (m.mnts[0] / rel).read_bytes() == (tree / rel).read_bytes(), rel
         _clean_after(m)
 
 

@@ -143,7 +143,7 @@ def test_status_round_trips_and_refuses_an_unknown_layout() -> None:
         render,
     )
 
-    reader = ReaderStatus(1, 2, 3, 4, 5, 6, 7, 0, 1, 0, 2, Percentiles(0.1, 0.2, 0.3))
+    reader = ReaderStatus(1, 2, 3, 4, 5, 6, 7, 0, 1, 0, 2, 5, 4, 1, Percentiles(0.1, 0.2, 0.3))
     peers = PeerStatus(9, 10, Percentiles(1.0, 2.0, 3.0), 0, 4, 3, 5, 0, 0, [2], [1])
     status = Status(7, "/img", "/mnt", 0, 3, "vm", "n1", True, True, True, "isa-l", 1.5,
                     CatalogStatus(10, 8, 1000), StoreStatus("/tmp/s", 2, 2, 100, 100, True,
@@ -158,3 +158,29 @@ def test_status_round_trips_and_refuses_an_unknown_layout() -> None:
     broken = dict(flat, reader={k: v for k, v in flat["reader"].items() if k != "reads"})
     with pytest.raises(ValueError, match="not a status"):
         Status.from_json(broken)
+
+
+def test_lookahead_fetches_while_reads_follow_lookups() -> None:
+    from fanfs import lookahead
+    from fanfs.lookahead import LookAhead
+
+    ahead = LookAhead()
+    for entry in range(500):  # a training epoch: every lookup is read
+        assert ahead.on
+        ahead.looked_up(entry, ahead.on)
+        assert ahead.read(entry)
+    assert (ahead.fetched, ahead.used, ahead.unused) == (500, 500, 0)
+    assert not ahead.read(10**6)  # a file whose dentry the kernel still held: no lookup
+    # A stat-only walk (ls -l, du) over many files: fetching stops after a bounded number.
+    for entry in range(1000, 3000):
+        ahead.looked_up(entry, ahead.on)
+    walked = ahead.fetched - 500
+    assert not ahead.on and walked <= lookahead.WINDOW + 8, walked
+    assert ahead.used == 500 and ahead.unused == walked
+    # Reads follow lookups again: measured although nothing is fetched, so fetching resumes.
+    entry = 5000
+    while not ahead.on:
+        ahead.looked_up(entry, ahead.on)
+        ahead.read(entry)
+        entry += 1
+    assert entry - 5000 <= 20 and ahead.fetched == 500 + walked
