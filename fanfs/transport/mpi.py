@@ -12,14 +12,15 @@ Reply tags cycle through [16, TAG_UB) and are never reused while a fetch is outs
 Concurrency: one thread (`fanfs-mpi`) makes every MPI call after start-up. Trio tasks hand it
 commands through a thread-safe queue; it answers with `TrioToken.run_sync_soon`, which never
 blocks the MPI thread. While a fetch of its own is outstanding it polls without sleeping
-(yielding the CPU between polls): a reader is blocked on that fetch, and a sleep of even 50 us
-added a tenth of a millisecond to every remote file (see docs/performance.md). Otherwise it
-blocks on the queue with a timeout: 20 us for HOT_S after any traffic, backing off to 1 ms once
-idle (a blocking Recv would burn a core, and on 2-core nodes that matters; idle, a daemon uses
-under 2 % of one). A peer's request that a plain read answers (`DirectReads`) is served without the
-event loop: the MPI thread reads what the page cache holds, SERVER_THREADS threads read the
-rest from the disk, and both put the reply on the command queue. Other requests (refusals,
-large raw files not checked yet) go to `serve_fn` in the event loop.
+(yielding the CPU between polls) for up to SPIN_S after the last event: a reader is blocked on
+that fetch, and a sleep of even 50 us added a tenth of a millisecond to every remote file (see
+docs/performance.md). Otherwise it blocks on the queue with a timeout: 20 us for HOT_S after
+any traffic, backing off to 2 ms once idle (a blocking Recv would burn a core, and on 2-core
+nodes that matters; idle, a daemon uses about 1 % of one). A peer's request that a plain read
+answers (`DirectReads`) is served without the event loop: the MPI thread reads what the page
+cache holds, SERVER_THREADS threads read the rest from the disk, and both put the reply on the
+command queue. Other requests (refusals, large raw files not checked yet) go to `serve_fn` in
+the event loop.
 After start-up no collective operation is used, so a dead rank can only cost its own
 requests a peer timeout, after which it is routed around.
 """
@@ -48,7 +49,11 @@ TAG_REQUEST = 1
 TAG_BYE = 2
 FIRST_REPLY_TAG = 16
 POLL_MIN_S = 20e-6
-POLL_MAX_S = 1e-3
+POLL_MAX_S = 2e-3
+# While a fetch of ours is outstanding the thread spins, but only this long after anything last
+# happened: a small file's round trip fits in it, while a slow one (a large frame read from the
+# owner's disk) does not burn a core for milliseconds; it is noticed within a 20 us poll.
+SPIN_S = 300e-6
 # After any traffic the thread polls at POLL_MIN_S for this long before backing off: during an
 # epoch requests and replies keep coming, and a back-off to 1 ms put up to a millisecond of
 # waiting on each side of every round trip.
@@ -275,7 +280,7 @@ class MpiTransport(PeerTransport):
         sending: list[tuple[Any, Any]] = []  # (request, buffer kept alive until sent)
         cancelled: list[Any] = []
         idle = POLL_MIN_S
-        hot_until = 0.0
+        hot_until = moved = 0.0
         while True:
             busy = False
             try:
@@ -334,7 +339,9 @@ class MpiTransport(PeerTransport):
             now = time.monotonic()
             if busy or receiving:
                 hot_until = now + HOT_S
-            if receiving:
+            if busy:
+                moved = now
+            if receiving and now - moved < SPIN_S:
                 idle = 0.0  # a reader waits for one of our fetches: no sleep at all
             else:
                 idle = POLL_MIN_S if now < hot_until else min(max(idle, POLL_MIN_S) * 2, POLL_MAX_S)
