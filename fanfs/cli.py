@@ -96,6 +96,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         keep_local=args.keep_local,
         nonempty=args.nonempty,
         cache_bytes=args.cache_mb << 20,
+        prefetch_bytes=None if args.prefetch_mb is None else args.prefetch_mb << 20,
         replicas=args.replicas,
         peer_timeout=args.peer_timeout,
         linger=args.linger,
@@ -116,6 +117,23 @@ def _wait_serving(mountpoint: str, deadline: float) -> dict[str, Any]:
         if time.monotonic() >= deadline:
             raise WaitTimeout(f"{mountpoint}: not serving after waiting")
         time.sleep(POLL_S)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from fanfs import plan
+
+    if args.file == "-":
+        data = sys.stdin.buffer.read()
+    else:
+        try:
+            data = Path(args.file).read_bytes()
+        except OSError as e:
+            raise FanfsError(f"{args.file}: cannot read: {e.strerror}") from None
+    paths = [os.fsdecode(line) for line in data.split(b"\n") if line.strip()]
+    taken = plan.publish(args.mountpoint, paths, args.share)
+    missing = f" ({taken.missing} paths name no file under the mount)" if taken.missing else ""
+    print(f"planned {taken.planned} files for share {args.share}{missing}")
+    return ExitCode.OK
 
 
 def cmd_wait(args: argparse.Namespace) -> int:
@@ -337,7 +355,28 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MB",
         help="memory cache for decoded files (default: 512)",
     )
+    p.add_argument(
+        "--prefetch-mb",
+        type=_positive,
+        default=int(_env("PREFETCH_MB", "0") or 0) or None,
+        metavar="MB",
+        help="how far planned epochs read ahead of the job (default: a tenth of the memory "
+        "available at mount, 64 MiB to 4 GiB)",
+    )
     p.set_defaults(func=cmd_mount)
+
+    p = sub.add_parser(
+        "plan",
+        help="tell the daemon the order an epoch will read its files in (planned epochs)",
+        description="Hand the daemon behind MOUNTPOINT an epoch's order: FILE holds one path "
+        "per line (relative to MOUNTPOINT or absolute under it), '-' reads them from stdin. The "
+        "daemon reads those files ahead of the job, in that order. Python jobs can use "
+        "fanfs.plan.publish or fanfs.torch.PlannedSampler instead.",
+    )
+    p.add_argument("mountpoint", metavar="MOUNTPOINT")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--share", type=int, default=0, help="which of the node's plans (default: 0)")
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("wait", help="wait until MOUNTPOINT serves")
     p.add_argument("mountpoint", metavar="MOUNTPOINT")

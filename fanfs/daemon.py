@@ -31,9 +31,10 @@ from fanfs.catalog import Catalog
 from fanfs.errors import ExitCode, FanfsError, MountFailed, MountpointError
 from fanfs.fuse_ops import NATIVE_POOL, PATCHED, FanfsOperations
 from fanfs.native import NativePool
+from fanfs.planner import Planner, default_budget
 from fanfs.reader import Reader
 from fanfs.staging import default_parent
-from fanfs.status import CatalogStatus, Status
+from fanfs.status import NO_PLAN, CatalogStatus, Status
 from fanfs.store import PartitionStore, check_partitions
 from fanfs.transport import PeerTransport
 
@@ -52,6 +53,7 @@ class MountConfig:
     keep_local: bool = False
     nonempty: bool = False  # mount over a directory that holds something (hiding it)
     cache_bytes: int = 512 << 20
+    prefetch_bytes: int | None = None  # planned epochs' read-ahead budget; None: from memory
     replicas: int = 1
     peer_timeout: float = 5.0
     linger: float = 60.0
@@ -116,6 +118,8 @@ class Daemon:
         self.catalog: Catalog | None = None
         self.store: PartitionStore | None = None
         self.reader: Reader | None = None
+        self.planner: Planner | None = None
+        self.plan_socket = ""
         self.mountpoint = Path(cfg.mountpoint)
         self._mounted = False
         self.native = NativePool(fuse_ops.native_pool_start, fuse_ops.native_pool_stop,
@@ -144,6 +148,8 @@ class Daemon:
             store=self.store.statistics(),
             reader=self.reader.statistics(),
             peers=self.transport.statistics() if self.transport is not None else None,
+            plan=self.planner.statistics() if self.planner is not None else NO_PLAN,
+            plan_socket=self.plan_socket,
         )
 
     # -- start-up --------------------------------------------------------------------------
@@ -241,6 +247,8 @@ class Daemon:
             if self.transport is not None:
                 self.transport.serve_fn = self.reader.serve
                 self.transport.direct = self.reader
+            budget = cfg.prefetch_bytes if cfg.prefetch_bytes is not None else default_budget()
+            self.planner = Planner(catalog, self.reader, budget, fuse_ops.push_to_kernel)
             ops = FanfsOperations(catalog, self.reader, lambda: self.status().to_json())
             error = None
             try:
@@ -281,6 +289,11 @@ class Daemon:
             nursery.start_soon(self._tune_readahead_after_init)
             if self.native.running:
                 nursery.start_soon(self.native.errors)
+            if self.planner is not None:
+                nursery.start_soon(self.planner.run)
+                self.plan_socket = str(
+                    await nursery.start(self.planner.serve, self.store.staging.path)
+                )
             self.store.start_staging()
             self.serving = True
             log.info("serving %s at %s (%s)", self.cfg.image, self.mountpoint,

@@ -253,6 +253,16 @@ def unmount() -> None:
     pyfuse3.close(unmount=True)
 
 
+def push_to_kernel(entry: int, data: bytes) -> bool:
+    """Store a whole file's bytes in the kernel's page cache (planned epochs); False when the
+    kernel does not know the file's inode (never looked up, or forgotten) or refuses."""
+    try:
+        pyfuse3.notify_store(entry + ROOT, 0, data)
+        return True
+    except OSError:
+        return False
+
+
 def native_pool_start(threads: int, error_fd: int) -> str | None:
     """Start pyfuse3's native read pool (OSError if it cannot); the library its CRC-32 comes
     from ("isa-l", "zlib", or None from older builds). Failures are posted on `error_fd`."""

@@ -76,6 +76,12 @@ class Reader:
         self._verified: set[int] = set()
         self._bad: set[int] = set()
         self._ahead = LookAhead()
+        # Planned epochs (fanfs/planner.py): whole files read ahead, waiting for their READ,
+        # and the planner's hook told of every LOOKUP (hit None) and READ (hit or not).
+        self.held: dict[int, bytes] = {}
+        self.held_bytes = 0
+        self.held_hits = 0
+        self.on_access: Callable[[int, bool | None], None] | None = None
         self.bytes_served = 0
         self.reads = 0
         self.native = False  # the daemon sets it once pyfuse3's native read pool runs
@@ -88,6 +94,15 @@ class Reader:
         self.reads += 1
         if entry in self._bad:
             raise CorruptFile(self._describe(entry))
+        held = self.held.get(entry)
+        if self.on_access is not None:
+            self.on_access(entry, held is not None)
+        if held is not None:
+            self.held_hits += 1
+            if offset + size >= len(held):  # the rest of the file: the kernel keeps it now
+                del self.held[entry]
+                self.held_bytes -= len(held)
+            return memoryview(held)[offset : offset + size]
         try:
             return await self._read(entry, offset, size)
         except CorruptFile:
@@ -149,6 +164,8 @@ class Reader:
         """The kernel looked `entry` up: a small file held by a peer starts its whole-file
         fetch now, while reads keep following lookups (fanfs/lookahead.py)."""
         c = self.catalog
+        if self.on_access is not None:
+            self.on_access(entry, None)
         if self.sources.transport is None or not c.is_file[entry] or self.sources.mine(entry):
             return
         if int(c.codec[entry]) == cat.CODEC_FRAMED or int(c.stored_len[entry]) > SIZE_LIMIT:
@@ -162,6 +179,26 @@ class Reader:
     async def _fetch_ahead(self, entry: int) -> None:
         with contextlib.suppress(Exception):  # marked bad and logged: its READ gets EIO
             await self._whole(entry, keep=True)
+
+    def has(self, entry: int) -> bool:
+        """Whether `entry`'s decoded bytes are held or cached here (not the kernel's cache)."""
+        return entry in self.held or entry in self._cache
+
+    async def whole(self, entry: int) -> bytes:
+        """`entry`'s whole decoded bytes, checked, not kept (for the planner); CorruptFile as
+        `read`. Large raw files are not read whole: the planner does not ask for them."""
+        if entry in self._bad:
+            raise CorruptFile(self._describe(entry))
+        size = int(self.catalog.size[entry])
+        if int(self.catalog.codec[entry]) == cat.CODEC_FRAMED:
+            return bytes(await self._framed(entry, 0, size)) if size else b""
+        return await self._whole(entry, keep=False)
+
+    def hold(self, entry: int, data: bytes) -> None:
+        """Keep `entry`'s bytes read ahead until its READ (or the planner drops them)."""
+        if entry not in self.held:
+            self.held[entry] = data
+            self.held_bytes += len(data)
 
     def native_failed(self, entry: int, err: int) -> None:
         """The native pool answered EIO for `entry`: refuse it from now on, log it once."""

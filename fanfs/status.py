@@ -85,6 +85,29 @@ class PeerStatus:
 
 
 @dataclass(frozen=True, slots=True)
+class PlanStatus:
+    """Planned epochs (fanfs/planner.py)."""
+
+    shares: int  # plans in force
+    planned: int  # files named by plans taken so far
+    missing: int  # paths in plans that name no file of the image
+    position: int  # sum over shares of the job's position in its plan
+    prefetched: int  # files read ahead
+    pushed_to_kernel: int  # of those, stored straight into the page cache
+    prefetched_bytes: int
+    held_bytes: int  # read ahead, waiting in the daemon's memory for their READ
+    hits: int  # READs answered from bytes held in memory
+    misses: int  # READs of planned files that found nothing read ahead
+    dropped_unread_bytes: int  # held bytes the job went past without reading
+    failed: int  # read-aheads that failed (the READ then fetches the file itself)
+    refused: int  # plan requests refused (malformed, too large, another user)
+    budget_bytes: int
+
+
+NO_PLAN = PlanStatus(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+
+
+@dataclass(frozen=True, slots=True)
 class Status:
     pid: int
     image: str
@@ -102,10 +125,13 @@ class Status:
     store: StoreStatus
     reader: ReaderStatus
     peers: PeerStatus | None  # None: a single daemon, nothing is remote
+    plan: PlanStatus
+    plan_socket: str  # where fanfs.plan reaches the daemon ("" until it listens)
 
     def to_json(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["catalog"], d["store"] = asdict(self.catalog), asdict(self.store)
+        d["plan"] = asdict(self.plan)
         d["reader"] = _flat(self.reader)
         peers = d.pop("peers")
         if peers is not None:
@@ -127,8 +153,9 @@ class Status:
                 peers = PeerStatus(**part)
             reader["fetch_ms"] = Percentiles.unflat(reader, "fetch_ms")
             catalog, store = CatalogStatus(**d.pop("catalog")), StoreStatus(**d.pop("store"))
+            plan = PlanStatus(**d.pop("plan"))
             return cls(**d, catalog=catalog, store=store, reader=ReaderStatus(**reader),
-                       peers=peers)  # fmt: skip
+                       peers=peers, plan=plan)  # fmt: skip
         except (KeyError, TypeError) as e:
             raise ValueError(f"not a status this fanfs knows: {e}") from None
 
@@ -169,5 +196,13 @@ def render(s: Status) -> str:
             f"({rd.lookup_fetches_read} read); {p.served_to_peers} served "
             f"to peers ({human_bytes(p.bytes_served_to_peers)}); {rd.fallbacks} image "
             f"fallbacks, {p.peer_timeouts} peer timeouts, dead peers {p.dead_peers}"
+        )
+    pl = s.plan
+    if pl.shares:
+        lines.append(
+            f"plan:     {pl.shares} shares, {pl.planned} planned ({pl.missing} missing), at "
+            f"{pl.position}; {pl.prefetched} read ahead ({pl.pushed_to_kernel} into the page "
+            f"cache), {pl.hits} hits, {pl.misses} misses, "
+            f"{human_bytes(pl.dropped_unread_bytes)} dropped unread"
         )
     return "\n".join(lines)

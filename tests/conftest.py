@@ -46,6 +46,7 @@ TIERS = {
     "test_faults": "mount",
     "test_compression": "mount",
     "test_unprivileged": "mount",
+    "test_plan": "mount",
     "test_mpi": "mpi",
     "test_slurm": "slurm",
     "test_clients": "clients",

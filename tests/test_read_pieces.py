@@ -137,6 +137,7 @@ def test_status_round_trips_and_refuses_an_unknown_layout() -> None:
         CatalogStatus,
         PeerStatus,
         Percentiles,
+        PlanStatus,
         ReaderStatus,
         Status,
         StoreStatus,
@@ -147,7 +148,9 @@ def test_status_round_trips_and_refuses_an_unknown_layout() -> None:
     peers = PeerStatus(9, 10, Percentiles(1.0, 2.0, 3.0), 0, 4, 3, 5, 0, 0, [2], [1])
     status = Status(7, "/img", "/mnt", 0, 3, "vm", "n1", True, True, True, "isa-l", 1.5,
                     CatalogStatus(10, 8, 1000), StoreStatus("/tmp/s", 2, 2, 100, 100, True,
-                                                            0.1, 3), reader, peers)  # fmt: skip
+                                                            0.1, 3), reader, peers,
+                    PlanStatus(2, 800, 1, 300, 400, 390, 5 << 20, 1 << 20, 10, 2, 0, 0, 1, 1 << 30),
+                    "/tmp/s/plan.sock")  # fmt: skip
     flat = status.to_json()
     assert flat["reader"]["remote_fetches"] == 9 and flat["reader"]["fetch_ms_p99"] == 0.3
     assert Status.from_json(flat) == status
@@ -155,6 +158,7 @@ def test_status_round_trips_and_refuses_an_unknown_layout() -> None:
     assert "remote_fetches" not in single.to_json()["reader"]
     assert Status.from_json(single.to_json()) == single
     assert "remote:" in render(status) and "dead peers [2]" in render(status)
+    assert "plan:     2 shares, 800 planned (1 missing)" in render(status)
     broken = dict(flat, reader={k: v for k, v in flat["reader"].items() if k != "reads"})
     with pytest.raises(ValueError, match="not a status"):
         Status.from_json(broken)

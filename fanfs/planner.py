@@ -1,0 +1,350 @@
+"""Planned epochs, the daemon's side: the job's order in, its files read ahead of it.
+
+A training job knows an epoch's order before it reads a byte. `fanfs.plan.publish` (or
+`fanfs.torch.PlannedSampler`, or `fanfs plan`) hands that order to the daemon as a *share*
+(one per training rank on the node; a new plan for a share replaces its old one). The daemon
+then reads the files ahead of the job, in that order, within a memory budget
+(`--prefetch-mb`): local ones from the staged partitions, remote ones from their owners, with
+PREFETCH_CONCURRENCY fetches at once. A file's decoded bytes go straight into the kernel's
+page cache (`notify_store`) when the kernel knows its inode (the job listed the directory, or
+looked the file up), so the job's READ never reaches the daemon; otherwise they wait in the
+daemon's memory until the READ takes them.
+
+How far ahead: the budget counts the bytes between the job's position in the plan and the
+prefetch position. The job's position comes from the READs and LOOKUPs of planned files that
+reach the daemon and from progress messages (`PlannedSampler` sends one every PROGRESS_EVERY
+samples): files in the page cache send nothing. Prefetched bytes still held in memory when the
+job is SLACK positions past them (it read elsewhere, or the plan named files it never read)
+are dropped and counted as dropped unread.
+
+It degrades to reading without a plan: reads off the plan, paths not in the image (counted as
+missing), a dead peer (the fetch routes around it like any read) and a failed prefetch (the
+READ then fetches the file itself, and a corrupt one is marked bad as always) never make a read
+wrong, and a READ never waits for the planner.
+
+The channel: a Unix socket, `plan.sock` in the daemon's private staging directory (0700, its
+user's only; docs/security.md), with the peer's uid checked too (SO_PEERCRED). One request per
+connection, a header line then the body (fanfs/plan.py is the client):
+
+    FANFS-PLAN 1 order SHARE N\\n  then N paths relative to the mount, each ended by NUL
+    FANFS-PLAN 1 at SHARE POSITION\\n  the job has read up to POSITION of SHARE's plan
+
+answered with one JSON line: {"planned": k, "missing": m}, {"ok": true} or {"error": "..."}.
+
+Concurrency: the trio thread only; resolving a plan's paths runs in a worker thread (the
+catalog is immutable).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import trio
+
+from fanfs import catalog as cat
+from fanfs.reader import WHOLE_FILE_LIMIT, Reader
+from fanfs.status import PlanStatus
+
+log = logging.getLogger(__name__)
+
+SOCKET_NAME = "plan.sock"
+MAGIC = b"FANFS-PLAN 1"
+HEADER_MAX = 200
+MAX_SHARES = 1024
+PREFETCH_CONCURRENCY = 8
+SLACK = 256  # positions behind the job's before held bytes count as dropped unread
+PROGRESS_EVERY = 64  # samples between PlannedSampler's progress messages
+REQUEST_TIMEOUT_S = 120.0  # a client that stops sending mid-plan is dropped
+PATH_MAX = 4096  # bytes of a path (Linux's limit)
+PLAN_FILE_LIMIT = 1 << 30  # stored bytes of a file the planner reads ahead (larger: not)
+
+
+def default_budget() -> int:
+    """A tenth of the memory available now, between 64 MiB and 4 GiB."""
+    avail = 1 << 30
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return max(64 << 20, min(4 << 30, avail // 10))
+
+
+class PlanError(Exception):
+    """A plan request that cannot be taken (its message goes back to the client)."""
+
+
+@dataclass
+class _Share:
+    order: np.ndarray  # entries, in the job's order
+    ends: np.ndarray  # ends[i]: stored bytes of order[:i+1] that the planner reads ahead
+    position: int = 0  # the job has read (or passed) order[:position]
+    next: int = 0  # next position to read ahead
+    held: set[int] = field(default_factory=set)  # positions whose bytes wait in memory
+
+    def ahead_bytes(self) -> int:
+        def upto(i: int) -> int:
+            return int(self.ends[i - 1]) if i > 0 else 0
+
+        return upto(self.next) - upto(min(self.position, self.next))
+
+
+class Planner:
+    def __init__(
+        self,
+        catalog: cat.Catalog,
+        reader: Reader,
+        budget: int,
+        push: Callable[[int, bytes], bool],
+    ):
+        """`push(entry, data)`: store a whole file's bytes in the kernel's page cache; False
+        when the kernel does not know its inode (the bytes then wait in `reader.held`)."""
+        self.catalog = catalog
+        self.reader = reader
+        self.budget = budget
+        self.push = push
+        self._shares: dict[int, _Share] = {}
+        n = catalog.n_entries
+        self._share_of = np.full(n, -1, dtype=np.int32)  # latest plan naming each entry
+        self._pos_of = np.full(n, -1, dtype=np.int64)
+        self._wake = trio.Event()
+        self._slots = trio.Semaphore(PREFETCH_CONCURRENCY)
+        self.planned = 0
+        self.missing = 0
+        self.prefetched = 0
+        self.pushed = 0
+        self.prefetched_bytes = 0
+        self.hits = 0
+        self.misses = 0
+        self.dropped_unread_bytes = 0
+        self.failed = 0
+        self.refused = 0
+        reader.on_access = self.accessed
+
+    # -- plans and progress ------------------------------------------------------------------
+
+    def take(self, share: int, entries: np.ndarray) -> None:
+        """Replace `share`'s plan with `entries` (files of the image, in order)."""
+        old = self._shares.pop(share, None)
+        if old is not None:
+            self._drop_held(old, len(old.order))
+        c = self.catalog
+        stored = c.stored_len[entries].astype(np.int64)
+        wanted = c.is_file[entries] & (stored <= PLAN_FILE_LIMIT)
+        wanted &= ~((c.codec[entries] == cat.CODEC_RAW) & (stored > WHOLE_FILE_LIMIT))
+        ends = np.cumsum(np.where(wanted, stored, 0))
+        self._shares[share] = _Share(entries, ends)
+        self._share_of[entries] = share
+        self._pos_of[entries] = np.arange(len(entries))
+        self.planned += len(entries)
+        self._wake.set()
+
+    def progress(self, share: int, position: int) -> None:
+        s = self._shares.get(share)
+        if s is not None and position > s.position:
+            s.position = min(position, len(s.order))
+            self._drop_held(s, s.position - SLACK)
+            self._wake.set()
+
+    def accessed(self, entry: int, hit: bool | None) -> None:
+        """A LOOKUP (`hit` None) or a READ of `entry` reached the daemon, answered from bytes
+        read ahead (`hit`) or not: the job is there in its plan."""
+        share = int(self._share_of[entry])
+        s = self._shares.get(share)
+        if s is None:
+            return
+        pos = int(self._pos_of[entry])
+        if 0 <= pos < len(s.order) and int(s.order[pos]) == entry:
+            self.misses += hit is False
+            self.progress(share, pos + 1)
+
+    def _drop_held(self, s: _Share, before: int) -> None:
+        for pos in [p for p in s.held if p < before]:
+            s.held.discard(pos)
+            data = self.reader.held.pop(int(s.order[pos]), None)
+            if data is not None:
+                self.reader.held_bytes -= len(data)
+                self.dropped_unread_bytes += len(data)
+
+    # -- reading ahead ----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Read ahead of every share until cancelled."""
+        async with trio.open_nursery() as nursery:
+            while True:
+                self._wake = trio.Event()  # before looking: a progress meanwhile is not lost
+                started = False
+                for share, s in list(self._shares.items()):
+                    per_share = self.budget // max(1, len(self._shares))
+                    while s.next < len(s.order) and s.ahead_bytes() < per_share:
+                        pos = s.next
+                        s.next += 1
+                        if pos < s.position or not self._wanted(s, pos):
+                            continue
+                        await self._slots.acquire()
+                        nursery.start_soon(self._fetch_one, share, s, pos)
+                        started = True
+                if not started:
+                    await self._wake.wait()
+
+    def _wanted(self, s: _Share, pos: int) -> bool:
+        before = int(s.ends[pos - 1]) if pos else 0
+        return int(s.ends[pos]) > before  # a file the planner reads ahead (not empty, not huge)
+
+    async def _fetch_one(self, share: int, s: _Share, pos: int) -> None:
+        entry = int(s.order[pos])
+        try:
+            if self.reader.has(entry):
+                return
+            data = await self.reader.whole(entry)
+            if self._shares.get(share) is not s or pos < s.position - SLACK:
+                return  # replaced, or the job passed it meanwhile
+            self.prefetched += 1
+            self.prefetched_bytes += len(data)
+            if self.push(entry, data):
+                self.pushed += 1
+            else:
+                self.reader.hold(entry, data)
+                s.held.add(pos)
+        except Exception as e:  # the READ fetches it itself (and marks it bad if it is)
+            self.failed += 1
+            log.debug("prefetch of entry %d failed: %s", entry, e)
+        finally:
+            self._slots.release()
+
+    # -- the socket -------------------------------------------------------------------------
+
+    async def serve(self, directory: Path, *, task_status: trio.TaskStatus[Path]) -> None:
+        """Take plans on `directory`/plan.sock until cancelled."""
+        path = directory / SOCKET_NAME
+        sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        dirfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            await sock.bind(via_fd(dirfd, SOCKET_NAME))  # short even when `directory` is long
+        finally:
+            os.close(dirfd)
+        sock.listen(64)
+        listener = trio.SocketListener(sock)
+        task_status.started(path)
+        try:
+            await trio.serve_listeners(self._client, [listener])
+        finally:
+            with _quietly():
+                path.unlink()
+
+    async def _client(self, stream: trio.SocketStream) -> None:
+        reply: dict[str, object]
+        try:
+            with trio.fail_after(REQUEST_TIMEOUT_S):
+                self._check_peer(stream.socket)
+                reply = await self._request(stream)
+        except PlanError as e:
+            self.refused += 1
+            reply = {"error": str(e)}
+        except trio.TooSlowError:
+            self.refused += 1
+            reply = {"error": f"request not complete after {REQUEST_TIMEOUT_S:.0f} s"}
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            return
+        with _quietly():
+            await stream.send_all(json.dumps(reply).encode() + b"\n")
+            await stream.aclose()
+
+    def _check_peer(self, sock: trio.socket.SocketType) -> None:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        _, uid, _ = struct.unpack("3i", creds)
+        if uid not in (os.geteuid(), 0):
+            raise PlanError(f"uid {uid} may not plan for this mount")
+
+    async def _request(self, stream: trio.SocketStream) -> dict[str, object]:
+        buf = bytearray()
+        while b"\n" not in buf:
+            chunk = await stream.receive_some(4096)
+            if not chunk:
+                raise PlanError("no request header")
+            buf += chunk
+            if len(buf) > HEADER_MAX and b"\n" not in buf[:HEADER_MAX]:
+                raise PlanError("request header too long")
+        header, _, rest = bytes(buf).partition(b"\n")
+        kind, share, n = parse_header(header)
+        if kind == "at":
+            self.progress(share, n)
+            return {"ok": True}
+        if n > 4 * max(1, int(self.catalog.is_file.sum())):
+            raise PlanError(f"{n} paths: more than four per file of the image")
+        if len(self._shares) >= MAX_SHARES and share not in self._shares:
+            raise PlanError(f"at most {MAX_SHARES} shares")
+        limit = n * (PATH_MAX + 1)
+        body = bytearray(rest)
+        while body.count(0) < n:
+            if len(body) > limit:
+                raise PlanError("paths longer than the image allows")
+            chunk = await stream.receive_some(1 << 20)
+            if not chunk:
+                raise PlanError(f"plan ended after {body.count(0)} of {n} paths")
+            body += chunk
+        entries, missing = await trio.to_thread.run_sync(self._resolve, bytes(body), n)
+        self.take(share, entries)
+        self.missing += missing
+        return {"planned": len(entries), "missing": missing}
+
+    def _resolve(self, body: bytes, n: int) -> tuple[np.ndarray, int]:
+        """Entries of the plan's paths (files only), and how many named nothing readable."""
+        paths = body.split(b"\0")[:n]
+        found = [self.catalog.resolve(p) for p in paths]
+        entries = [e for e in found if e is not None and self.catalog.is_file[e]]
+        return np.array(entries, dtype=np.int64), n - len(entries)
+
+    def statistics(self) -> PlanStatus:
+        shares = list(self._shares.values())
+        return PlanStatus(
+            shares=len(shares),
+            planned=self.planned,
+            missing=self.missing,
+            position=sum(s.position for s in shares),
+            prefetched=self.prefetched,
+            pushed_to_kernel=self.pushed,
+            prefetched_bytes=self.prefetched_bytes,
+            held_bytes=self.reader.held_bytes,
+            hits=self.reader.held_hits,
+            misses=self.misses,
+            dropped_unread_bytes=self.dropped_unread_bytes,
+            failed=self.failed,
+            refused=self.refused,
+            budget_bytes=self.budget,
+        )
+
+
+def parse_header(header: bytes) -> tuple[str, int, int]:
+    """(kind, share, n) of a request header; PlanError if it is not one."""
+    parts = header.split(b" ")
+    if len(parts) != 5 or b" ".join(parts[:2]) != MAGIC or parts[2] not in (b"order", b"at"):
+        raise PlanError("not a fanfs plan request")
+    try:
+        share, n = int(parts[3]), int(parts[4])
+    except ValueError:
+        raise PlanError("share and count must be integers") from None
+    if not (0 <= share < 1 << 31 and 0 <= n < 1 << 40):
+        raise PlanError("share or count out of range")
+    return parts[2].decode(), share, n
+
+
+def via_fd(dirfd: int, name: str) -> str:
+    """A short path to `name` in the directory open as `dirfd` (Unix socket paths are limited
+    to 107 bytes; a staging directory's path can be longer)."""
+    return f"/proc/self/fd/{dirfd}/{name}"
+
+
+def _quietly() -> contextlib.suppress:
+    """For replies to a client that may have gone."""
+    return contextlib.suppress(OSError, trio.BrokenResourceError, trio.ClosedResourceError)

@@ -1,0 +1,177 @@
+"""Planned epochs on real mounts: the job's order in, files read ahead, every byte checked.
+
+One daemon per test (a fresh mount: nothing of it is in the page cache), files compared byte
+for byte with the source. The two ways bytes read ahead reach the job: into the kernel's page
+cache when the job listed the directories first (the READ never reaches the daemon), else held
+in the daemon's memory until the READ takes them."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import FANFS, Mount, fanfs, mounted, prepare, wait_until
+
+from fanfs import plan
+from fanfs.plan import PlanRefused
+from fanfs.planner import SLACK
+
+N_FILES = 400
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    src = tmp_path_factory.mktemp("plan") / "src"
+    rng = np.random.default_rng(11)
+    for i in range(N_FILES):
+        path = src / f"c{i % 8}" / f"s{i:04d}.bin"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(rng.bytes(int(rng.integers(1, 40_000))))
+    return src
+
+
+@pytest.fixture(scope="module")
+def image(tree: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return prepare(tree, tmp_path_factory.mktemp("plan-img") / "img", "--partitions", "8")
+
+
+@pytest.fixture
+def mount(image: Path, tmp_path: Path) -> Iterator[Mount]:
+    with mounted(image, tmp_path / "mnt", tmp_path / "local") as m:
+        yield m
+
+
+def order(tree: Path, seed: int) -> list[str]:
+    rels = sorted(str(p.relative_to(tree)) for p in tree.rglob("*.bin"))
+    random.Random(seed).shuffle(rels)
+    return rels
+
+
+def plan_status(m: Mount) -> dict[str, int]:
+    return m.status()["plan"]  # type: ignore[no-any-return]
+
+
+def read_ahead(m: Mount, n: int) -> dict[str, int]:
+    assert wait_until(lambda: plan_status(m)["prefetched"] >= n, 30), plan_status(m)
+    return plan_status(m)
+
+
+def test_listed_files_go_into_the_page_cache(tree: Path, mount: Mount) -> None:
+    rels = order(tree, 1)
+    for d in mount.mountpoint.iterdir():  # as ImageFolder does: the kernel learns every inode
+        list(os.scandir(d))
+    taken = plan.publish(mount.mountpoint, [mount.mountpoint / r for r in rels])
+    assert (taken.planned, taken.missing) == (N_FILES, 0)
+    s = read_ahead(mount, N_FILES)
+    assert s["pushed_to_kernel"] == N_FILES and s["held_bytes"] == 0
+    reads = mount.status()["reader"]["reads"]
+    for r in rels:
+        assert (mount.mountpoint / r).read_bytes() == (tree / r).read_bytes(), r
+    assert mount.status()["reader"]["reads"] == reads  # every byte came from the page cache
+
+
+def test_unlisted_files_wait_in_memory_and_unread_ones_are_dropped(
+    tree: Path, mount: Mount
+) -> None:
+    rels = order(tree, 2)
+    taken = plan.publish(mount.mountpoint, rels, share=3)
+    assert taken.planned == N_FILES
+    s = read_ahead(mount, N_FILES)
+    assert s["pushed_to_kernel"] == 0 and s["held_bytes"] == sum(
+        (tree / r).stat().st_size for r in rels
+    )
+    # The job reads 20 files, then skips to the last 100: what it went past is dropped.
+    for r in rels[:20] + rels[300:]:
+        assert (mount.mountpoint / r).read_bytes() == (tree / r).read_bytes(), r
+    s = plan_status(mount)
+    assert s["hits"] >= 120 and s["misses"] == 0, s
+    skipped = sum((tree / r).stat().st_size for r in rels[20 : N_FILES - SLACK])
+    assert s["dropped_unread_bytes"] == skipped, s
+    # Off the plan, and the files the job skipped: still right.
+    for r in rels[20:300]:
+        assert (mount.mountpoint / r).read_bytes() == (tree / r).read_bytes(), r
+
+
+def test_a_budget_bounds_how_far_ahead(tree: Path, image: Path, tmp_path: Path) -> None:
+    rels = order(tree, 3)
+    with mounted(image, tmp_path / "mnt", tmp_path / "local", "--prefetch-mb", "1") as m:
+        plan.publish(m.mountpoint, rels)
+        time.sleep(1)
+        s = plan_status(m)
+        assert 0 < s["prefetched"] < N_FILES and s["held_bytes"] <= (1 << 20) + 8 * 40_000, s
+        for k, r in enumerate(rels):  # reading moves the window; progress moves it too
+            assert (m.mountpoint / r).read_bytes() == (tree / r).read_bytes(), r
+            if k == 100:
+                plan.progress(m.mountpoint, 200)
+        s = plan_status(m)
+        assert s["prefetched"] > N_FILES // 2 and s["hits"] > 0, s
+
+
+def test_a_new_plan_replaces_the_share_and_cli_reads_a_file(
+    tree: Path, mount: Mount, tmp_path: Path
+) -> None:
+    rels = order(tree, 4)
+    listing = tmp_path / "epoch.txt"
+    listing.write_text("\n".join([*rels[:50], "no/such/file"]) + "\n")
+    done = fanfs("plan", mount.mountpoint, listing)
+    assert done.returncode == 0, done.stderr
+    assert "planned 50 files for share 0 (1 paths name no file" in done.stdout
+    piped = subprocess.run([*FANFS, "plan", str(mount.mountpoint), "-"],
+                           input="\n".join(rels[50:60]), capture_output=True, text=True,
+                           timeout=60, check=False)  # fmt: skip
+    assert piped.returncode == 0 and "planned 10 files" in piped.stdout, piped.stderr
+    s = read_ahead(mount, 10)
+    assert s["shares"] == 1 and s["planned"] == 60 and s["missing"] == 1, s
+    for r in rels[50:60]:
+        assert (mount.mountpoint / r).read_bytes() == (tree / r).read_bytes(), r
+
+
+def test_hostile_plans_get_an_error_and_harm_nothing(tree: Path, mount: Mount) -> None:
+    sock_path = Path(mount.status()["plan_socket"])
+
+    def raw(message: bytes, close_write: bool = True) -> dict[str, object]:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(30)
+            s.connect(str(sock_path))
+            s.sendall(message)
+            if close_write:
+                s.shutdown(socket.SHUT_WR)
+            got: dict[str, object] = json.loads(s.makefile("rb").readline())
+            return got
+
+    assert "not a fanfs plan request" in str(raw(b"GET / HTTP/1.0\r\n\r\n")["error"])
+    assert "too long" in str(raw(b"x" * 100_000)["error"])
+    assert "integers" in str(raw(b"FANFS-PLAN 1 order zero 5\n")["error"])
+    assert "more than four per file" in str(raw(b"FANFS-PLAN 1 order 0 99999999\n")["error"])
+    assert "ended after 2 of 5" in str(raw(b"FANFS-PLAN 1 order 0 5\na\0b\0")["error"])
+    assert raw(b"FANFS-PLAN 1 at 7 100\n") == {"ok": True}  # progress for no plan: ignored
+    with pytest.raises(PlanRefused, match="not under"):
+        plan.publish(mount.mountpoint, ["/etc/passwd"])
+    with pytest.raises(PlanRefused, match="NUL"):
+        plan.publish(mount.mountpoint, ["a\0b"])
+    assert plan_status(mount)["refused"] == 5
+    rels = order(tree, 5)[:30]  # and the daemon still plans and serves
+    assert plan.publish(mount.mountpoint, rels).planned == 30
+    for r in rels:
+        assert (mount.mountpoint / r).read_bytes() == (tree / r).read_bytes(), r
+
+
+def test_no_other_user_reaches_the_plan_socket(mount: Mount) -> None:
+    sock_path = mount.status()["plan_socket"]
+    probe = subprocess.run(
+        ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", sys.executable,
+         "-c", "import socket,sys; s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])",
+         sock_path],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert probe.returncode != 0 and "PermissionError" in probe.stderr, probe.stderr
+    assert oct(Path(sock_path).parent.stat().st_mode & 0o777) == "0o700"
