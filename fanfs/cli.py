@@ -206,7 +206,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir).absolute()
     rows = bench.run(workdir, sizes, total, args.min_files, readers, args.repeat, args.ranks,
                      temps, log=lambda m: print(m, file=sys.stderr, flush=True),
-                     client=args.client, epoch=args.epoch)  # fmt: skip
+                     client=args.client, epoch=args.epoch, planned=args.plan)  # fmt: skip
     print(bench.format_table(rows))
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": os.uname().nodename,
               "cpus": os.cpu_count(), "argv": sys.argv[1:],
@@ -414,6 +414,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         metavar="N",
         help="also measure remote reads with N daemons under mpirun (default: 1, off)",
+    )
+    p.add_argument(
+        "--plan",
+        action="store_true",
+        help="also read cold epochs planned (fanfs.plan): rows 'planned' (one daemon) and, "
+        "with --epoch global, 'epoch-planned'; both sides list the directories first",
     )
     p.add_argument(
         "--epoch",

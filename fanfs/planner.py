@@ -38,11 +38,14 @@ catalog is immutable).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
+import queue
 import socket
 import struct
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +54,7 @@ import numpy as np
 import trio
 
 from fanfs import catalog as cat
+from fanfs.checksum import crc32
 from fanfs.reader import WHOLE_FILE_LIMIT, Reader
 from fanfs.status import PlanStatus
 
@@ -61,6 +65,9 @@ MAGIC = b"FANFS-PLAN 1"
 HEADER_MAX = 200
 MAX_SHARES = 1024
 PREFETCH_CONCURRENCY = 8
+# Threads that read local raw files and store them into the page cache, off the event loop's
+# thread (a store may wait for the reply to a READ of the same file, which that thread sends).
+PUSH_THREADS = 8
 SLACK = 256  # positions behind the job's before held bytes count as dropped unread
 PROGRESS_EVERY = 64  # samples between PlannedSampler's progress messages
 REQUEST_TIMEOUT_S = 120.0  # a client that stops sending mid-plan is dropped
@@ -99,6 +106,9 @@ class _Share:
         return upto(self.next) - upto(min(self.position, self.next))
 
 
+_Job = tuple[int, _Share, int, int, int, int, int, int]
+
+
 class Planner:
     def __init__(
         self,
@@ -119,6 +129,11 @@ class Planner:
         self._pos_of = np.full(n, -1, dtype=np.int64)
         self._wake = trio.Event()
         self._slots = trio.Semaphore(PREFETCH_CONCURRENCY)
+        self._pushers = trio.CapacityLimiter(PUSH_THREADS)
+        # (share, its plan, position, entry, partition, start, length, crc) for the pushers
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._count = threading.Lock()  # counters shared with the pusher threads
+        self._token: trio.lowlevel.TrioToken | None = None
         self.planned = 0
         self.missing = 0
         self.prefetched = 0
@@ -180,22 +195,81 @@ class Planner:
 
     async def run(self) -> None:
         """Read ahead of every share until cancelled."""
-        async with trio.open_nursery() as nursery:
-            while True:
-                self._wake = trio.Event()  # before looking: a progress meanwhile is not lost
-                started = False
-                for share, s in list(self._shares.items()):
-                    per_share = self.budget // max(1, len(self._shares))
-                    while s.next < len(s.order) and s.ahead_bytes() < per_share:
-                        pos = s.next
-                        s.next += 1
-                        if pos < s.position or not self._wanted(s, pos):
-                            continue
-                        await self._slots.acquire()
-                        nursery.start_soon(self._fetch_one, share, s, pos)
-                        started = True
-                if not started:
-                    await self._wake.wait()
+        self._token = trio.lowlevel.current_trio_token()
+        threads = [threading.Thread(target=self._pusher, name=f"fanfs-plan-{i}", daemon=True)
+                   for i in range(PUSH_THREADS)]  # fmt: skip
+        for t in threads:
+            t.start()
+        try:
+            async with trio.open_nursery() as nursery:
+                while True:
+                    self._wake = trio.Event()  # before looking: a progress meanwhile counts
+                    started = False
+                    for share, s in list(self._shares.items()):
+                        per_share = self.budget // max(1, len(self._shares))
+                        while s.next < len(s.order) and s.ahead_bytes() < per_share:
+                            pos = s.next
+                            s.next += 1
+                            if pos < s.position or not self._wanted(s, pos):
+                                continue
+                            started = True
+                            entry = int(s.order[pos])
+                            where = self._plain(entry)
+                            if where is not None:
+                                self.reader.advise(where[0], where[1], where[2])
+                                self._jobs.put((share, s, pos, entry, *where))
+                                continue
+                            await self._slots.acquire()
+                            nursery.start_soon(self._fetch_one, share, s, pos)
+                    if not started:
+                        await self._wake.wait()
+        finally:
+            for _ in threads:
+                self._jobs.put(None)
+
+    def _plain(self, entry: int) -> tuple[int, int, int, int] | None:
+        """(partition, start, length, crc) of a file held here and stored raw, which a pusher
+        thread reads, checks and stores into the page cache with no event loop; None for the
+        rest (compressed, remote, held in memory or cached here: the event loop's way)."""
+        c = self.catalog
+        if int(c.codec[entry]) != cat.CODEC_RAW or self.reader.has(entry):
+            return None
+        length = int(c.stored_len[entry])
+        where = self.reader.locate(entry, 0, length)
+        if where is None:
+            return None
+        return where[0], where[1], length, int(c.crc[entry])
+
+    def _pusher(self) -> None:
+        """A pusher thread: local raw files from the store into the page cache. A file the
+        kernel does not know goes to the event loop to be held; a bad one is left to its READ
+        (which finds it bad and says so)."""
+        while (job := self._jobs.get()) is not None:
+            share, s, pos, entry, part, start, length, crc = job
+            if self._shares.get(share) is not s or pos < s.position - SLACK:
+                continue  # replaced, or the job passed it meanwhile
+            try:
+                data = self.reader.pread(part, start, length)
+                if crc32(data) != crc:
+                    raise OSError(errno.EIO, "checksum mismatch")
+                pushed = self.push(entry, data)
+            except Exception as e:
+                with self._count:
+                    self.failed += 1
+                log.debug("read-ahead of entry %d failed: %s", entry, e)
+                continue
+            with self._count:
+                self.prefetched += 1
+                self.prefetched_bytes += length
+                self.pushed += pushed
+            if not pushed and self._token is not None:
+                with contextlib.suppress(trio.RunFinishedError):
+                    self._token.run_sync_soon(self._hold, share, s, pos, entry, data)
+
+    def _hold(self, share: int, s: _Share, pos: int, entry: int, data: bytes) -> None:
+        if self._shares.get(share) is s and pos >= s.position - SLACK:
+            self.reader.hold(entry, data)
+            s.held.add(pos)
 
     def _wanted(self, s: _Share, pos: int) -> bool:
         before = int(s.ends[pos - 1]) if pos else 0
@@ -211,11 +285,12 @@ class Planner:
                 return  # replaced, or the job passed it meanwhile
             self.prefetched += 1
             self.prefetched_bytes += len(data)
-            if self.push(entry, data):
+            # Never from the event loop's thread: storing into a page that a READ of the same
+            # file holds locked waits for that READ's reply, which the event loop must send.
+            if await trio.to_thread.run_sync(self.push, entry, data, limiter=self._pushers):
                 self.pushed += 1
             else:
-                self.reader.hold(entry, data)
-                s.held.add(pos)
+                self._hold(share, s, pos, entry, data)
         except Exception as e:  # the READ fetches it itself (and marks it bad if it is)
             self.failed += 1
             log.debug("prefetch of entry %d failed: %s", entry, e)

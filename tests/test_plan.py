@@ -7,6 +7,7 @@ in the daemon's memory until the READ takes them."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import random
@@ -77,6 +78,23 @@ def test_listed_files_go_into_the_page_cache(tree: Path, mount: Mount) -> None:
     for r in rels:
         assert (mount.mountpoint / r).read_bytes() == (tree / r).read_bytes(), r
     assert mount.status()["reader"]["reads"] == reads  # every byte came from the page cache
+
+
+def test_reading_at_once_while_the_daemon_reads_ahead(tree: Path, mount: Mount) -> None:
+    """The job reads the moment it has published, with several threads: stores into the page
+    cache meet READs of the same files (a store from the event loop's thread deadlocked)."""
+    rels = order(tree, 6)
+    for d in mount.mountpoint.iterdir():
+        list(os.scandir(d))
+    plan.publish(mount.mountpoint, rels)
+
+    def check(part: list[str]) -> None:
+        for r in part:
+            assert (mount.mountpoint / r).read_bytes() == (tree / r).read_bytes(), r
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        list(pool.map(check, [rels[i::4] for i in range(4)], timeout=60))
+    assert plan_status(mount)["prefetched"] > 0
 
 
 def test_unlisted_files_wait_in_memory_and_unread_ones_are_dropped(

@@ -47,6 +47,7 @@ FOLIO_SAMPLE = 16  # files whose page-cache folios are looked at after each pass
 # they have taken at least this long (at most WARM_MAX_ROUNDS times).
 WARM_MIN_S = 0.5
 WARM_MAX_ROUNDS = 50
+PROGRESS_EVERY = 64  # files between a planned reader's progress messages (as PlannedSampler)
 
 
 def size_label(n: int) -> str:
@@ -91,13 +92,25 @@ def drop_caches() -> bool:
         return False
 
 
-def _read_files(paths: Sequence[str], client: str, start: Any, out: Any) -> None:
+def _read_files(
+    paths: Sequence[str], client: str, start: Any, out: Any, plan: tuple[Path, int] | None = None
+) -> None:
+    """Read `paths` whole, in order. With `plan` (mount point, share), first hand the daemon
+    that order (fanfs.plan, timed with the reads) and report progress as PlannedSampler does."""
     buf = bytearray(64 << 20)
     lat = []
     total = 0
     start.wait()
     t0 = time.monotonic()
-    for p in paths:
+    channel = None
+    if plan is not None:
+        from fanfs import plan as planning
+
+        channel = planning.Channel(plan[0])
+        channel.publish(paths, plan[1])
+    for k, p in enumerate(paths):
+        if channel is not None and k and k % PROGRESS_EVERY == 0:
+            channel.progress(k, plan[1])  # type: ignore[index]
         t = time.perf_counter()
         if client == "python":
             with open(p, "rb") as f:
@@ -111,13 +124,15 @@ def _read_files(paths: Sequence[str], client: str, start: Any, out: Any) -> None
 
 
 def read_all(
-    paths: Sequence[str], readers: int, client: str = "raw"
+    paths: Sequence[str], readers: int, client: str = "raw", plan: Path | None = None
 ) -> tuple[float, int, list[float]]:
-    """Read every path whole with `readers` processes; (wall seconds, bytes, latencies)."""
+    """Read every path whole with `readers` processes; (wall seconds, bytes, latencies). With
+    `plan` (a mount point) each process first publishes its order as its own share."""
     ctx = mp.get_context("fork")
     start = ctx.Event()
     out = ctx.Queue()
-    procs = [ctx.Process(target=_read_files, args=(paths[i::readers], client, start, out))
+    procs = [ctx.Process(target=_read_files, args=(paths[i::readers], client, start, out,
+                                                   None if plan is None else (plan, i)))
              for i in range(readers)]  # fmt: skip
     for p in procs:
         p.start()
@@ -127,6 +142,13 @@ def read_all(
         p.join()
     wall = max(g[1] for g in got) - min(g[0] for g in got)
     return wall, sum(g[2] for g in got), [x for g in got for x in g[3]]
+
+
+def list_dirs(root: Path) -> None:
+    """List every directory under `root`, as a loader that scans its dataset first does (the
+    kernel then holds every file's dentry and inode)."""
+    for _ in os.walk(root):
+        pass
 
 
 def make_dataset(root: Path, size: int, count: int, seed: int) -> list[str]:
@@ -142,17 +164,23 @@ def make_dataset(root: Path, size: int, count: int, seed: int) -> list[str]:
 
 
 def measure(case: Case, reader: str, root: Path, rels: list[str], seed: int) -> Result:
+    """One pass. Case "planned": cold, the directories listed after the caches were dropped
+    (both sides), and fanfs's readers publish their order before reading."""
     order = rels[:]
     random.Random(seed).shuffle(order)
     paths = [str(root / r) for r in order]
     rounds = 1
     dropped = True
+    planned = case.where == "planned"
     if case.temp == "cold":
         dropped = drop_caches()
+        if planned:
+            list_dirs(root)
     else:
         wall, _, _ = read_all(paths, case.readers, case.client)  # warm up what is measured
         rounds = max(1, min(WARM_MAX_ROUNDS, round(WARM_MIN_S / max(wall, 1e-3))))
-    wall, nbytes, lat = read_all(paths * rounds, case.readers, case.client)
+    plan = root if planned and reader == "fanfs" else None
+    wall, nbytes, lat = read_all(paths * rounds, case.readers, case.client, plan)
     p50, p99 = np.percentile(np.array(lat) * 1e3, [50, 99])
     folio = pagecache.folio_kib(paths[:FOLIO_SAMPLE])
     return Result(case, reader, wall, len(paths) * rounds, nbytes, float(p50), float(p99), folio,
@@ -188,14 +216,14 @@ def summarize(results: list[Result]) -> list[dict[str, Any]]:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'where':9} {'size':>5} {'temp':4} {'rd':>2} {'native f/s':>10} {'fanfs f/s':>10} "
+    head = (f"{'where':13} {'size':>5} {'temp':4} {'rd':>2} {'native f/s':>10} {'fanfs f/s':>10} "
             f"{'nat MB/s':>8} {'fan MB/s':>8} {'nat p50/p99 ms':>15} {'fan p50/p99 ms':>15} "
             f"{'folio KiB n/f':>13} {'ratio':>5} {'(min-max)':>11}")  # fmt: skip
     lines = [head, "-" * len(head)]
     for r in rows:
         temp = r["temp"] + ("" if r.get("caches_dropped", True) else "*")
         lines.append(
-            f"{_where(r):9} {size_label(r['size']):>5} {temp:5}{r['readers']:>2} "
+            f"{_where(r):13} {size_label(r['size']):>5} {temp:5}{r['readers']:>2} "
             f"{r['native_files_per_s']:10.0f} {r['fanfs_files_per_s']:10.0f} "
             f"{r['native_mb_per_s']:8.0f} {r['fanfs_mb_per_s']:8.0f} "
             f"{r['native_p50_ms']:7.2f}/{r['native_p99_ms']:<7.2f} "
@@ -267,6 +295,7 @@ def run(
     log: Any = print,
     client: str = "raw",
     epoch: str = "none",
+    planned: bool = False,
 ) -> list[dict[str, Any]]:
     results: list[Result] = []
     extras: dict[Case, dict[str, Any]] = {}
@@ -283,6 +312,9 @@ def run(
         plan = (readers, temps, repeat, log, client)
         with serving(base / "img", base / "one", 1) as d:
             results += _cases(size, "local", base / "src", d.mnts[0], rels, *plan)
+            if planned and "cold" in temps:
+                results += _cases(size, "planned", base / "src", d.mnts[0], rels, readers,
+                                  ["cold"], repeat, log, client)  # fmt: skip
         if ranks > 1:
             catalog, _ = Catalog.load(base / "img")
             owners = place(catalog.part_size, catalog.part_flags, ranks)
@@ -296,6 +328,12 @@ def run(
                     got, more = _epoch_cases(size, base / "src", d, rels, part_of, owners, *plan)
                     results += got
                     extras.update(more)
+                    if planned and "cold" in temps:
+                        got, more = _epoch_cases(size, base / "src", d, rels, part_of, owners,
+                                                 readers, ["cold"], repeat, log, client,
+                                                 planned=True)  # fmt: skip
+                        results += got
+                        extras.update(more)
         shutil.rmtree(base, ignore_errors=True)
     rows = summarize(results)
     for row in rows:
@@ -360,16 +398,19 @@ def _epoch_cases(
     repeat: int,
     log: Any,
     client: str,
+    planned: bool = False,
 ) -> tuple[list[Any], dict[Any, dict[str, Any]]]:
     """The global-epoch cases at one size (bench/global_epoch.py): Results (per-node means) and, per
-    case, the remote share and the daemons' CPU per file and while idle."""
+    case, the remote share and the daemons' CPU per file and while idle. `planned`: cold, the
+    directories listed after the caches were dropped (both sides), and every node's fanfs
+    readers publish their order first (case "epoch-planned")."""
     pids = global_epoch.daemon_pids(d)
     idle = global_epoch.idle_cpu_percent(pids)
     results: list[Result] = []
     extras: dict[Case, dict[str, Any]] = {}
     for n in readers:
         for temp in temps:
-            case = Case(size, n, temp, "epoch", client)
+            case = Case(size, n, temp, "epoch-planned" if planned else "epoch", client)
             cpu_per_file, remote = [], []
             for i in range(repeat):
                 split = global_epoch.shares(len(rels), d.ranks, seed=i)
@@ -380,13 +421,17 @@ def _epoch_cases(
                     rounds, dropped = 1, True
                     if temp == "cold":
                         dropped = drop_caches()
+                        if planned:
+                            for root in set(roots):
+                                list_dirs(root)
                     else:
                         walls = global_epoch.read_groups(groups, n, client, _read_files)
                         wall = max(w for w, _, _ in walls)
                         rounds = max(1, min(WARM_MAX_ROUNDS, round(WARM_MIN_S / max(wall, 1e-3))))
                     before = global_epoch.cpu_seconds(pids)
+                    plans = d.mnts if planned and reader == "fanfs" else None
                     got = global_epoch.read_groups(
-                        [g * rounds for g in groups], n, client, _read_files
+                        [g * rounds for g in groups], n, client, _read_files, plans
                     )
                     spent = global_epoch.cpu_seconds(pids) - before
                     files = [len(g) * rounds for g in groups]

@@ -51,14 +51,20 @@ class _Tagged:
 
 
 def read_groups(
-    groups: list[list[str]], readers: int, client: str, read_files: Any
+    groups: list[list[str]],
+    readers: int,
+    client: str,
+    read_files: Any,
+    plans: Sequence[Path] | None = None,
 ) -> list[tuple[float, int, list[float]]]:
     """Every group read by `readers` processes of its own running `read_files(paths, client,
-    start, out)`, all groups at once; per group (wall seconds, bytes, per-file latencies)."""
+    start, out, plan)`, all groups at once; per group (wall seconds, bytes, per-file latencies).
+    With `plans` (group g's mount point), process i of group g publishes its order as share i."""
     ctx = mp.get_context("fork")
     start, out = ctx.Event(), ctx.Queue()
     procs = [ctx.Process(target=read_files, args=(paths[i::readers], client, start,
-                                                   _Tagged(out, g)))
+                                                   _Tagged(out, g),
+                                                   None if plans is None else (plans[g], i)))
              for g, paths in enumerate(groups) for i in range(readers)]  # fmt: skip
     for p in procs:
         p.start()
