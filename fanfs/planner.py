@@ -54,9 +54,10 @@ import numpy as np
 import trio
 
 from fanfs import catalog as cat
-from fanfs.checksum import crc32
+from fanfs import codec
 from fanfs.reader import WHOLE_FILE_LIMIT, Reader
 from fanfs.status import PlanStatus
+from fanfs.transport import PeerTimeout
 
 log = logging.getLogger(__name__)
 
@@ -228,30 +229,39 @@ class Planner:
                 self._jobs.put(None)
 
     def _plain(self, entry: int) -> tuple[int, int, int, int] | None:
-        """(partition, start, length, crc) of a file held here and stored raw, which a pusher
-        thread reads, checks and stores into the page cache with no event loop; None for the
-        rest (compressed, remote, held in memory or cached here: the event loop's way)."""
+        """(partition, start, stored length, codec) of a whole file that a pusher thread
+        fetches, checks, decodes and stores into the page cache with no event loop: held here
+        (partition -1: by a peer, when the transport can fetch for a thread). None for the rest
+        (framed files, files held in memory or cached here, peers only the event loop reaches)."""
         c = self.catalog
-        if int(c.codec[entry]) != cat.CODEC_RAW or self.reader.has(entry):
+        codec_id = int(c.codec[entry])
+        if codec_id == cat.CODEC_FRAMED or self.reader.has(entry):
             return None
         length = int(c.stored_len[entry])
         where = self.reader.locate(entry, 0, length)
-        if where is None:
-            return None
-        return where[0], where[1], length, int(c.crc[entry])
+        if where is not None:
+            return where[0], where[1], length, codec_id
+        transport = self.reader.sources.transport
+        if transport is not None and transport.blocking_fetch and not self.reader.mine(entry):
+            return -1, 0, length, codec_id
+        return None
 
     def _pusher(self) -> None:
-        """A pusher thread: local raw files from the store into the page cache. A file the
-        kernel does not know goes to the event loop to be held; a bad one is left to its READ
-        (which finds it bad and says so)."""
+        """A pusher thread: whole files from the store or a peer into the page cache. A file
+        the kernel does not know goes to the event loop to be held; a bad one, or one no
+        source gives, is left to its READ (which tries every source and reports it)."""
+        c = self.catalog
         while (job := self._jobs.get()) is not None:
-            share, s, pos, entry, part, start, length, crc = job
+            share, s, pos, entry, part, start, length, codec_id = job
             if self._shares.get(share) is not s or pos < s.position - SLACK:
                 continue  # replaced, or the job passed it meanwhile
             try:
-                data = self.reader.pread(part, start, length)
-                if crc32(data) != crc:
-                    raise OSError(errno.EIO, "checksum mismatch")
+                if part >= 0:
+                    stored = self.reader.pread(part, start, length)
+                else:
+                    stored = self._from_peers(entry, length)
+                data = codec.decode(stored, codec_id, int(c.size[entry]), int(c.crc[entry]),
+                                    c.dicts)  # fmt: skip
                 pushed = self.push(entry, data)
             except Exception as e:
                 with self._count:
@@ -260,11 +270,21 @@ class Planner:
                 continue
             with self._count:
                 self.prefetched += 1
-                self.prefetched_bytes += length
+                self.prefetched_bytes += len(data)
                 self.pushed += pushed
             if not pushed and self._token is not None:
                 with contextlib.suppress(trio.RunFinishedError):
                     self._token.run_sync_soon(self._hold, share, s, pos, entry, data)
+
+    def _from_peers(self, entry: int, length: int) -> bytes:
+        transport = self.reader.sources.transport
+        assert transport is not None
+        for peer in self.reader.sources.peers(entry):
+            with contextlib.suppress(PeerTimeout):
+                got = transport.fetch_blocking(peer, entry, 0, length)
+                if got is not None:
+                    return got
+        raise OSError(errno.EIO, "no peer has it")
 
     def _hold(self, share: int, s: _Share, pos: int, entry: int, data: bytes) -> None:
         if self._shares.get(share) is s and pos >= s.position - SLACK:

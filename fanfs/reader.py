@@ -180,6 +180,10 @@ class Reader:
         with contextlib.suppress(Exception):  # marked bad and logged: its READ gets EIO
             await self._whole(entry, keep=True)
 
+    def mine(self, entry: int) -> bool:
+        """Whether this daemon holds `entry`'s partition."""
+        return self.sources.mine(entry)
+
     def has(self, entry: int) -> bool:
         """Whether `entry`'s decoded bytes are held or cached here (not the kernel's cache)."""
         return entry in self.held or entry in self._cache

@@ -19,7 +19,7 @@ import pytest
 from conftest import FANFS, prepare, stopping
 
 from fanfs import catalog as cat
-from fanfs import datagen, lookahead, mounts, placement
+from fanfs import datagen, lookahead, mounts, placement, plan
 from fanfs.bench import launch
 from fanfs.compare import assert_same_tree
 from fanfs.errors import ExitCode
@@ -191,6 +191,30 @@ def test_fetch_at_lookup_and_a_stat_walk(tree: Path, image: Path, tmp_path: Path
         assert s["lookup_fetches"] - len(read) <= lookahead.WINDOW + 8, s
         for rel in walked:  # and every file still reads right
             assert (m.mnts[0] / rel).read_bytes() == (tree / rel).read_bytes(), rel
+        _clean_after(m)
+
+
+def test_a_planned_epoch_reads_remote_files_ahead(tree: Path, image: Path, tmp_path: Path) -> None:
+    """Planned epochs over 2 daemons: local and remote files (compressed, with dictionaries)
+    read ahead into the page cache, so the job's READs never reach its daemon."""
+    rels = sorted(str(p.relative_to(tree)) for p in tree.rglob("*")
+                  if p.is_file() and not p.is_symlink() and p.stat().st_size
+                  and p.parts[-2] != "big")  # fmt: skip
+    random.Random(7).shuffle(rels)
+    with mpi_mounted(image, tmp_path, 2) as m:
+        for _ in os.walk(m.mnts[0]):  # as a loader that lists its dataset first
+            pass
+        assert plan.publish(m.mnts[0], rels).planned == len(rels)
+        deadline = time.monotonic() + 60
+        while (s := m.status(0))["plan"]["prefetched"] < len(rels):
+            assert time.monotonic() < deadline, s["plan"]
+            time.sleep(0.1)
+        assert s["plan"]["pushed_to_kernel"] == len(rels) and s["plan"]["failed"] == 0, s
+        assert s["reader"]["remote_fetches"] > len(rels) // 4, s["reader"]  # fetched ahead
+        reads = s["reader"]["reads"]
+        for rel in rels:
+            assert (m.mnts[0] / rel).read_bytes() == (tree / rel).read_bytes(), rel
+        assert m.status(0)["reader"]["reads"] == reads
         _clean_after(m)
 
 

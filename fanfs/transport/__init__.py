@@ -47,6 +47,8 @@ class PeerTimeout(Exception):
 
 
 class PeerTransport:
+    blocking_fetch = False  # whether `fetch_blocking` works (threads of its own serve it)
+
     def __init__(self, rank: int, size: int, peer_timeout: float):
         self.rank = rank
         self.size = size
@@ -70,6 +72,11 @@ class PeerTransport:
     async def fetch(self, peer: int, entry: int, offset: int, length: int) -> bytes | None:
         """`length` stored bytes of `entry` from `offset`, from `peer`; None if it has none.
         Raises PeerTimeout if the peer does not answer within the peer timeout."""
+        raise NotImplementedError
+
+    def fetch_blocking(self, peer: int, entry: int, offset: int, length: int) -> bytes | None:
+        """`fetch` from a thread of the daemon's own, where the transport has threads of its
+        own to serve it (the MPI one); NotImplementedError elsewhere."""
         raise NotImplementedError
 
     def _say_bye(self) -> None:

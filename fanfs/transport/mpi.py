@@ -11,16 +11,16 @@ Reply tags cycle through [16, TAG_UB) and are never reused while a fetch is outs
 
 Concurrency: one thread (`fanfs-mpi`) makes every MPI call after start-up. Trio tasks hand it
 commands through a thread-safe queue; it answers with `TrioToken.run_sync_soon`, which never
-blocks the MPI thread. While a fetch of its own is outstanding it polls without sleeping
-(yielding the CPU between polls) for up to SPIN_S after the last event: a reader is blocked on
-that fetch, and a sleep of even 50 us added a tenth of a millisecond to every remote file (see
-docs/performance.md). Otherwise it blocks on the queue with a timeout: 20 us for HOT_S after
-any traffic, backing off to 2 ms once idle (a blocking Recv would burn a core, and on 2-core
-nodes that matters; idle, a daemon uses about 1 % of one). A peer's request that a plain read
-answers (`DirectReads`) is served without the event loop: the MPI thread reads what the page
-cache holds, SERVER_THREADS threads read the rest from the disk, and both put the reply on the
-command queue. Other requests (refusals, large raw files not checked yet) go to `serve_fn` in
-the event loop.
+blocks the MPI thread (the planner's threads, which fetch with `fetch_blocking`, are woken
+directly). While a fetch that a reader waits for is outstanding it polls without sleeping
+(yielding the CPU between polls) for up to SPIN_S after the last event: a sleep of even 50 us
+added a tenth of a millisecond to every remote file (see docs/performance.md). Otherwise it
+blocks on the queue with a timeout: 20 us for HOT_S after any traffic, backing off to 2 ms once
+idle (a blocking Recv would burn a core, and on 2-core nodes that matters; idle, a daemon uses
+about 1 % of one). A peer's request that a plain read answers (`DirectReads`) is served
+without the event loop: the MPI thread reads what the page cache holds, SERVER_THREADS threads
+read the rest from the disk, and both put the reply on the command queue. Other requests
+(refusals, large raw files not checked yet) go to `serve_fn` in the event loop.
 After start-up no collective operation is used, so a dead rank can only cost its own
 requests a peer timeout, after which it is routed around.
 """
@@ -96,6 +96,7 @@ class _Fetch:
     buf: bytearray
     event: trio.Event = field(default_factory=trio.Event)
     count: int = -1  # bytes received; -1: failed
+    waiter: threading.Event | None = None  # a thread's fetch (fetch_blocking), not a task's
 
 
 # Commands from trio tasks to the MPI thread (one queue, read only by that thread).
@@ -141,6 +142,8 @@ _Command = _Send | _Cancel | _Reply | _Bye | _Stop
 
 
 class MpiTransport(PeerTransport):
+    blocking_fetch = True
+
     def __init__(
         self,
         world: World,
@@ -160,6 +163,7 @@ class MpiTransport(PeerTransport):
         self._tag_ub = int(self.comm.Get_attr(self.MPI.TAG_UB) or 32767)
         self._next_tag = FIRST_REPLY_TAG
         self._outstanding: dict[int, _Fetch] = {}
+        self._lock = threading.Lock()  # reply tags and counters: the event loop and threads
         self._thread: threading.Thread | None = None
         self._token: trio.lowlevel.TrioToken | None = None
 
@@ -187,31 +191,68 @@ class MpiTransport(PeerTransport):
             if tag not in self._outstanding:
                 return tag
 
-    async def fetch(self, peer: int, entry: int, offset: int, length: int) -> bytes | None:
-        if peer in self._dead:
-            raise PeerTimeout(f"rank {peer} is dead")
-        tag = self._tag()
-        job = _Fetch(peer, length, bytearray(length))
-        self._outstanding[tag] = job
+    def _start(self, peer: int, entry: int, offset: int, length: int, job: _Fetch) -> int:
+        """Hand the MPI thread a fetch (any thread); its reply tag."""
+        with self._lock:
+            tag = self._tag()
+            self._outstanding[tag] = job
         header = np.array([entry, offset, length, tag], dtype=np.int64)
-        began = time.perf_counter()
         self._cmds.put(_Send(peer, tag, header, job))
-        try:
-            with trio.move_on_after(self.peer_timeout):
-                await job.event.wait()
-        finally:
-            if not job.event.is_set():
-                self._cmds.put(_Cancel(tag))
+        return tag
+
+    def _forget(self, tag: int, done: bool) -> None:
+        if not done:
+            self._cmds.put(_Cancel(tag))
+        with self._lock:
             del self._outstanding[tag]
-        if not job.event.is_set():
+
+    def _result(self, peer: int, job: _Fetch, done: bool, began: float) -> bytes | None:
+        if not done:
             raise self._timed_out(peer)
         if job.count < 0:
             self._mark_dead(peer, "cannot be reached")
             raise PeerTimeout(f"rank {peer} cannot be reached")
-        if job.count != length:
+        if job.count != job.length:
             return None
-        self._fetched(began, length, time.perf_counter())
-        return bytes(job.buf) if length <= CHUNK else job.buf  # type: ignore[return-value]
+        with self._lock:
+            self._fetched(began, job.length, time.perf_counter())
+        return bytes(job.buf) if job.length <= CHUNK else job.buf  # type: ignore[return-value]
+
+    async def fetch(self, peer: int, entry: int, offset: int, length: int) -> bytes | None:
+        if peer in self._dead:
+            raise PeerTimeout(f"rank {peer} is dead")
+        job = _Fetch(peer, length, bytearray(length))
+        began = time.perf_counter()
+        tag = self._start(peer, entry, offset, length, job)
+        try:
+            with trio.move_on_after(self.peer_timeout):
+                await job.event.wait()
+        finally:  # also when cancelled: the MPI thread must let go of the buffer
+            done = job.event.is_set()
+            self._forget(tag, done)
+        return self._result(peer, job, done, began)
+
+    def fetch_blocking(self, peer: int, entry: int, offset: int, length: int) -> bytes | None:
+        """`fetch` for a thread of the daemon's own (the planner's): blocks, never the MPI
+        thread's or the event loop's. PeerTimeout as `fetch`."""
+        if peer in self._dead:
+            raise PeerTimeout(f"rank {peer} is dead")
+        waiter = threading.Event()
+        job = _Fetch(peer, length, bytearray(length), waiter=waiter)
+        began = time.perf_counter()
+        tag = self._start(peer, entry, offset, length, job)
+        done = waiter.wait(self.peer_timeout)
+        self._forget(tag, done)
+        return self._result(peer, job, done, began)
+
+    def _delivered(self, job: _Fetch, count: int) -> None:
+        """(The MPI thread.) Wake whoever waits for `job`: a thread at once, a task through
+        the event loop."""
+        if job.waiter is not None:
+            job.count = count
+            job.waiter.set()
+        else:
+            self._call_trio(self._deliver, job, count)
 
     def _deliver(self, job: _Fetch, count: int) -> None:
         job.count = count
@@ -333,7 +374,7 @@ class MpiTransport(PeerTransport):
                     count = -1
                 busy = True
                 del receiving[tag]
-                self._call_trio(self._deliver, job, count)
+                self._delivered(job, count)
             sending = [(req, buf) for req, buf in sending if not self._done(req)]
             cancelled = [req for req in cancelled if not self._done(req)]
             now = time.monotonic()
@@ -341,8 +382,10 @@ class MpiTransport(PeerTransport):
                 hot_until = now + HOT_S
             if busy:
                 moved = now
-            if receiving and now - moved < SPIN_S:
-                idle = 0.0  # a reader waits for one of our fetches: no sleep at all
+            # A reader waits for one of our fetches (not only the planner's threads, which
+            # want throughput and can wait a poll): no sleep at all.
+            if now - moved < SPIN_S and any(r[1].waiter is None for r in receiving.values()):
+                idle = 0.0
             else:
                 idle = POLL_MIN_S if now < hot_until else min(max(idle, POLL_MIN_S) * 2, POLL_MAX_S)
 
@@ -433,4 +476,4 @@ class MpiTransport(PeerTransport):
             log.warning("MPI %s to rank %d failed: %s", type(cmd).__name__[1:], peer, e)
             if isinstance(cmd, _Send):
                 receiving.pop(cmd.tag, None)
-                self._call_trio(self._deliver, cmd.job, -1)
+                self._delivered(cmd.job, -1)
