@@ -15,6 +15,8 @@ import torch
 from conftest import Mount, mounted, prepare
 from PIL import Image
 
+from fanfs.torch import PlannedSampler
+
 CLASSES = 4
 PER_CLASS = 24
 SIDE = 16
@@ -98,6 +100,33 @@ def test_pytorch_trains_from_the_mount(dataset: Path, mount: Mount) -> None:
     assert sorted(seen) == sorted(rel for rel, _ in reference.samples)
     for i, (rel, _) in enumerate(reference.samples):
         assert torch.equal(seen[rel], reference[i][0]), rel
+
+
+def test_planned_sampler_trains_on_exactly_the_same_samples(dataset: Path, mount: Mount) -> None:
+    """PlannedSampler over a shuffled DistributedSampler (2 ranks, this one rank 1): the same
+    indices, batches and pixels as without it, and the daemon took each epoch's plan."""
+    data = ImageFolder(mount.mountpoint / "train")
+    paths = [mount.mountpoint / "train" / rel for rel, _ in data.samples]
+
+    def batches(planned: bool, epoch: int) -> list[tuple[list[str], torch.Tensor]]:
+        inner = torch.utils.data.DistributedSampler(data, num_replicas=2, rank=1, seed=3)
+        sampler: Any = PlannedSampler(inner, paths, mount.mountpoint) if planned else inner
+        sampler.set_epoch(epoch)
+        loader = torch.utils.data.DataLoader(data, batch_size=8, sampler=sampler, num_workers=2)
+        assert len(sampler) == len(inner)
+        return [(list(rels), x) for x, _, rels in loader]
+
+    for epoch in (0, 1):
+        before = mount.status()["plan"]
+        want, got = batches(False, epoch), batches(True, epoch)
+        assert [r for r, _ in got] == [r for r, _ in want]
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, want, strict=True))
+        after = mount.status()["plan"]
+        assert after["planned"] - before["planned"] == len(data) // 2, after
+        assert after["shares"] == 1 and after["failed"] == 0, after  # rank 1's share
+    assert [rel for rels, _ in batches(True, 0) for rel in rels] != [
+        rel for rels, _ in batches(True, 1) for rel in rels
+    ]  # set_epoch reached the wrapped sampler: a new order
 
 
 # -- fio ----------------------------------------------------------------------------------------
