@@ -133,6 +133,7 @@ class Daemon:
             mountpoint=str(self.mountpoint),
             rank=self.rank,
             size=self.size,
+            replicas=max(1, min(self.cfg.replicas, self.size)),
             host=os.uname().nodename,
             node=node_name(self.rank),
             serving=self.serving,
@@ -291,9 +292,7 @@ class Daemon:
                 nursery.start_soon(self.native.errors)
             if self.planner is not None:
                 nursery.start_soon(self.planner.run)
-                self.plan_socket = str(
-                    await nursery.start(self.planner.serve, self.store.staging.path)
-                )
+                self.plan_socket = str(await nursery.start(self.planner.serve))
             self.store.start_staging()
             self.serving = True
             log.info("serving %s at %s (%s)", self.cfg.image, self.mountpoint,

@@ -48,6 +48,10 @@ class LookAhead:
             _, fetched = self._recent.popitem(last=False)
             self._outcome(False, fetched)
 
+    def waiting(self, entry: int) -> bool:
+        """Whether `entry` was looked up and its READ has not come yet."""
+        return entry in self._recent
+
     def read(self, entry: int) -> bool:
         """The kernel reads `entry`: True if its fetch started at its LOOKUP."""
         fetched = self._recent.pop(entry, None)

@@ -11,8 +11,9 @@ ranks) each publish their own share. `progress` tells the daemon how far a share
 read, which lets it read further ahead when the job's reads do not reach it (files already in
 the page cache); `fanfs.torch.PlannedSampler` does both for PyTorch.
 
-The daemon is reached through a Unix socket in its private staging directory, whose path
-`fanfs status --json` shows (`plan_socket`); only the user who mounted can reach it.
+The daemon is reached through an abstract Unix socket whose name `fanfs status --json` shows
+(`plan_socket`); the daemon serves only its own user (and root), and the client checks that the
+daemon is its user's (or root's) too.
 
 Concurrency: plain blocking calls, from any thread or process.
 """
@@ -22,9 +23,11 @@ from __future__ import annotations
 import json
 import os
 import socket
+import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from fanfs import mounts
 from fanfs.errors import FanfsError
@@ -84,16 +87,15 @@ class Channel:
         self._request(f"FANFS-PLAN 1 at {int(share)} {int(position)}\n".encode())
 
     def _request(self, message: bytes) -> dict[str, object]:
-        path = self.socket
-        try:
-            dirfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        except OSError as e:
-            raise FanfsError(f"{self.root}: cannot reach the daemon's plan socket: {e}") from None
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
                 s.settimeout(TIMEOUT_S)
-                # Through the directory's fd: socket paths are limited to 107 bytes.
-                s.connect(f"/proc/self/fd/{dirfd}/{path.name}")
+                s.connect(self.socket)
+                # The daemon must be of this user (or root): a name in /proc/net/unix is no proof.
+                creds = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+                uid = struct.unpack("3i", creds)[1]
+                if uid not in (os.geteuid(), 0):
+                    raise FanfsError(f"{self.root}: the plan socket belongs to uid {uid}")
                 s.sendall(message)
                 s.shutdown(socket.SHUT_WR)
                 reply = b""
@@ -101,8 +103,6 @@ class Channel:
                     reply += chunk
         except OSError as e:
             raise FanfsError(f"{self.root}: cannot reach the daemon's plan socket: {e}") from None
-        finally:
-            os.close(dirfd)
         try:
             got: dict[str, object] = json.loads(reply)
         except ValueError:
@@ -112,13 +112,52 @@ class Channel:
         return got
 
 
-def socket_path(mountpoint: Path) -> Path:
-    """The plan socket of the daemon behind `mountpoint` (FanfsError if there is none)."""
+@dataclass(frozen=True)
+class Placement:
+    """Where files live in the job behind one mount (`placement`)."""
+
+    nodes: int  # daemons in the job
+    node: int  # the daemon behind this mount (its rank)
+    holders: list[tuple[int, ...]]  # per path asked: the daemons holding it; () if no file
+
+
+def placement(mountpoint: str | os.PathLike[str],
+              paths: Iterable[str | os.PathLike[str]]) -> Placement:  # fmt: skip
+    """Which daemons hold each of `paths` (absolute under the mount or relative to it). The
+    same pure function the daemons place partitions with (fanfs/placement.py), computed from
+    the image's catalog: no daemon is asked, so every training rank gets the same answer."""
+    from fanfs.catalog import Catalog
+    from fanfs.placement import place
+
+    root = Path(mountpoint).absolute()
+    status = _status(root)
+    catalog, _ = Catalog.load(Path(str(status["image"])))
+    owners = place(catalog.part_size, catalog.part_flags, int(status["size"]),
+                   int(status.get("replicas", 1)))  # fmt: skip
+    prefix = os.fsencode(root) + b"/"
+    holders: list[tuple[int, ...]] = []
+    for p in paths:
+        raw = os.fsencode(p)
+        if raw.startswith(b"/"):
+            raw = raw[len(prefix) :] if raw.startswith(prefix) else b"\0"
+        entry = catalog.resolve(raw) if b"\0" not in raw else None
+        ok = entry is not None and bool(catalog.is_file[entry])
+        holders.append(owners[int(catalog.part[entry])] if ok and entry is not None else ())
+    return Placement(int(status["size"]), int(status["rank"]), holders)
+
+
+def _status(mountpoint: Path) -> dict[str, Any]:
     entry = mounts.find(mountpoint)
     status = mounts.probe_status(mountpoint, 30) if entry is not None else None
     if entry is None or entry.fstype != mounts.FSTYPE or status is None:
         raise FanfsError(f"{mountpoint}: no fanfs mount there")
-    path = str(status.get("plan_socket") or "")
-    if not path:
+    return status
+
+
+def socket_path(mountpoint: Path) -> str:
+    """The plan socket's address for `connect` (an abstract name) of the daemon behind
+    `mountpoint` (FanfsError if there is none)."""
+    name = str(_status(mountpoint).get("plan_socket") or "")
+    if not name.startswith("@"):
         raise FanfsError(f"{mountpoint}: this fanfs daemon takes no plans (yet)")
-    return Path(path)
+    return "\0" + name[1:]

@@ -22,9 +22,12 @@ missing), a dead peer (the fetch routes around it like any read) and a failed pr
 READ then fetches the file itself, and a corrupt one is marked bad as always) never make a read
 wrong, and a READ never waits for the planner.
 
-The channel: a Unix socket, `plan.sock` in the daemon's private staging directory (0700, its
-user's only; docs/security.md), with the peer's uid checked too (SO_PEERCRED). One request per
-connection, a header line then the body (fanfs/plan.py is the client):
+The channel: an abstract Unix socket with a random name (nothing in any file system, so nothing
+is left behind by a killed daemon), published in the status attribute, which only the user who
+mounted can read. Every connection's uid is checked first (SO_PEERCRED: the daemon's own or
+root) and another user's is closed at once; the client checks the daemon's the same way
+(docs/security.md). One request per connection, a header line then the body (fanfs/plan.py is
+the client):
 
     FANFS-PLAN 1 order SHARE N\\n  then N paths relative to the mount, each ended by NUL
     FANFS-PLAN 1 at SHARE POSITION\\n  the job has read up to POSITION of SHARE's plan
@@ -43,6 +46,7 @@ import json
 import logging
 import os
 import queue
+import secrets
 import socket
 import struct
 import threading
@@ -61,7 +65,6 @@ from fanfs.transport import PeerTimeout
 
 log = logging.getLogger(__name__)
 
-SOCKET_NAME = "plan.sock"
 MAGIC = b"FANFS-PLAN 1"
 HEADER_MAX = 200
 MAX_SHARES = 1024
@@ -266,7 +269,11 @@ class Planner:
             except Exception as e:
                 with self._count:
                     self.failed += 1
-                log.debug("read-ahead of entry %d failed: %s", entry, e)
+                log.info(
+                    "read-ahead of %s failed (its READ will fetch it): %s",
+                    os.fsdecode(b"/" + c.path(entry)),
+                    e,
+                )
                 continue
             with self._count:
                 self.prefetched += 1
@@ -313,35 +320,36 @@ class Planner:
                 self._hold(share, s, pos, entry, data)
         except Exception as e:  # the READ fetches it itself (and marks it bad if it is)
             self.failed += 1
-            log.debug("prefetch of entry %d failed: %s", entry, e)
+            log.info("read-ahead of entry %d failed (its READ will fetch it): %s", entry, e)
         finally:
             self._slots.release()
 
     # -- the socket -------------------------------------------------------------------------
 
-    async def serve(self, directory: Path, *, task_status: trio.TaskStatus[Path]) -> None:
-        """Take plans on `directory`/plan.sock until cancelled."""
-        path = directory / SOCKET_NAME
+    async def serve(self, *, task_status: trio.TaskStatus[str]) -> None:
+        """Take plans until cancelled; `started` with the socket's name ("@" + abstract name)."""
         sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        dirfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-        try:
-            await sock.bind(via_fd(dirfd, SOCKET_NAME))  # short even when `directory` is long
-        finally:
-            os.close(dirfd)
+        while True:  # a random name: nobody can take it first (and a clash only costs a retry)
+            name = f"fanfs-plan-{os.getpid()}-{secrets.token_hex(16)}"
+            try:
+                await sock.bind("\0" + name)
+                break
+            except OSError as e:
+                if e.errno != errno.EADDRINUSE:
+                    raise
         sock.listen(64)
-        listener = trio.SocketListener(sock)
-        task_status.started(path)
-        try:
-            await trio.serve_listeners(self._client, [listener])
-        finally:
-            with _quietly():
-                path.unlink()
+        task_status.started("@" + name)
+        await trio.serve_listeners(self._client, [trio.SocketListener(sock)])
 
     async def _client(self, stream: trio.SocketStream) -> None:
+        async with stream:
+            await self._answer(stream)
+
+    async def _answer(self, stream: trio.SocketStream) -> None:
         reply: dict[str, object]
         try:
+            self._check_peer(stream.socket)  # first: another user's connection ends at once
             with trio.fail_after(REQUEST_TIMEOUT_S):
-                self._check_peer(stream.socket)
                 reply = await self._request(stream)
         except PlanError as e:
             self.refused += 1
@@ -353,7 +361,6 @@ class Planner:
             return
         with _quietly():
             await stream.send_all(json.dumps(reply).encode() + b"\n")
-            await stream.aclose()
 
     def _check_peer(self, sock: trio.socket.SocketType) -> None:
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
@@ -432,12 +439,6 @@ def parse_header(header: bytes) -> tuple[str, int, int]:
     if not (0 <= share < 1 << 31 and 0 <= n < 1 << 40):
         raise PlanError("share or count out of range")
     return parts[2].decode(), share, n
-
-
-def via_fd(dirfd: int, name: str) -> str:
-    """A short path to `name` in the directory open as `dirfd` (Unix socket paths are limited
-    to 107 bytes; a staging directory's path can be longer)."""
-    return f"/proc/self/fd/{dirfd}/{name}"
 
 
 def _quietly() -> contextlib.suppress:

@@ -177,6 +177,8 @@ class Reader:
             trio.lowlevel.spawn_system_task(self._fetch_ahead, entry)
 
     async def _fetch_ahead(self, entry: int) -> None:
+        if not self._ahead.waiting(entry):
+            return  # its READ came first (and fetched it): a second fetch would be waste
         with contextlib.suppress(Exception):  # marked bad and logged: its READ gets EIO
             await self._whole(entry, keep=True)
 

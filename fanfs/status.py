@@ -114,6 +114,7 @@ class Status:
     mountpoint: str
     rank: int
     size: int
+    replicas: int  # ranks holding each partition (not broadcast ones)
     host: str
     node: str
     serving: bool

@@ -1,4 +1,5 @@
-"""PyTorch: `PlannedSampler`, a sampler that tells fanfs each epoch's order (planned epochs).
+"""PyTorch samplers that know fanfs: `PlannedSampler` tells the daemon each epoch's order
+(planned epochs); `LocalitySampler` chooses how much of an epoch is read from other nodes.
 
     sampler = DistributedSampler(dataset, shuffle=True)        # or any sampler
     sampler = fanfs.torch.PlannedSampler(sampler, paths, "/mnt/data")
@@ -71,3 +72,158 @@ class PlannedSampler:
                 log.warning("fanfs: reading without a plan: %s", e)
             self._channel = None
             return False
+
+
+class LocalitySampler:
+    """A drop-in for PyTorch's `DistributedSampler` that knows where fanfs keeps each file.
+
+    `paths[i]` is sample i's file (under the mount, relative or absolute). `q` chooses how much
+    of an epoch crosses the network: 0 is *local shuffling* (each training rank reads only files
+    its node holds, shuffled anew every epoch), 1 is a *global shuffle* (about (N-1)/N of the
+    reads remote on N nodes, like `DistributedSampler`), and in between is *partial local
+    shuffling* (each epoch a random fraction q of the samples is pooled and dealt out across
+    the job; the rest stay on their node), after "Why Globally Re-shuffle? Revisiting Data
+    Shuffling in Large Scale Deep Learning" (IPDPS 2022).
+
+    Like `DistributedSampler`: `set_epoch`, every rank's length equal, every sample at least
+    once per epoch across the job (short ranks padded by repeating their own first samples),
+    deterministic for `seed` and the epoch, and no communication: every rank computes the whole
+    job's assignment from the image's catalog (`fanfs.plan.placement`). Training ranks map to
+    nodes by `node_of_rank` (default: through `torch.distributed` when it is initialized, else
+    ranks in blocks over the nodes, as Slurm
+    places them). The length is `ceil(len/N)`, or a little more when one node holds more than
+    its share (its ranks read all of it, so q = 0 reads nothing remote; the others pad); with
+    `drop_last` it is `floor(len/N)` and a node's surplus is read by others.
+    """
+
+    def __init__(
+        self,
+        paths: Sequence[str | os.PathLike[str]],
+        mountpoint: str | os.PathLike[str],
+        q: float = 0.0,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        seed: int = 0,
+        drop_last: bool = False,
+        node_of_rank: Sequence[int] | None = None,
+    ):
+        where = plan.placement(mountpoint, paths)
+        self._configure(where, q, num_replicas, rank, seed, drop_last, node_of_rank)
+
+    @classmethod
+    def from_placement(cls, where: plan.Placement, q: float = 0.0, num_replicas: int | None = None,
+                       rank: int | None = None, seed: int = 0, drop_last: bool = False,
+                       node_of_rank: Sequence[int] | None = None) -> LocalitySampler:  # fmt: skip
+        """A sampler over `where.holders` (one per sample) without asking a mount."""
+        self = cls.__new__(cls)
+        self._configure(where, q, num_replicas, rank, seed, drop_last, node_of_rank)
+        return self
+
+    def _configure(
+        self,
+        where: plan.Placement,
+        q: float,
+        num_replicas: int | None,
+        rank: int | None,
+        seed: int,
+        drop_last: bool,
+        node_of_rank: Sequence[int] | None,
+    ) -> None:
+        import numpy as np
+
+        if not 0.0 <= q <= 1.0:
+            raise ValueError(f"q must be between 0 and 1, not {q}")
+        dist = _distributed()
+        if num_replicas is None:
+            num_replicas = dist.get_world_size() if dist is not None else where.nodes
+        if rank is None:
+            rank = dist.get_rank() if dist is not None else where.node
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank} is not in [0, {num_replicas})")
+        if node_of_rank is None:
+            if dist is not None:
+                gathered: list[Any] = [None] * num_replicas
+                dist.all_gather_object(gathered, where.node)
+                node_of_rank = [int(n) for n in gathered]
+            else:
+                node_of_rank = [r * where.nodes // num_replicas for r in range(num_replicas)]
+        if len(node_of_rank) != num_replicas:
+            raise ValueError("node_of_rank needs one node per rank")
+        self.q, self.seed, self.drop_last = q, seed, drop_last
+        self.num_replicas, self.rank, self.epoch = num_replicas, rank, 0
+        self.nodes = where.nodes
+        self.node_of_rank = [int(n) for n in node_of_rank]
+        self.holders = where.holders
+        # One home node per sample: its holder, spread over replicas by sample index.
+        self._home = np.array([h[i % len(h)] if h else -1 for i, h in enumerate(self.holders)],
+                              dtype=np.int64)  # fmt: skip
+        n = len(self.holders)
+        if drop_last and n % num_replicas:
+            self.num_samples = n // num_replicas
+        else:
+            # Every node's ranks can read all the node holds, so that q = 0 reads nothing
+            # remote: a node holding more than its share makes every rank read a little more
+            # (repeats, as DistributedSampler pads); fanfs balances nodes to about a partition.
+            counts = np.bincount(self._home[self._home >= 0], minlength=self.nodes)
+            ranks = np.bincount(np.array(self.node_of_rank), minlength=self.nodes)
+            need = [-(-int(counts[k]) // int(ranks[k])) for k in range(self.nodes) if ranks[k]]
+            self.num_samples = max([-(-n // num_replicas), *need])
+        self.total_size = self.num_samples * num_replicas
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.assignment(self.epoch)[self.rank])
+
+    def assignment(self, epoch: int) -> list[list[int]]:
+        """Every rank's samples for `epoch`, in order (the same on every rank)."""
+        import numpy as np
+
+        rng = np.random.default_rng([self.seed, epoch])
+        n, home = len(self._home), self._home
+        ranks_on: dict[int, list[int]] = {}
+        for r, node in enumerate(self.node_of_rank):
+            ranks_on.setdefault(node, []).append(r)
+        pooled = (rng.random(n) < self.q) | (home < 0) | ~np.isin(home, list(ranks_on))
+        kept: dict[int, Any] = {}
+        spill = [np.flatnonzero(pooled)]
+        for node, ranks in sorted(ranks_on.items()):
+            mine = rng.permutation(np.flatnonzero((home == node) & ~pooled))
+            room = self.num_samples * len(ranks)
+            kept[node], rest = mine[:room], mine[room:]
+            spill.append(rest)
+        pool = rng.permutation(np.concatenate(spill))
+        slots = np.concatenate([np.full(self.num_samples * len(ranks) - len(kept[node]), node)
+                                for node, ranks in sorted(ranks_on.items())])  # fmt: skip
+        slots = rng.permutation(slots)[: len(pool)]
+        out: list[list[int]] = [[] for _ in range(self.num_replicas)]
+        order = rng.permutation(n)  # pads a rank that got nothing at all
+        for node, ranks in sorted(ranks_on.items()):
+            items = rng.permutation(np.concatenate([kept[node], pool[: len(slots)][slots == node]]))
+            for k, r in enumerate(ranks):
+                mine = items[k :: len(ranks)].tolist()
+                pad = mine or order.tolist()
+                while len(mine) < self.num_samples:
+                    mine += pad[: self.num_samples - len(mine)]
+                out[r] = mine[: self.num_samples]
+        return out
+
+    def remote_share(self, epoch: int) -> float:
+        """The share of this epoch's distinct (node, file) reads whose file another node holds."""
+        reads = {(self.node_of_rank[r], i) for r, got in enumerate(self.assignment(epoch))
+                 for i in got}  # fmt: skip
+        remote = sum(1 for node, i in reads if node not in self.holders[i])
+        return remote / max(1, len(reads))
+
+
+def _distributed() -> Any:
+    """torch.distributed when it is initialized, else None (no torch needed)."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    return dist if dist.is_available() and dist.is_initialized() else None

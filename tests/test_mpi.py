@@ -218,6 +218,69 @@ def test_a_planned_epoch_reads_remote_files_ahead(tree: Path, image: Path, tmp_p
         _clean_after(m)
 
 
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """400 small raw files in 16 partitions: one remote fetch per remote file read."""
+    src = tmp_path_factory.mktemp("small") / "src"
+    rng = np.random.default_rng(12)
+    for i in range(400):
+        path = src / f"k{i % 10}" / f"s{i:03d}.bin"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(rng.bytes(int(rng.integers(100, 20_000))))
+    img = tmp_path_factory.mktemp("small-img") / "img"
+    return src, prepare(src, img, "--compress", "none", "--partitions", "16")
+
+
+@pytest.mark.parametrize("n", [8, 16])
+def test_many_daemons_on_one_machine(small: tuple[Path, Path], tmp_path: Path, n: int) -> None:
+    """The protocol beyond 4 ranks (oversubscribed): catalog broadcast, placement, remote
+    reads and the linger at unmount, every byte checked."""
+    src, image = small
+    rels = sorted(str(p.relative_to(src)) for p in src.rglob("*.bin"))
+    with mpi_mounted(image, tmp_path, n) as m:
+        assert [m.status(r)["size"] for r in range(n)] == [n] * n
+        owned = sum(m.status(r)["store"]["partitions_owned"] for r in range(n))
+        assert owned == 16
+        for r in range(n):  # each rank reads a share, rank 0 everything
+            for rel in rels if r == 0 else rels[r::n]:
+                assert (m.mnts[r] / rel).read_bytes() == (src / rel).read_bytes(), (r, rel)
+        assert m.status(0)["reader"]["remote_fetches"] > 0
+        _clean_after(m)
+
+
+def test_locality_sampler_reads_local_or_as_predicted(
+    small: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """q = 0: no remote fetch at all; q = 1: the remote share the sampler predicts, within 5
+    points; every sample read in every epoch."""
+    from fanfs.torch import LocalitySampler
+
+    src, image = small
+    rels = sorted(str(p.relative_to(src)) for p in src.rglob("*.bin"))
+    with mpi_mounted(image, tmp_path, 4) as m:
+        for q, epoch in ((0.0, 0), (1.0, 1)):
+            samplers = [LocalitySampler(rels, m.mnts[r], q, 4, r, seed=1, node_of_rank=range(4))
+                        for r in range(4)]  # fmt: skip
+            before = [m.status(r)["reader"]["remote_fetches"] for r in range(4)]
+            reads = set()
+            for r, sampler in enumerate(samplers):
+                sampler.set_epoch(epoch)
+                got = list(sampler)
+                assert len(got) == len(sampler) >= 100
+                for i in got:
+                    assert (m.mnts[r] / rels[i]).read_bytes() == (src / rels[i]).read_bytes()
+                    reads.add((r, i))
+            assert {i for _, i in reads} == set(range(len(rels)))
+            fetched = sum(m.status(r)["reader"]["remote_fetches"] - before[r] for r in range(4))
+            if q == 0.0:
+                assert fetched == 0
+            else:
+                predicted = samplers[0].remote_share(epoch)
+                assert 0.6 < predicted < 0.9
+                assert abs(fetched / len(reads) - predicted) < 0.05, (fetched, len(reads))
+        _clean_after(m)
+
+
 def test_placement_is_balanced_and_deterministic(tree: Path, tmp_path: Path) -> None:
     # Partitions outnumber ranks at least eightfold and no single file dominates one.
     image = prepare(tree / "train", tmp_path / "img", "--partitions", "32", "--broadcast", "*7.bin")

@@ -154,12 +154,13 @@ def test_a_new_plan_replaces_the_share_and_cli_reads_a_file(
 
 
 def test_hostile_plans_get_an_error_and_harm_nothing(tree: Path, mount: Mount) -> None:
-    sock_path = Path(mount.status()["plan_socket"])
+    name = mount.status()["plan_socket"]
+    assert name.startswith("@fanfs-plan-")  # abstract: nothing in any directory
 
     def raw(message: bytes, close_write: bool = True) -> dict[str, object]:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(30)
-            s.connect(str(sock_path))
+            s.connect("\0" + name[1:])
             s.sendall(message)
             if close_write:
                 s.shutdown(socket.SHUT_WR)
@@ -183,13 +184,24 @@ def test_hostile_plans_get_an_error_and_harm_nothing(tree: Path, mount: Mount) -
         assert (mount.mountpoint / r).read_bytes() == (tree / r).read_bytes(), r
 
 
-def test_no_other_user_reaches_the_plan_socket(mount: Mount) -> None:
-    sock_path = mount.status()["plan_socket"]
+def test_no_other_user_can_plan(tree: Path, mount: Mount) -> None:
+    """Another user finds the socket's name (abstract names are listed in /proc/net/unix) and
+    connects: the daemon checks the uid first and refuses; nothing is planned."""
+    name = mount.status()["plan_socket"]
+    script = (
+        "import socket, sys\n"
+        "s = socket.socket(socket.AF_UNIX)\n"
+        "s.settimeout(30)\n"
+        "s.connect(chr(0) + sys.argv[1])\n"
+        "s.sendall(b'FANFS-PLAN 1 order 0 1' + bytes([10]) + b'c1/s0001.bin' + bytes(1))\n"
+        "s.shutdown(socket.SHUT_WR)\n"
+        "print(s.makefile().readline())\n"
+    )
     probe = subprocess.run(
         ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", sys.executable,
-         "-c", "import socket,sys; s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])",
-         sock_path],
+         "-c", script, name[1:]],
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
-    assert probe.returncode != 0 and "PermissionError" in probe.stderr, probe.stderr
-    assert oct(Path(sock_path).parent.stat().st_mode & 0o777) == "0o700"
+    assert "may not plan" in probe.stdout, (probe.stdout, probe.stderr)
+    s = plan_status(mount)
+    assert s["shares"] == 0 and s["planned"] == 0 and s["refused"] == 1, s

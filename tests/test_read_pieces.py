@@ -7,6 +7,7 @@ import dataclasses
 import zlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 import trio
 
@@ -146,7 +147,7 @@ def test_status_round_trips_and_refuses_an_unknown_layout() -> None:
 
     reader = ReaderStatus(1, 2, 3, 4, 5, 6, 7, 0, 1, 0, 2, 5, 4, 1, Percentiles(0.1, 0.2, 0.3))
     peers = PeerStatus(9, 10, Percentiles(1.0, 2.0, 3.0), 0, 4, 3, 5, 0, 0, [2], [1])
-    status = Status(7, "/img", "/mnt", 0, 3, "vm", "n1", True, True, True, "isa-l", 1.5,
+    status = Status(7, "/img", "/mnt", 0, 3, 1, "vm", "n1", True, True, True, "isa-l", 1.5,
                     CatalogStatus(10, 8, 1000), StoreStatus("/tmp/s", 2, 2, 100, 100, True,
                                                             0.1, 3), reader, peers,
                     PlanStatus(2, 800, 1, 300, 400, 390, 5 << 20, 1 << 20, 10, 2, 0, 0, 1, 1 << 30),
@@ -188,3 +189,41 @@ def test_lookahead_fetches_while_reads_follow_lookups() -> None:
         ahead.read(entry)
         entry += 1
     assert entry - 5000 <= 20 and ahead.fetched == 500 + walked
+
+
+@pytest.mark.parametrize("q", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_locality_sampler_is_a_distributed_sampler(q: float, drop_last: bool) -> None:
+    from fanfs.plan import Placement
+    from fanfs.torch import LocalitySampler
+
+    rng = np.random.default_rng(4)
+    n, nodes, ranks = 1003, 4, 8  # two training ranks per node; uneven node shares
+    holders = [(int(h),) for h in rng.choice(nodes, n, p=[0.28, 0.24, 0.24, 0.24])]
+    where = Placement(nodes, 0, holders)
+
+    def job(epoch: int) -> list[list[int]]:
+        samplers = [LocalitySampler.from_placement(where, q, ranks, r, 9, drop_last)
+                    for r in range(ranks)]  # fmt: skip
+        for s in samplers:
+            s.set_epoch(epoch)
+        return [list(s) for s in samplers]
+
+    got = job(0)
+    # Equal lengths, as DistributedSampler; a little over n/N so that node 0's two ranks can
+    # read all it holds (28 %, not 25 %).
+    most = max(sum(1 for (h,) in holders if h == k) for k in range(nodes))
+    length = n // ranks if drop_last else max(-(-n // ranks), -(-most // 2))
+    assert all(len(g) == length for g in got) and length <= 1.15 * n / ranks
+    seen = [i for g in got for i in g]
+    if not drop_last:
+        assert set(seen) == set(range(n))  # every sample at least once
+    assert len(set(seen)) >= (n // ranks) * ranks - ranks
+    assert got == job(0) and got != job(1)  # deterministic per epoch, new order each epoch
+    sampler = LocalitySampler.from_placement(where, q, ranks, 0, seed=9, drop_last=drop_last)
+    share = sampler.remote_share(0)
+    if q == 0.0:
+        # Nothing remote; with drop_last node 0 hands its surplus (about 3 %) to the others.
+        assert share < 0.05 if drop_last else share == 0.0
+    if q == 1.0:
+        assert abs(share - 0.75) < 0.05  # (N-1)/N, as a global shuffle
