@@ -102,6 +102,7 @@ class _Share:
     position: int = 0  # the job has read (or passed) order[:position]
     next: int = 0  # next position to read ahead
     held: set[int] = field(default_factory=set)  # positions whose bytes wait in memory
+    swept: int = 0  # positions before this have had their held bytes dropped
 
     def ahead_bytes(self) -> int:
         def upto(i: int) -> int:
@@ -188,12 +189,18 @@ class Planner:
             self.progress(share, pos + 1)
 
     def _drop_held(self, s: _Share, before: int) -> None:
-        for pos in [p for p in s.held if p < before]:
-            s.held.discard(pos)
-            data = self.reader.held.pop(int(s.order[pos]), None)
-            if data is not None:
-                self.reader.held_bytes -= len(data)
-                self.dropped_unread_bytes += len(data)
+        """Drop what is held for positions before `before` (each position looked at once)."""
+        if not s.held:
+            s.swept = max(s.swept, before)
+            return
+        for pos in range(s.swept, before):
+            if pos in s.held:
+                s.held.discard(pos)
+                data = self.reader.held.pop(int(s.order[pos]), None)
+                if data is not None:
+                    self.reader.held_bytes -= len(data)
+                    self.dropped_unread_bytes += len(data)
+        s.swept = max(s.swept, before)
 
     # -- reading ahead ----------------------------------------------------------------------
 
@@ -210,7 +217,7 @@ class Planner:
                     self._wake = trio.Event()  # before looking: a progress meanwhile counts
                     started = False
                     for share, s in list(self._shares.items()):
-                        per_share = self.budget // max(1, len(self._shares))
+                        per_share = self.budget // max(1, self._active())
                         while s.next < len(s.order) and s.ahead_bytes() < per_share:
                             pos = s.next
                             s.next += 1
@@ -297,6 +304,10 @@ class Planner:
         if self._shares.get(share) is s and pos >= s.position - SLACK:
             self.reader.hold(entry, data)
             s.held.add(pos)
+
+    def _active(self) -> int:
+        """Shares whose job has not read its whole plan (they split the budget)."""
+        return sum(1 for s in self._shares.values() if s.position < len(s.order))
 
     def _wanted(self, s: _Share, pos: int) -> bool:
         before = int(s.ends[pos - 1]) if pos else 0
