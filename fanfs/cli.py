@@ -164,6 +164,14 @@ def _lazy_unmount(mountpoint: str) -> None:
         raise MountpointError(f"{mountpoint}: lazy unmount failed: {why}")
 
 
+def _abort(entry: mounts.MountEntry) -> None:
+    if not mounts.abort_connection(entry):
+        log.warning(
+            "%s: cannot abort its FUSE connection (is fusectl mounted at %s?): readers inside "
+            "may wait until its daemon ends", entry.mountpoint, mounts.FUSECTL,
+        )  # fmt: skip
+
+
 def cmd_umount(args: argparse.Namespace) -> int:
     mountpoint = mounts.canonical(args.mountpoint)
     entry = mounts.find(mountpoint)
@@ -171,8 +179,10 @@ def cmd_umount(args: argparse.Namespace) -> int:
         raise MountpointError(f"{mountpoint}: no fanfs mount there")
     status = mounts.probe_status(mountpoint, PROBE_TIMEOUT_S)
     if status is None:
-        # The daemon is dead or hung: take the mount away from under it.
-        log.warning("%s: daemon not answering, lazy unmount", mountpoint)
+        # The daemon is dead or hung: take the mount away from under it, and free the readers
+        # that wait on it (a lazy unmount alone leaves them waiting for a hung daemon).
+        log.warning("%s: daemon not answering, aborting its connection, lazy unmount", mountpoint)
+        _abort(entry)
         _lazy_unmount(mountpoint)
         return ExitCode.OK
     pid = int(status["pid"])
@@ -180,6 +190,7 @@ def cmd_umount(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.timeout
     while not _exited(pid):
         if time.monotonic() >= deadline:
+            _abort(entry)
             _lazy_unmount(mountpoint)
             raise WaitTimeout(f"{mountpoint}: daemon {pid} did not exit within {args.timeout} s")
         time.sleep(POLL_S)

@@ -48,6 +48,23 @@ def find(path: Path | str) -> MountEntry | None:
     return found
 
 
+FUSECTL = Path("/sys/fs/fuse/connections")
+
+
+def abort_connection(entry: MountEntry) -> bool:
+    """Abort the FUSE connection behind a mount: every request waiting on its daemon fails at
+    once (ENOTCONN) instead of waiting for a daemon that is stopped, stuck in the kernel or
+    gone, and the daemon's own calls into the kernel end. Through the fuse control file system
+    (`/sys/fs/fuse/connections/N/abort`, writable by the user who mounted); False when it is
+    not mounted there or the write fails."""
+    minor = entry.device.rpartition(":")[2]
+    try:
+        (FUSECTL / minor / "abort").write_text("1\n")
+        return True
+    except OSError:
+        return False
+
+
 def probe_status(path: Path | str, timeout: float) -> dict[str, Any] | None:
     """The daemon's status (the hidden xattr), or None if it does not answer within `timeout`."""
     result: list[dict[str, Any]] = []

@@ -9,8 +9,10 @@ import shutil
 import signal
 import struct
 import subprocess
+import threading
 import time
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -345,6 +347,54 @@ def test_umount_after_the_daemon_was_killed(small_image: Path, tmp_path: Path) -
         done = fanfs("umount", m.mountpoint, timeout=30)
         assert done.returncode == 0, done.stderr
         assert mounts.find(m.mountpoint) is None
+
+
+@pytest.fixture
+def fusectl() -> Iterator[None]:
+    """The fuse control file system, where a connection can be aborted (systemd mounts it at
+    boot; this machine's setup script does when it is missing)."""
+    mounted_here = not any(mounts.FUSECTL.iterdir())
+    if mounted_here:
+        subprocess.run(["mount", "-t", "fusectl", "none", str(mounts.FUSECTL)], check=True,
+                       timeout=30)  # fmt: skip
+    try:
+        yield
+    finally:
+        if mounted_here:
+            subprocess.run(["umount", str(mounts.FUSECTL)], check=False, timeout=30)
+
+
+def test_umount_frees_readers_of_a_stopped_daemon(
+    small_image: Path, tmp_path: Path, fusectl: None
+) -> None:
+    """A stopped (or hung) daemon: `fanfs umount` aborts its connection, so a reader waiting on
+    it gets an error at once instead of waiting for ever, and the mount is gone."""
+    with mounted(small_image, tmp_path / "mnt", tmp_path / "local") as m:
+        victim = next(p for p in m.mountpoint.rglob("*") if p.is_file())  # dentries known
+        os.kill(m.proc.pid, signal.SIGSTOP)
+        outcome: list[BaseException | bytes] = []
+
+        def read() -> None:
+            try:
+                outcome.append(victim.read_bytes())
+            except OSError as e:
+                outcome.append(e)
+
+        try:
+            reader = threading.Thread(target=read, daemon=True)  # never joined if it hangs
+            reader.start()
+            time.sleep(1)
+            assert outcome == []  # waiting on the stopped daemon
+            started = time.monotonic()
+            done = fanfs("umount", m.mountpoint, timeout=60)
+            assert done.returncode == 0, done.stderr
+            reader.join(10)
+            assert len(outcome) == 1 and isinstance(outcome[0], OSError), outcome
+            assert outcome[0].errno in (errno.ENOTCONN, errno.ECONNABORTED), outcome
+            assert time.monotonic() - started < 15
+            assert mounts.find(m.mountpoint) is None
+        finally:
+            os.kill(m.proc.pid, signal.SIGCONT)
 
 
 def test_sigterm_unmounts_and_cleans_up(small_image: Path, tmp_path: Path) -> None:

@@ -21,6 +21,14 @@ if ! "$python" -c 'import os, sysconfig, sys
 sys.exit(not os.path.exists(os.path.join(sysconfig.get_path("include"), "Python.h")))' 2>/dev/null; then
     missing+=(python3-dev)
 fi
+# The fuse control file system, where `fanfs umount` aborts a hung daemon's connection so that
+# its readers get an error instead of waiting for ever. systemd mounts it at boot; a machine
+# without systemd (a container) may not have it. Only root can mount it; without it fanfs
+# works, and `fanfs umount` says it could not abort.
+if [ -d /sys/fs/fuse/connections ] && ! grep -q ' /sys/fs/fuse/connections fusectl ' /proc/mounts \
+        && [ "$(id -u)" -eq 0 ]; then
+    mount -t fusectl none /sys/fs/fuse/connections || echo "fanfs setup: could not mount fusectl"
+fi
 if [ ${#missing[@]} -eq 0 ]; then
     exit 0
 fi
