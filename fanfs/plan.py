@@ -32,6 +32,7 @@ from typing import Any
 from fanfs import mounts
 from fanfs.errors import FanfsError
 
+PROGRESS_EVERY = 64  # samples between a planned job's progress messages (PlannedSampler, bench)
 TIMEOUT_S = 300.0  # a plan of millions of paths takes the daemon seconds to resolve
 
 

@@ -12,7 +12,7 @@ daemon's memory until the READ takes them.
 
 How far ahead: the budget counts the bytes between the job's position in the plan and the
 prefetch position. The job's position comes from the READs and LOOKUPs of planned files that
-reach the daemon and from progress messages (`PlannedSampler` sends one every PROGRESS_EVERY
+reach the daemon and from progress messages (`PlannedSampler` sends one every plan.PROGRESS_EVERY
 samples): files in the page cache send nothing. Prefetched bytes still held in memory when the
 job is SLACK positions past them (it read elsewhere, or the plan named files it never read)
 are dropped and counted as dropped unread.
@@ -73,7 +73,6 @@ PREFETCH_CONCURRENCY = 8
 # thread (a store may wait for the reply to a READ of the same file, which that thread sends).
 PUSH_THREADS = 8
 SLACK = 256  # positions behind the job's before held bytes count as dropped unread
-PROGRESS_EVERY = 64  # samples between PlannedSampler's progress messages
 REQUEST_TIMEOUT_S = 120.0  # a client that stops sending mid-plan is dropped
 PATH_MAX = 4096  # bytes of a path (Linux's limit)
 PLAN_FILE_LIMIT = 1 << 30  # stored bytes of a file the planner reads ahead (larger: not)
@@ -274,18 +273,9 @@ class Planner:
                                     c.dicts)  # fmt: skip
                 pushed = self.push(entry, data)
             except Exception as e:
-                with self._count:
-                    self.failed += 1
-                log.info(
-                    "read-ahead of %s failed (its READ will fetch it): %s",
-                    os.fsdecode(b"/" + c.path(entry)),
-                    e,
-                )
+                self._failed(entry, e)
                 continue
-            with self._count:
-                self.prefetched += 1
-                self.prefetched_bytes += len(data)
-                self.pushed += pushed
+            self._done(len(data), pushed)
             if not pushed and self._token is not None:
                 with contextlib.suppress(trio.RunFinishedError):
                     self._token.run_sync_soon(self._hold, share, s, pos, entry, data)
@@ -299,6 +289,19 @@ class Planner:
                 if got is not None:
                     return got
         raise OSError(errno.EIO, "no peer has it")
+
+    def _done(self, nbytes: int, pushed: bool) -> None:
+        """Count a file read ahead (from the event loop or a pusher thread)."""
+        with self._count:
+            self.prefetched += 1
+            self.prefetched_bytes += nbytes
+            self.pushed += pushed
+
+    def _failed(self, entry: int, error: Exception) -> None:
+        with self._count:
+            self.failed += 1
+        log.info("read-ahead of %s failed (its READ will fetch it): %s",
+                 os.fsdecode(b"/" + self.catalog.path(entry)), error)  # fmt: skip
 
     def _hold(self, share: int, s: _Share, pos: int, entry: int, data: bytes) -> None:
         if self._shares.get(share) is s and pos >= s.position - SLACK:
@@ -321,17 +324,14 @@ class Planner:
             data = await self.reader.whole(entry)
             if self._shares.get(share) is not s or pos < s.position - SLACK:
                 return  # replaced, or the job passed it meanwhile
-            self.prefetched += 1
-            self.prefetched_bytes += len(data)
             # Never from the event loop's thread: storing into a page that a READ of the same
             # file holds locked waits for that READ's reply, which the event loop must send.
-            if await trio.to_thread.run_sync(self.push, entry, data, limiter=self._pushers):
-                self.pushed += 1
-            else:
+            pushed = await trio.to_thread.run_sync(self.push, entry, data, limiter=self._pushers)
+            self._done(len(data), pushed)
+            if not pushed:
                 self._hold(share, s, pos, entry, data)
         except Exception as e:  # the READ fetches it itself (and marks it bad if it is)
-            self.failed += 1
-            log.info("read-ahead of entry %d failed (its READ will fetch it): %s", entry, e)
+            self._failed(entry, e)
         finally:
             self._slots.release()
 

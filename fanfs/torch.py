@@ -9,7 +9,7 @@
 `__iter__` draws the wrapped sampler's indices for the epoch, publishes the files in that order
 to the daemon (`fanfs.plan`), then yields exactly those indices, so training sees the samples
 it sees without fanfs; `set_epoch` and `len` pass through. As it yields it tells the daemon how
-far the epoch has gone (every PROGRESS_EVERY samples), which lets the daemon read further
+far the epoch has gone (every plan.PROGRESS_EVERY samples), which lets the daemon read further
 ahead when the job's reads are answered from the page cache and never reach it. Each training
 rank on a node publishes its own share (by default the wrapped sampler's `rank`, else 0). If the
 daemon cannot be reached, training goes on unplanned (a warning, once).
@@ -26,8 +26,6 @@ from fanfs import plan
 from fanfs.errors import FanfsError
 
 log = logging.getLogger(__name__)
-
-PROGRESS_EVERY = 64
 
 
 class PlannedSampler:
@@ -56,7 +54,7 @@ class PlannedSampler:
         indices = [int(i) for i in self.sampler]
         planned = self._call(lambda ch: ch.publish([self.paths[i] for i in indices], self.share))
         for k, i in enumerate(indices):
-            if planned and k and k % PROGRESS_EVERY == 0:
+            if planned and k and k % plan.PROGRESS_EVERY == 0:
                 planned = self._call(lambda ch, k=k: ch.progress(k, self.share))
             yield i
 

@@ -47,7 +47,6 @@ FOLIO_SAMPLE = 16  # files whose page-cache folios are looked at after each pass
 # they have taken at least this long (at most WARM_MAX_ROUNDS times).
 WARM_MIN_S = 0.5
 WARM_MAX_ROUNDS = 50
-PROGRESS_EVERY = 64  # files between a planned reader's progress messages (as PlannedSampler)
 
 
 def size_label(n: int) -> str:
@@ -109,7 +108,7 @@ def _read_files(
         channel = planning.Channel(plan[0])
         channel.publish(paths, plan[1])
     for k, p in enumerate(paths):
-        if channel is not None and k and k % PROGRESS_EVERY == 0:
+        if channel is not None and k and k % planning.PROGRESS_EVERY == 0:
             channel.progress(k, plan[1])  # type: ignore[index]
         t = time.perf_counter()
         if client == "python":
