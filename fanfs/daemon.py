@@ -127,6 +127,7 @@ class Daemon:
 
     def status(self) -> Status:
         assert self.catalog is not None and self.store is not None and self.reader is not None
+        spins = fuse_ops.spin_counts()
         return Status(
             pid=os.getpid(),
             image=str(self.cfg.image),
@@ -140,6 +141,9 @@ class Daemon:
             no_open=PATCHED,
             native_read_pool=self.reader.native,
             native_crc32=self.native.crc32,
+            spin_caught=spins[0],
+            spin_empty=spins[1],
+            spin_yielded=spins[2],
             uptime_s=round(time.time() - self.started, 3),
             catalog=CatalogStatus(
                 entries=self.catalog.n_entries,

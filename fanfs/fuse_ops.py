@@ -270,6 +270,13 @@ def native_pool_start(threads: int, error_fd: int) -> str | None:
     return crc
 
 
+def spin_counts() -> tuple[int, int, int]:
+    """The session loop's spin: (requests caught, spins that ended empty, spins cut short for
+    trio); zeros on a build without it."""
+    caught, empty, yielded = getattr(pyfuse3, "fanfs_spins", (0, 0, 0))
+    return int(caught), int(empty), int(yielded)
+
+
 def native_pool_stop() -> None:
     """Answer what is queued, then stop the pool's threads (while the session still exists)."""
     pyfuse3.native_read_stop()  # type: ignore[attr-defined]

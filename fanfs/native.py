@@ -27,7 +27,7 @@ import trio
 
 log = logging.getLogger(__name__)
 
-PATCH_LEVEL = 4  # pyfuse3.FANFS_PATCH of the build tools/install_pyfuse3.py makes
+PATCH_LEVEL = 5  # pyfuse3.FANFS_PATCH of the build tools/install_pyfuse3.py makes
 POOL_LEVEL = 2  # the first level with the native read pool
 THREADS = 4  # pool threads: concurrent disk reads of small files on a 2-core node
 # The pool's failure record (native byte order): entry, errno, padding.

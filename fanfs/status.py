@@ -121,6 +121,11 @@ class Status:
     no_open: bool
     native_read_pool: bool
     native_crc32: str | None
+    # The session loop's spin (tools/pyfuse3_patch): requests it caught without a trip through
+    # trio's epoll, spins that ended with none, and spins cut short because trio had work.
+    spin_caught: int
+    spin_empty: int
+    spin_yielded: int
     uptime_s: float
     catalog: CatalogStatus
     store: StoreStatus

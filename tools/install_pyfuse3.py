@@ -81,6 +81,7 @@ LOOP_PATCHES = (
         """\
     buf.flags = 0
     cdef int streak = 0
+    cdef bint busy = False
     os.set_blocking(session_fd, False)  # fanfs: see below
     while not fuse_session_exited(session):
 """,
@@ -99,14 +100,23 @@ LOOP_PATCHES = (
         res = fuse_session_receive_buf(session, &buf)
         if res == -errno.EAGAIN:
             streak = 0
-            if not await _wait_fuse_readable():
-                break
-            res = fuse_session_receive_buf(session, &buf)
+            # fanfs_read_pool.pxi: the next request is likely to come within microseconds;
+            # poll for it a while, letting other tasks run first when they want to.
+            res = _fanfs_spin(&buf, &busy)
+            while busy:
+                await trio.lowlevel.cancel_shielded_checkpoint()
+                res = _fanfs_spin(&buf, &busy)
+            if res == -errno.EAGAIN:
+                if not await _wait_fuse_readable():
+                    break
+                res = fuse_session_receive_buf(session, &buf)
         else:
             streak += 1
             if streak >= 16:
                 streak = 0
                 await trio.lowlevel.cancel_shielded_checkpoint()
+        if res > 0:
+            _fanfs_request_seen()
 """,
     ),
     (

@@ -29,7 +29,9 @@
 #include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
+#include <sched.h>
 #include <stdlib.h>
+#include <time.h>
 #include <unistd.h>
 
 #define FANFS_POOL_MAX_THREADS 64
@@ -227,6 +229,37 @@ static void fanfs_pool_stop(void) {
     for (i = 0; i < fanfs_pool.nthreads; i++)
         pthread_join(fanfs_pool.threads[i], NULL);
     fanfs_pool.nthreads = 0;
+}
+
+/*
+ * The session loop's spin (see fanfs_read_pool.pxi, _fanfs_spin): a reader that just sent a
+ * request is likely to send the next one within microseconds (Python's open() sends FUSE_IOCTL
+ * for its terminal check, then READ or nothing; a cold file sends LOOKUP, then READ). Going
+ * back to trio's epoll between them costs the daemon a sleep and a wake-up, which is most of a
+ * round trip's time. So for a short while after a request the loop polls the (non-blocking)
+ * FUSE fd, yielding the CPU between polls to whatever else wants it.
+ */
+static int64_t fanfs_now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* Poll `se` until a request arrives (its size), `until` passes or `chunk_ns` have been spent
+ * (-EAGAIN), or an error. Called without the GIL. */
+static int fanfs_spin_receive(struct fuse_session *se, struct fuse_buf *buf, int64_t chunk_ns,
+                              int64_t until) {
+    int64_t end = fanfs_now_ns() + chunk_ns;
+    int res;
+    if (end > until)
+        end = until;
+    do {
+        sched_yield();
+        res = fuse_session_receive_buf(se, buf);
+        if (res != -EAGAIN)
+            return res;
+    } while (fanfs_now_ns() < end);
+    return -EAGAIN;
 }
 
 #endif
