@@ -41,12 +41,17 @@ CODEC_ZSTD = 1  # one zstd frame
 CODEC_ZSTD_DICT = 2  # one zstd frame made with the catalog dictionary its header names
 CODEC_FRAMED = 3  # independent frames of `frame_size` bytes each, then a table of them
 CODEC_ZSTD_DELTA4 = 4  # one zstd frame of the delta4 filter's output (docs/format.md)
+CODEC_ZSTD_FILTERED = 5  # a filter id byte (fanfs/filters.py), then one zstd frame of its output
 CODEC_NAMES = {CODEC_RAW: "raw", CODEC_ZSTD: "zstd", CODEC_ZSTD_DICT: "zstd-dict",
-               CODEC_FRAMED: "framed", CODEC_ZSTD_DELTA4: "zstd-delta4"}  # fmt: skip
+               CODEC_FRAMED: "framed", CODEC_ZSTD_DELTA4: "zstd-delta4",
+               CODEC_ZSTD_FILTERED: "zstd-filtered"}  # fmt: skip
 # A framed file's table: per frame, (stored length, CRC-32 of the stored frame), u32 each.
-# The length's top bit says the frame went through the delta4 filter before zstd.
+# The length's low 28 bits are the stored length, its top 4 bits the filter the frame went
+# through before zstd (0: none; delta4's id 8 is the top bit alone, as format 2 began).
 FRAME_ENTRY = 8
-FRAME_DELTA4 = 1 << 31
+FRAME_FILTER_SHIFT = 28
+FRAME_LEN_MASK = (1 << FRAME_FILTER_SHIFT) - 1
+FRAME_SIZE_MAX = FRAME_LEN_MASK  # a frame's stored length must fit those 28 bits
 
 S_IFMT = 0o170000  # the file-type bits of st_mode (stat.S_IFMT is a function)
 NAME_MAX = 255  # bytes in one name, as in every Linux file system (FUSE refuses longer ones)
@@ -265,8 +270,8 @@ class Catalog:
             raise bad("dictionary codec without dictionaries")
         framed = files & (self.codec == CODEC_FRAMED)
         if np.any(framed):
-            if self.frame_size == 0:
-                raise bad("framed files without a frame size")
+            if not 0 < self.frame_size <= FRAME_SIZE_MAX:
+                raise bad(f"framed files with a frame size of {self.frame_size}")
             tables = n_frames(self.size[framed], self.frame_size) * FRAME_ENTRY
             if np.any(self.stored_len[framed] < tables):
                 raise bad("framed file shorter than its frame table")

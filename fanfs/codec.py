@@ -13,8 +13,10 @@ Under zstd and auto, files up to DICT_MAX_FILE use the dictionary trained for fi
 image's frame size, so a read anywhere in a large file decodes only the frames it touches. A
 frame is stored raw when compressing it does not pay, which makes a frame's stored length equal
 to its decoded length exactly when it is raw (a compressed frame is always strictly smaller).
-Where zstd alone does not halve a file or frame of whole 32-bit words, the delta4 filter is
-tried too (smooth float32 simulation fields: 1.25 plain, 2.5 filtered, docs/performance.md).
+Where zstd alone does not halve a file or frame of whole 32-bit words, the array filters
+(fanfs/filters.py: shuffle, delta, decimal) are tried on a sample and the best one on the whole,
+kept when it beats plain zstd (smooth float32 fields: 1.25 plain, 2.5 with delta4; float32
+values rounded to two decimals: 1.56 plain, 3.1 with decimal4; docs/performance.md).
 
 Concurrency: zstd (de)compressor objects are not thread-safe (a shared decompressor corrupted
 data in a probe, see docs/environment.md), so each thread gets its own through `threading.local`.
@@ -31,6 +33,7 @@ import numpy as np
 import zstandard
 
 from fanfs import catalog as cat
+from fanfs import filters
 from fanfs.checksum import crc32
 from fanfs.errors import CorruptFile
 
@@ -38,8 +41,10 @@ FRAME_SIZE = 1 << 20  # decoded bytes per frame of a framed file
 FRAMED_MIN = 4 * FRAME_SIZE  # files larger than this are framed (zstd and auto)
 DICT_MAX_FILE = 64 << 10  # files up to this use their group's dictionary, if there is one
 AUTO_MIN_SAVING = 8  # auto keeps compression only if stored <= size - size / 8
-# Data zstd halves on its own is not worth a second try; below this the filter is not either.
+# Array filters are tried on blocks of at least FILTER_MIN bytes that zstd alone shrinks less
+# than FILTER_MAX_RATIO times (float64 decimals: zstd 2.5, decimal8 5.2; int32: 2.3, shuffle4 3.1).
 FILTER_MIN = 4 << 10
+FILTER_MAX_RATIO = 4
 STREAM_CRC_CHUNK = 8 << 20  # large raw files are checked this much at a time
 
 _local = threading.local()
@@ -88,21 +93,14 @@ _ZIP_STORED = 0  # compression method of the first member: 0 stored (np.savez), 
 
 
 def delta4(data: bytes | memoryview) -> bytes:
-    """The delta4 filter: little-endian 32-bit words replaced by their difference from the
-    previous word (mod 2**32), then their bytes grouped by significance (4 planes). Smooth
-    float32/int32 fields become long runs of small values that zstd packs well."""
-    u = np.frombuffer(data, dtype="<u4")
-    d = np.empty_like(u)
-    d[:1] = u[:1]
-    np.subtract(u[1:], u[:-1], out=d[1:])
-    return d.view(np.uint8).reshape(-1, 4).T.tobytes()
+    """The delta4 filter (fanfs/filters.py): smooth float32/int32 fields become long runs of
+    small values that zstd packs well."""
+    return filters.delta(data, 4)
 
 
 def undelta4(data: bytes) -> bytes:
     """The inverse of `delta4`."""
-    planes = np.frombuffer(data, dtype=np.uint8).reshape(4, -1)
-    d = np.ascontiguousarray(planes.T).view("<u4").reshape(-1)
-    return np.cumsum(d, dtype=np.uint32).astype("<u4", copy=False).tobytes()
+    return filters.undelta(data, 4)
 
 
 def already_compressed(head: bytes) -> bool:
@@ -164,32 +162,38 @@ class Encoder:
             if dict_id and size <= DICT_MAX_FILE:
                 codec_id, packed = cat.CODEC_ZSTD_DICT, self._compressor(dict_id).compress(data)
             else:
-                filtered, packed = self._squeeze(data)
-                codec_id = cat.CODEC_ZSTD_DELTA4 if filtered else cat.CODEC_ZSTD
+                fid, packed = self._squeeze(data)
+                codec_id = cat.CODEC_ZSTD
+                if fid == filters.DELTA4:
+                    codec_id = cat.CODEC_ZSTD_DELTA4
+                elif fid:
+                    codec_id, packed = cat.CODEC_ZSTD_FILTERED, bytes((fid,)) + packed
             if self._pays(len(packed), size):
                 return codec_id, packed, crc32(packed)
         return cat.CODEC_RAW, data, crc32(data)
 
-    def _squeeze(self, data: bytes | memoryview) -> tuple[bool, bytes]:
-        """(filtered, zstd bytes): plain zstd, or zstd after delta4 when that is smaller.
-        The filter is tried only where plain zstd does not already halve the data."""
+    def _squeeze(self, data: bytes | memoryview) -> tuple[int, bytes]:
+        """(filter id or 0, zstd bytes): plain zstd, or zstd after the array filter that does
+        best on a sample, when that is smaller on the whole. Filters are tried only on binary
+        data that plain zstd does not already shrink FILTER_MAX_RATIO times."""
         packed: bytes = self._plain.compress(data)
-        n = len(data)
-        if len(packed) * 2 > n and n % 4 == 0 and n >= FILTER_MIN:
-            alt: bytes = self._plain.compress(delta4(data))
-            if len(alt) < len(packed):
-                return True, alt
-        return False, packed
+        if len(packed) * FILTER_MAX_RATIO > len(data) >= FILTER_MIN:
+            fid = filters.choose(data, self._plain.compress)
+            out = filters.encode(fid, data) if fid else None
+            if fid and out is not None:
+                alt: bytes = self._plain.compress(out)
+                if len(alt) < len(packed):
+                    return fid, alt
+        return 0, packed
 
-    def encode_frame(
-        self, chunk: bytes | memoryview, skip: bool
-    ) -> tuple[bool, bytes | memoryview]:
-        """(filtered, stored bytes) of one frame; stored raw when compressing does not pay."""
+    def encode_frame(self, chunk: bytes | memoryview, skip: bool) -> tuple[int, bytes | memoryview]:
+        """(filter id or 0, stored bytes) of one frame; stored raw when compressing does not
+        pay."""
         if not skip:
-            filtered, packed = self._squeeze(chunk)
+            fid, packed = self._squeeze(chunk)
             if self._pays(len(packed), len(chunk)):
-                return filtered, packed
-        return False, chunk
+                return fid, packed
+        return 0, chunk
 
 
 class FrameWriter:
@@ -202,8 +206,8 @@ class FrameWriter:
         self.entries: list[tuple[int, int]] = []
 
     def add(self, chunk: bytes | memoryview) -> bytes | memoryview:
-        filtered, stored = self.encoder.encode_frame(chunk, self.skip)
-        self.entries.append((len(stored) | (cat.FRAME_DELTA4 if filtered else 0), crc32(stored)))
+        fid, stored = self.encoder.encode_frame(chunk, self.skip)
+        self.entries.append((len(stored) | fid << cat.FRAME_FILTER_SHIFT, crc32(stored)))
         return stored
 
     def table(self) -> bytes:
@@ -243,7 +247,10 @@ def streamed_crc(read_at: Callable[[int, int], bytes], start: int, length: int) 
     return crc
 
 
-def _zstd(stored: bytes | memoryview, size: int, dicts: Sequence[bytes]) -> bytes:
+def _zstd(
+    stored: bytes | memoryview, size: int, dicts: Sequence[bytes], exact: bool = True
+) -> bytes:
+    """One zstd frame decoded to `size` bytes (at most `size` unless `exact`)."""
     try:
         dict_id = zstandard.get_frame_parameters(stored).dict_id
         if dict_id and not 1 <= dict_id <= len(dicts):
@@ -252,9 +259,17 @@ def _zstd(stored: bytes | memoryview, size: int, dicts: Sequence[bytes]) -> byte
         data: bytes = dctx.decompress(stored, max_output_size=size)
     except zstandard.ZstdError as e:
         raise CorruptFile(f"zstd: {e}") from None
-    if len(data) != size:
+    if len(data) != size and (exact or len(data) > size):
         raise CorruptFile(f"decoded {len(data)} bytes, expected {size}")
     return data
+
+
+def _unfilter(fid: int, stored: bytes | memoryview, size: int) -> bytes:
+    """zstd, then the inverse of filter `fid`, to exactly `size` bytes."""
+    if fid not in filters.WIDTH or size % filters.WIDTH[fid]:
+        raise CorruptFile(f"filter {fid} does not apply to {size} bytes")
+    bound = filters.max_filtered_size(fid, size)
+    return filters.decode(fid, _zstd(stored, bound, (), exact=bound == size), size)
 
 
 def decode(
@@ -268,8 +283,10 @@ def decode(
         return stored
     if codec in (cat.CODEC_ZSTD, cat.CODEC_ZSTD_DICT):
         return _zstd(stored, size, dicts)
-    if codec == cat.CODEC_ZSTD_DELTA4 and size % 4 == 0:
-        return undelta4(_zstd(stored, size, ()))
+    if codec == cat.CODEC_ZSTD_DELTA4:
+        return _unfilter(filters.DELTA4, stored, size)
+    if codec == cat.CODEC_ZSTD_FILTERED and len(stored) > 1:
+        return _unfilter(stored[0], memoryview(stored)[1:], size)
     raise CorruptFile(f"codec {codec} cannot be decoded whole")
 
 
@@ -286,8 +303,8 @@ class FrameTable:
         pairs = np.frombuffer(table, dtype="<u4").reshape(n, 2)
         self.frame_size = frame_size
         self.size = size
-        self.lengths = (pairs[:, 0] & ~np.uint32(cat.FRAME_DELTA4)).astype(np.uint64)
-        self.filtered = (pairs[:, 0] & np.uint32(cat.FRAME_DELTA4)) != 0
+        self.lengths = (pairs[:, 0] & np.uint32(cat.FRAME_LEN_MASK)).astype(np.uint64)
+        self.filters = pairs[:, 0] >> np.uint32(cat.FRAME_FILTER_SHIFT)
         self.crcs = pairs[:, 1]
         self.offsets = np.zeros(n + 1, dtype=np.uint64)
         np.cumsum(self.lengths, out=self.offsets[1:])
@@ -316,10 +333,12 @@ class FrameTable:
         if not checked and crc32(stored) != int(self.crcs[i]):
             raise CorruptFile(f"frame {i}: checksum mismatch")
         n = self.decoded_len(i)
-        if self.filtered[i]:
-            if n % 4:
-                raise CorruptFile(f"frame {i}: filtered but not whole words")
-            return undelta4(_zstd(stored, n, ()))
+        fid = int(self.filters[i])
+        if fid:
+            try:
+                return _unfilter(fid, stored, n)
+            except CorruptFile as e:
+                raise CorruptFile(f"frame {i}: {e}") from None
         if len(stored) == n:
             return stored  # stored raw
         return _zstd(stored, n, ())

@@ -16,7 +16,7 @@ from conftest import fanfs, mounted, prepare
 from PIL import Image
 
 from fanfs import catalog as cat
-from fanfs import codec, datagen
+from fanfs import codec, datagen, filters
 from fanfs.errors import CorruptFile, ExitCode
 from fanfs.image import nodes_needed
 
@@ -25,7 +25,7 @@ ZSTD = codec.Encoder(codec.Policy("zstd"))
 
 
 def _frame_kinds(image: Path, c: cat.Catalog, entry: int) -> set[str]:
-    """Which kinds of frames (raw, zstd, delta4) a framed file's table lists."""
+    """Which kinds of frames (raw, zstd, or a filter's name) a framed file's table lists."""
     size, stored = int(c.size[entry]), int(c.stored_len[entry])
     off, n = codec.FrameTable.span(size, stored, c.frame_size)
     with open(image / cat.partition_name(int(c.part[entry])), "rb") as f:
@@ -33,8 +33,8 @@ def _frame_kinds(image: Path, c: cat.Catalog, entry: int) -> set[str]:
     table = codec.FrameTable(raw, size, stored, c.frame_size, int(c.crc[entry]))
     kinds = set()
     for i in range(len(table)):
-        if table.filtered[i]:
-            kinds.add("delta4")
+        if table.filters[i]:
+            kinds.add(filters.NAMES[int(table.filters[i])])
         else:
             kinds.add("raw" if table.stored(i)[1] == table.decoded_len(i) else "zstd")
     return kinds
@@ -53,6 +53,13 @@ def test_auto_takes_every_codec_path(awkward_src: Path, tmp_path: Path) -> None:
     assert codec_of(b"tables/t07.csv") == "zstd-dict"
     assert codec_of(b"sizes/compressible-1m.txt") == "zstd"
     assert codec_of(b"fields/small.f32") == "zstd-delta4"
+    for rel, fid in ((b"fields/prices.f32", filters.DECIMAL4),
+                     (b"arrays/labels.i32", filters.SHUFFLE4)):  # fmt: skip
+        assert codec_of(rel) == "zstd-filtered"
+        entry = c.resolve(rel)
+        assert entry is not None
+        with open(image / cat.partition_name(int(c.part[entry])), "rb") as f:
+            assert os.pread(f.fileno(), 1, int(c.data_off[entry])) == bytes((fid,)), rel
     assert codec_of(b"images/noise.jpg") == "raw"
     assert codec_of(b"images/noise.png") == "raw"
     assert codec_of(b"sizes/exact-131072.bin") == "raw"  # random bytes
@@ -60,7 +67,10 @@ def test_auto_takes_every_codec_path(awkward_src: Path, tmp_path: Path) -> None:
     assert codec_of(b"big/over-64mib.bin") == "framed"
     big_field, big_mixed = c.resolve(b"fields/big.f32"), c.resolve(b"big/over-64mib.bin")
     assert big_field is not None and big_mixed is not None
-    assert _frame_kinds(image, c, big_field) == {"delta4"}
+    # Every frame of the smooth field filtered (float32 near 280 are also decimals at e = 5).
+    assert _frame_kinds(image, c, big_field) <= {"delta4", "decimal4"}
+    walk = c.resolve(b"fields/walk.f64")
+    assert walk is not None and _frame_kinds(image, c, walk) == {"decimal8"}
     assert _frame_kinds(image, c, big_mixed) >= {"raw", "zstd"}
     assert fanfs("verify", image).returncode == 0
 
