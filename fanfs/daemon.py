@@ -122,12 +122,16 @@ class Daemon:
         self.plan_socket = ""
         self.mountpoint = Path(cfg.mountpoint)
         self._mounted = False
-        self.native = NativePool(fuse_ops.native_pool_start, fuse_ops.native_pool_stop,
-                                 self._native_failed)  # fmt: skip
+        self.native = NativePool(
+            fuse_ops.native_pool_start,
+            fuse_ops.native_pool_stop,
+            self._native_failed,
+            fuse_ops.native_pool_dictionaries,
+        )
 
     def status(self) -> Status:
         assert self.catalog is not None and self.store is not None and self.reader is not None
-        spins = fuse_ops.spin_counts()
+        spins, frames = fuse_ops.spin_counts(), fuse_ops.native_frame_stats()
         return Status(
             pid=os.getpid(),
             image=str(self.cfg.image),
@@ -141,6 +145,9 @@ class Daemon:
             no_open=PATCHED,
             native_read_pool=self.reader.native,
             native_crc32=self.native.crc32,
+            native_decodes=self.reader.native_decodes,
+            native_frame_hits=frames[0],
+            native_frame_misses=frames[1],
             spin_caught=spins[0],
             spin_empty=spins[1],
             spin_yielded=spins[2],
@@ -263,8 +270,9 @@ class Daemon:
             except RuntimeError as e:
                 error = MountFailed(f"{self.mountpoint}: cannot mount: {e}")
             self._agree(error)
-            if NATIVE_POOL and self.native.start(stack):
+            if NATIVE_POOL and self.native.start(stack, catalog.dicts):
                 self.reader.native = True
+                self.reader.native_decodes = self.native.decodes
             log.info(
                 "rank %d/%d: %d of %d partitions here (%d bytes), mount %s, local %s",
                 self.rank, self.size, len(owned), catalog.n_partitions,
@@ -281,7 +289,7 @@ class Daemon:
             self._mounted = False
             log.info("unmounting %s", self.mountpoint)
             if self.reader is not None:
-                self.reader.native = False
+                self.reader.native = self.reader.native_decodes = False
             self.native.stop()  # it answers what is queued while the session still exists
             fuse_ops.unmount()
 

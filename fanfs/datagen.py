@@ -107,11 +107,13 @@ def awkward(dest: Path, big_bytes: int = 64 * MIB + 12345, seed: int = 1) -> Non
     put(b"fields/small.f32", smooth_field(rng, 64, 64).tobytes())
     put(b"fields/big.f32", smooth_field(rng, 1200, 1200).tobytes())  # 5.5 MiB
     # The other array filters: decimals stored as floats (decimal4, and framed decimal8),
-    # small random integers (shuffle4).
+    # small random integers (shuffle4, shuffle8), a smooth float64 field (delta8).
     walk = np.cumsum(rng.normal(0, 1, 40_000))
     put(b"fields/prices.f32", walk.round(2).astype(np.float32).tobytes())
     put(b"fields/walk.f64", np.cumsum(rng.normal(0, 1, 640_000)).round(3).tobytes())  # 4.9 MiB
     put(b"arrays/labels.i32", rng.integers(0, 1000, 30_000).astype(np.int32).tobytes())
+    put(b"arrays/ids.i64", rng.integers(0, 100_000, 20_000).astype(np.int64).tobytes())  # shuffle8
+    put(b"arrays/smooth.f64", np.cumsum(np.cumsum(rng.normal(0, 1, 20_000))).tobytes())  # delta8
     for i in range(200):  # many small files across a few directories
         put(b"many/c%d/f%03d.dat" % (i % 7, i), rng.bytes(int(rng.integers(0, 20000))))
     os.symlink(b"sizes/exact-4096.bin", os.path.join(root, b"link-to-file"))

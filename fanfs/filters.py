@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -44,11 +45,14 @@ _DECIMAL_MAX_EXP = {4: 10, 8: 18}  # 10^e exactly representable as a double up t
 # |n| below these: every difference fits the word (zigzagged), and n converts to a double exactly.
 _DECIMAL_MAX_N = {4: 1 << 30, 8: 1 << 52}
 _DECIMAL_MIN_EXACT = 0.9  # below this share of values that round-trip, decimal does not apply
-_UINT = {4: np.dtype("<u4"), 8: np.dtype("<u8")}
-_FLOAT = {4: np.dtype("<f4"), 8: np.dtype("<f8")}
+_UINT: dict[int, np.dtype[Any]] = {4: np.dtype("<u4"), 8: np.dtype("<u8")}
+_FLOAT: dict[int, np.dtype[Any]] = {4: np.dtype("<f4"), 8: np.dtype("<f8")}
 
 
-def shuffle(data: bytes | memoryview, width: int) -> bytes:
+Buffer = bytes | memoryview | np.ndarray[Any, Any]
+
+
+def shuffle(data: Buffer, width: int) -> bytes:
     return np.frombuffer(data, dtype=np.uint8).reshape(-1, width).T.tobytes()
 
 
@@ -136,7 +140,7 @@ def undecimal(data: bytes | memoryview, width: int, size: int) -> bytes:
     n = np.cumsum(d, dtype=np.int64)
     out = (n.astype(np.float64) / 10.0**e).astype(_FLOAT[width]).view(_UINT[width])
     out[pos] = kept
-    return out.tobytes()
+    return bytes(out.tobytes())
 
 
 _ENCODE: dict[int, Callable[[bytes | memoryview], bytes | None]] = {

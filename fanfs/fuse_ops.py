@@ -19,7 +19,7 @@ import json
 import logging
 import os
 import stat
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NoReturn, TypeVar
 
 import pyfuse3
@@ -268,6 +268,24 @@ def native_pool_start(threads: int, error_fd: int) -> str | None:
     from ("isa-l", "zlib", or None from older builds). Failures are posted on `error_fd`."""
     crc: str | None = pyfuse3.native_read_start(threads, error_fd)  # type: ignore[attr-defined]
     return crc
+
+
+def native_pool_dictionaries(dicts: Sequence[bytes]) -> bool:
+    """Give the running pool the image's zstd dictionaries; False when it cannot decode
+    (no libzstd), OSError when it cannot take them."""
+    if not pyfuse3.native_read_decodes():  # type: ignore[attr-defined]
+        return False
+    pyfuse3.native_read_dicts(list(dicts))  # type: ignore[attr-defined]
+    return True
+
+
+def native_frame_stats() -> tuple[int, int]:
+    """(hits, misses) of the native pool's cache of decoded frames; zeros without a pool."""
+    stats = getattr(pyfuse3, "native_read_frame_stats", None)
+    if stats is None:
+        return 0, 0
+    hits, misses = stats()
+    return int(hits), int(misses)
 
 
 def spin_counts() -> tuple[int, int, int]:

@@ -21,10 +21,12 @@ that would wait for the disk (sources.py) and decompressing or checksumming more
 256 KiB. Small decodes run inline, because a thread hand-off costs 60 to 140 us.
 
 The native read pool: with fanfs's pyfuse3 patch (tools/install_pyfuse3.py), a request for a
-whole raw file held here whose bytes are not in the page cache is not read by Python at all:
-`read` returns a job tuple, and C threads in pyfuse3 read the bytes, check their CRC-32 and
-answer the kernel themselves. That halves the daemon's CPU per cold small file (no trio worker
-thread, no GIL, no wake-up of the event loop); failures come back through `native_failed`.
+whole file held here (raw and not in the page cache, or compressed), or for frames of a framed
+file held here whose table is known, is not read by Python at all: `read` returns a job tuple,
+and C threads in pyfuse3 read the stored bytes, check their CRC-32, decode them and answer the
+kernel themselves (fanfs/native.py). That halves the daemon's CPU per cold small file (no trio
+worker thread, no GIL, no wake-up of the event loop) and takes decoding off the event loop;
+failures come back through `native_failed`.
 """
 
 from __future__ import annotations
@@ -40,12 +42,12 @@ from typing import Any
 import trio
 
 from fanfs import catalog as cat
-from fanfs import codec
+from fanfs import codec, filters, native
 from fanfs.cache import ByteLRU, SingleFlight
 from fanfs.checksum import crc32
 from fanfs.errors import CorruptFile
 from fanfs.lookahead import SIZE_LIMIT, LookAhead
-from fanfs.native import NativeJob, failure_reason
+from fanfs.native import NativeJob
 from fanfs.sources import NOWAIT_LIMIT, Sources
 from fanfs.status import ReaderStatus
 from fanfs.store import PartitionStore
@@ -85,6 +87,7 @@ class Reader:
         self.bytes_served = 0
         self.reads = 0
         self.native = False  # the daemon sets it once pyfuse3's native read pool runs
+        self.native_decodes = False  # ... and this once it decodes zstd too
         self.native_jobs = 0
 
     async def read(self, entry: int, offset: int, size: int) -> bytes | memoryview | NativeJob:
@@ -119,46 +122,92 @@ class Reader:
         self.bytes_served += size
         codec_id = int(self.catalog.codec[entry])
         if codec_id == cat.CODEC_FRAMED:
-            return await self._framed(entry, offset, size)
+            job = self._native_frames(entry, offset, size) if self.native_decodes else None
+            return job if job is not None else await self._framed(entry, offset, size)
         if codec_id == cat.CODEC_RAW and length > WHOLE_FILE_LIMIT:
             # Checked once as a whole (locally), then served range by range.
             data, _ = await self.sources.stored(
                 entry, offset, size, None, lambda: self._verify_large(entry)
             )
             return data
-        if self.native and codec_id == cat.CODEC_RAW and offset == 0 and size == length:
-            local = self._local_whole(entry, length)
+        whole = offset == 0 and size == length
+        if (self.native and (whole or length <= native.PARTS_LIMIT)
+                and (codec_id == cat.CODEC_RAW or self.native_decodes)):  # fmt: skip
+            local = self._local_whole(entry, offset, size, codec_id)
             if local is not None:
                 return local
         # A request for the whole file hands it all to the kernel, whose page cache keeps it:
         # caching it here too would only cost memory (1.35 M small files filled 900 MB).
-        whole = offset == 0 and size == length
         ahead = self._ahead.read(entry)
         data = await self._whole(entry, keep=not whole)
         if ahead and whole:
             self._cache.drop(entry)  # fetched at LOOKUP and kept for this READ: the kernel has it
         return memoryview(data)[offset : offset + size]
 
-    def _local_whole(self, entry: int, length: int) -> memoryview | NativeJob | None:
-        """A whole raw file held here: its checked bytes if the page cache has them (inline is
-        cheapest), else a job for the native read pool; None if it is not that simple (held
-        elsewhere, cached in this daemon, or being fetched: the usual path shares the work)."""
+    def _local_whole(
+        self, entry: int, offset: int, size: int, codec_id: int
+    ) -> memoryview | NativeJob | None:
+        """Bytes [offset, offset + size) of a file stored whole here: a small raw one's checked
+        bytes if the page cache has them all (inline is cheapest), else a job for the native
+        read pool, which reads and decodes the whole file (and keeps it in its frame cache
+        when the request is a part: the rest is likely asked next); None if it is not that
+        simple (held elsewhere, cached in this daemon, or being fetched: the usual path shares
+        the work)."""
         c, store = self.catalog, self.sources.store
         if not self.sources.mine(entry) or entry in self._flights or entry in self._cache:
             return None
         part, start, crc = int(c.part[entry]), int(c.data_off[entry]), int(c.crc[entry])
-        began = time.perf_counter()
-        if length <= NOWAIT_LIMIT:
-            cached = store.pread_cached(part, start, length)
-            if cached is not None:
-                if crc32(cached) != crc:
-                    self._mark_bad(entry, CorruptFile("checksum mismatch"))
-                    raise CorruptFile(self._describe(entry))
-                self.sources.record(began, length)
-                return memoryview(cached)
+        stored_len, length = int(c.stored_len[entry]), int(c.size[entry])
+        whole = offset == 0 and size == length
+        if codec_id == cat.CODEC_RAW:
+            kind = native.KIND_RAW
+            began = time.perf_counter()
+            if whole and length <= NOWAIT_LIMIT:
+                cached = store.pread_cached(part, start, length)
+                if cached is not None:
+                    if crc32(cached) != crc:
+                        self._mark_bad(entry, CorruptFile("checksum mismatch"))
+                        raise CorruptFile(self._describe(entry))
+                    self.sources.record(began, length)
+                    return memoryview(cached)
+        elif codec_id in (cat.CODEC_ZSTD, cat.CODEC_ZSTD_DICT):
+            kind = native.KIND_ZSTD
+        elif codec_id == cat.CODEC_ZSTD_DELTA4:
+            kind = native.KIND_FILTER + filters.DELTA4
+        else:
+            kind = native.KIND_FILTERED
         self.native_jobs += 1
-        self.sources.bytes_fetched += length
-        return (store.fd(part), start, length, crc, entry, 0, length)
+        self.sources.bytes_fetched += stored_len
+        piece = (start, stored_len, crc, kind, length, 0 if whole else 1)
+        return native.job(store.fd(part), entry, offset, size, [piece])
+
+    def _native_frames(self, entry: int, offset: int, size: int) -> NativeJob | None:
+        """A job for the native pool answering [offset, offset + size) of a framed file held
+        here, from the frames it touches; None when Python should answer (the table is not
+        parsed yet, a frame is decoded in this daemon's cache, too many frames)."""
+        table = self._tables.get(entry)
+        if table is None or not self.sources.mine(entry):
+            return None
+        fs = table.frame_size
+        first, last = offset // fs, (offset + size - 1) // fs
+        if last - first >= native.MAX_PIECES:
+            return None
+        c = self.catalog
+        base = int(c.data_off[entry])
+        pieces = []
+        for i in range(first, last + 1):
+            if (entry, i) in self._cache:
+                return None
+            off, length = table.stored(i)
+            n, fid = table.decoded_len(i), int(table.filters[i])
+            kind = native.KIND_FILTER + fid if fid else (
+                native.KIND_RAW if length == n else native.KIND_ZSTD)  # fmt: skip
+            pieces.append((base + off, length, int(table.crcs[i]), kind, n, 1))
+            self.sources.bytes_fetched += length
+        self._tables.move_to_end(entry)
+        self.native_jobs += 1
+        fd = self.sources.store.fd(int(c.part[entry]))
+        return native.job(fd, entry, offset - first * fs, size, pieces)
 
     def looked_up(self, entry: int) -> None:
         """The kernel looked `entry` up: a small file held by a peer starts its whole-file
@@ -208,7 +257,7 @@ class Reader:
 
     def native_failed(self, entry: int, err: int) -> None:
         """The native pool answered EIO for `entry`: refuse it from now on, log it once."""
-        self._mark_bad(entry, CorruptFile(failure_reason(err)))
+        self._mark_bad(entry, CorruptFile(native.failure_reason(err)))
 
     async def _once(
         self,

@@ -121,6 +121,9 @@ class Status:
     no_open: bool
     native_read_pool: bool
     native_crc32: str | None
+    native_decodes: bool  # the pool decodes compressed files too (libzstd found)
+    native_frame_hits: int  # frames of framed files the pool's frame cache answered
+    native_frame_misses: int
     # The session loop's spin (tools/pyfuse3_patch): requests it caught without a trip through
     # trio's epoll, spins that ended with none, and spins cut short because trio had work.
     spin_caught: int
@@ -195,6 +198,13 @@ def render(s: Status) -> str:
         f"latency:  fetch p50 {rd.fetch_ms.p50} ms, p90 {rd.fetch_ms.p90} ms, "
         f"p99 {rd.fetch_ms.p99} ms",
     ]
+    if s.native_read_pool:
+        lines.append(
+            f"native:   {rd.native_jobs} reads answered in C (CRC-32 {s.native_crc32}, "
+            f"{'decoding zstd' if s.native_decodes else 'raw files only'}), frame cache "
+            f"{s.native_frame_hits} hits / {s.native_frame_misses} misses; loop spin caught "
+            f"{s.spin_caught} requests"
+        )
     if p is not None:
         lines.append(
             f"remote:   {p.remote_fetches} fetched ({human_bytes(p.remote_bytes)}), "

@@ -3,20 +3,24 @@ random offsets inside framed files), corrupt frames are caught, and `info` plans
 
 from __future__ import annotations
 
+import errno
 import gzip
 import io
 import json
 import os
 import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
+import zstandard
+from catalogs import rewrite
 from conftest import fanfs, mounted, prepare
 from PIL import Image
 
 from fanfs import catalog as cat
-from fanfs import codec, datagen, filters
+from fanfs import codec, datagen, filters, native
 from fanfs.errors import CorruptFile, ExitCode
 from fanfs.image import nodes_needed
 
@@ -73,6 +77,114 @@ def test_auto_takes_every_codec_path(awkward_src: Path, tmp_path: Path) -> None:
     assert walk is not None and _frame_kinds(image, c, walk) == {"decimal8"}
     assert _frame_kinds(image, c, big_mixed) >= {"raw", "zstd"}
     assert fanfs("verify", image).returncode == 0
+
+
+def _python_decode(image: Path, c: cat.Catalog, entry: int) -> tuple[bytes, set[int]]:
+    """(decoded bytes, filters used) of a file, decoded by fanfs.codec from the image."""
+    size, stored_len = int(c.size[entry]), int(c.stored_len[entry])
+    with open(image / cat.partition_name(int(c.part[entry])), "rb") as f:
+        stored = os.pread(f.fileno(), stored_len, int(c.data_off[entry]))
+    codec_id = int(c.codec[entry])
+    if codec_id != cat.CODEC_FRAMED:
+        used = {stored[0]} if codec_id == cat.CODEC_ZSTD_FILTERED else set()
+        if codec_id == cat.CODEC_ZSTD_DELTA4:
+            used = {filters.DELTA4}
+        return codec.decode(stored, codec_id, size, int(c.crc[entry]), c.dicts), used
+    off, n = codec.FrameTable.span(size, stored_len, c.frame_size)
+    crc = int(c.crc[entry])
+    table = codec.FrameTable(stored[off : off + n], size, stored_len, c.frame_size, crc)
+    frames = []
+    for i in range(len(table)):
+        f_off, f_len = table.stored(i)
+        frames.append(table.decode(i, stored[f_off : f_off + f_len]))
+    return b"".join(frames), {int(x) for x in table.filters if x}
+
+
+def test_native_and_python_decoders_agree(awkward_src: Path, tmp_path: Path) -> None:
+    """One stored format, two decoders: every file of an image that uses every codec and every
+    filter, decoded by fanfs.codec (Python) and by the native pool (C, through a mount), is
+    the source, byte for byte."""
+    image = prepare(awkward_src, tmp_path / "img")
+    c, _ = cat.Catalog.load(image)
+    files = [e for e in range(c.n_entries) if c.is_file[e]]
+    used: set[int] = set()
+    for entry in files:
+        data, fids = _python_decode(image, c, entry)
+        assert data == (awkward_src / os.fsdecode(c.path(entry))).read_bytes(), c.path(entry)
+        used |= fids
+    assert used == set(filters.NAMES), used  # the image exercises every filter
+    whole = [e for e in files if int(c.codec[e]) not in (cat.CODEC_RAW, cat.CODEC_FRAMED)]
+    codecs = {int(c.codec[e]) for e in whole}
+    assert codecs == {cat.CODEC_ZSTD, cat.CODEC_ZSTD_DICT, cat.CODEC_ZSTD_DELTA4,
+                      cat.CODEC_ZSTD_FILTERED}  # fmt: skip
+    # Files compressed whole first: every READ of them must be a native job, none decoded
+    # in Python (which would count a local fetch).
+    small = [e for e in whole if int(c.size[e]) <= native.PARTS_LIMIT]
+    assert small == whole
+    files = small + [e for e in files if e not in small]
+    with mounted(image, tmp_path / "mnt", tmp_path / "local") as m:
+        m.wait_staged()
+        for i, entry in enumerate(files):
+            rel = os.fsdecode(c.path(entry))
+            assert (m.mountpoint / rel).read_bytes() == (awkward_src / rel).read_bytes(), rel
+            if i == len(small) - 1:
+                reader = m.status()["reader"]
+                assert reader["native_jobs"] >= len(small) and reader["local_fetches"] == 0
+        status = m.status()
+        assert status["native_decodes"] and status["reader"]["bad_files"] == 0
+        assert status["native_frame_misses"] > 0  # frames of framed files were decoded in C
+
+
+def _replace_stored(image: Path, c: cat.Catalog, entry: int, stored: bytes) -> None:
+    """Put `stored` where `entry`'s stored bytes are (no longer than they were), with a catalog
+    that agrees: its length and CRC-32, so only decoding can tell."""
+    assert len(stored) <= int(c.stored_len[entry])
+    with open(image / cat.partition_name(int(c.part[entry])), "r+b") as f:
+        os.pwrite(f.fileno(), stored, int(c.data_off[entry]))
+
+    def change(columns: dict[str, np.ndarray], strings: bytes) -> None:
+        columns["stored_len"][entry] = len(stored)
+        columns["crc"][entry] = zlib.crc32(stored)
+
+    rewrite(image, change)
+
+
+def test_stored_bytes_that_do_not_decode_are_eio_for_that_file(
+    awkward_src: Path, tmp_path: Path
+) -> None:
+    """A hostile image whose checksums match but whose bytes do not decode: random bytes for a
+    zstd frame, and valid zstd frames of the wrong length behind a filter (decimal4, shuffle4).
+    The native pool (and Python, should a READ reach it) answers EIO for those files alone,
+    every time, logged once each; a pool that answered their garbage would fail the test."""
+    image = prepare(awkward_src, tmp_path / "img")
+    c, _ = cat.Catalog.load(image)
+    z = zstandard.ZstdCompressor()
+    victims = {
+        "sizes/compressible-1m.txt": os.urandom(100),
+        "fields/prices.f32": bytes((filters.DECIMAL4,)) + z.compress(b"\x07" * 999),
+        "arrays/labels.i32": bytes((filters.SHUFFLE4,)) + z.compress(b"\x01" * 1000),
+        "fields/small.f32": z.compress(b"\x01" * 1000),  # zstd-delta4 of the wrong length
+    }
+    for rel, stored in victims.items():
+        entry = c.resolve(os.fsencode(rel))
+        assert entry is not None and int(c.codec[entry]) != cat.CODEC_RAW
+        _replace_stored(image, c, entry, stored)
+        c, _ = cat.Catalog.load(image)
+    with mounted(image, tmp_path / "mnt", tmp_path / "local") as m:
+        m.wait_staged()
+        for _ in range(2):
+            for rel in victims:
+                with pytest.raises(OSError) as err:
+                    (m.mountpoint / rel).read_bytes()
+                assert err.value.errno == errno.EIO, rel
+        for rel in ("tables/t07.csv", "fields/walk.f64", "arrays/ids.i64"):
+            assert (m.mountpoint / rel).read_bytes() == (awkward_src / rel).read_bytes()
+        # Logged once each, by the pool ("stored bytes do not decode") or by Python, which
+        # the kernel's retry of a failed readahead (a one-page READ) may reach first.
+        log = m.log_text()
+        for rel in victims:
+            assert log.count(f"EIO for /{rel}: ") == 1, log
+        assert m.status()["reader"]["bad_files"] == len(victims)
 
 
 def test_framed_files_read_at_any_offset(awkward_src: Path, tmp_path: Path) -> None:

@@ -172,7 +172,10 @@ def test_codec_error_with_a_matching_checksum(src: Path, tmp_path: Path) -> None
         for f in src.iterdir():
             if f.name != "t2.txt":
                 assert (m.mountpoint / f.name).read_bytes() == f.read_bytes()
-        assert m.log_text().count("EIO for /t2.txt: zstd") == 1
+        # Once, by the native pool or by Python's zstd, whichever met it first.
+        log = m.log_text()
+        assert log.count("EIO for /t2.txt: ") == 1, log
+        assert "EIO for /t2.txt: stored bytes do not decode" in log or "t2.txt: zstd" in log
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ LAYERS = {
     "errors": 0, "progress": 0, "status": 0, "native": 0, "logs": 0, "checksum": 0,
     "latency": 1, "lookahead": 0, "catalog": 1, "placement": 1, "mounts": 1, "pagecache": 1,
     "plan": 2, "torch": 3, "planner": 6,
-    "codec": 2, "compare": 2, "datagen": 2, "staging": 2, "imagedir": 2,
+    "filters": 1, "codec": 2, "compare": 2, "datagen": 2, "staging": 2, "imagedir": 2,
     "transport.world": 2, "transport": 2, "transport.mpi": 3, "transport.inproc": 3,
     "store": 3, "image": 4, "cache": 2, "sources": 4, "reader": 5,
     "prepare.interrupt": 2, "prepare.source": 3, "prepare.dicts": 3, "prepare.pack": 3,

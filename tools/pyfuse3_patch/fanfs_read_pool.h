@@ -31,30 +31,69 @@
 #include <stdint.h>
 #include <sched.h>
 #include <stdlib.h>
+#include <string.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 
 #define FANFS_POOL_MAX_THREADS 64
+#define FANFS_MAX_PIECES 4   /* frames one job may span */
+#define FANFS_MAX_DICTS 1024
 
 typedef unsigned long (*fanfs_zlib_crc32_fn)(unsigned long, const unsigned char *, unsigned int);
 typedef uint32_t (*fanfs_isal_crc32_fn)(uint32_t, const unsigned char *, uint64_t);
+
+/* What a piece's stored bytes are (the Python side's fanfs/native.py names the same numbers). */
+enum {
+    FANFS_KIND_RAW = 0,      /* the bytes themselves */
+    FANFS_KIND_ZSTD = 1,     /* one zstd frame; its header names its dictionary, if any */
+    FANFS_KIND_FILTERED = 2, /* a filter id byte, then one zstd frame of that filter's output */
+    FANFS_KIND_FILTER = 16,  /* 16 + filter id: one zstd frame of that filter's output */
+};
+/* Filter ids (fanfs/filters.py, docs/format.md). */
+enum { FANFS_SHUFFLE4 = 1, FANFS_SHUFFLE8 = 2, FANFS_DELTA8 = 3, FANFS_DECIMAL4 = 4,
+       FANFS_DECIMAL8 = 5, FANFS_DELTA4 = 8 };
+
+/* One stored piece: a whole file, or one frame of a framed file. */
+struct fanfs_piece {
+    int64_t off;    /* where its stored bytes start in fd */
+    uint32_t len;   /* stored length: all of it is read and checked */
+    uint32_t crc;   /* CRC-32 of the stored bytes */
+    uint32_t size;  /* decoded length */
+    uint8_t kind;
+    uint8_t cache;  /* 1: keep the decoded piece in the frame cache (frames of framed files) */
+};
 
 struct fanfs_job {
     struct fanfs_job *next;
     fuse_req_t req;
     int fd;
-    int64_t off;    /* where the file's bytes start in fd */
-    uint32_t len;   /* the file's length: all of it is read and checked */
-    uint32_t crc;   /* CRC-32 of those bytes */
     int64_t entry;  /* catalog entry, for the error record */
-    uint32_t skip;  /* the reply is bytes [skip, skip + count) of the file */
+    uint32_t skip;  /* the reply is bytes [skip, skip + count) of the pieces' decoded bytes */
     uint32_t count;
+    int npieces;
+    struct fanfs_piece pieces[FANFS_MAX_PIECES];
 };
 
 struct fanfs_error_record {
     int64_t entry;
     int32_t err;
     int32_t pad;
+};
+
+/* libzstd, dlopen'ed like the CRC libraries (no -dev package or link flag needed). */
+typedef struct fanfs_zstd_dctx fanfs_zstd_dctx;
+typedef struct fanfs_zstd_ddict fanfs_zstd_ddict;
+struct fanfs_zstd {
+    fanfs_zstd_dctx *(*create_dctx)(void);
+    void (*free_dctx)(fanfs_zstd_dctx *);
+    size_t (*decompress_dctx)(fanfs_zstd_dctx *, void *, size_t, const void *, size_t);
+    size_t (*decompress_ddict)(fanfs_zstd_dctx *, void *, size_t, const void *, size_t,
+                               const fanfs_zstd_ddict *);
+    fanfs_zstd_ddict *(*create_ddict)(const void *, size_t);
+    void (*free_ddict)(fanfs_zstd_ddict *);
+    unsigned (*is_error)(size_t);
+    unsigned (*dict_id)(const void *, size_t);
 };
 
 static struct {
@@ -67,6 +106,9 @@ static struct {
     int errfd;
     fanfs_isal_crc32_fn isal_crc32; /* preferred when present */
     fanfs_zlib_crc32_fn zlib_crc32;
+    struct fanfs_zstd zstd;         /* all NULL when libzstd is missing: raw pieces only */
+    fanfs_zstd_ddict *ddicts[FANFS_MAX_DICTS];
+    int ndicts;
 } fanfs_pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
 
 static uint32_t fanfs_crc32(const unsigned char *buf, uint32_t len) {
@@ -75,48 +117,427 @@ static uint32_t fanfs_crc32(const unsigned char *buf, uint32_t len) {
     return (uint32_t)fanfs_pool.zlib_crc32(0, buf, len);
 }
 
-/* Each thread keeps its buffer: a fresh one per file costs page faults (glibc maps blocks of
- * 128 KiB and more straight from the kernel). Kept up to 1 MiB, the largest READ. */
-#define FANFS_POOL_KEEP (1u << 20)
-static __thread char *fanfs_tbuf;
-static __thread uint32_t fanfs_tcap;
+/* Per-thread buffers, kept between jobs (a fresh one per file costs page faults: glibc maps
+ * blocks of 128 KiB and more straight from the kernel), each up to FANFS_POOL_KEEP. */
+#define FANFS_POOL_KEEP (4u << 20)
+struct fanfs_tbuf {
+    char *p;
+    uint32_t cap;
+};
+enum { FANFS_BUF_STORED, FANFS_BUF_FILTERED, FANFS_BUF_OUT, FANFS_NBUFS };
+static __thread struct fanfs_tbuf fanfs_tbufs[FANFS_NBUFS];
+static __thread fanfs_zstd_dctx *fanfs_dctx;
 
-static char *fanfs_buffer(uint32_t len) {
-    if (len <= fanfs_tcap)
-        return fanfs_tbuf;
+/* Buffer `which` with room for `len` bytes: the thread's own if it fits FANFS_POOL_KEEP, else
+ * a malloc the caller frees (fanfs_buffer_done). NULL when out of memory. */
+static char *fanfs_buffer(int which, uint64_t len) {
+    struct fanfs_tbuf *b = &fanfs_tbufs[which];
+    if (len == 0)
+        len = 1;
+    if (len <= b->cap)
+        return b->p;
     if (len > FANFS_POOL_KEEP)
         return malloc(len);
-    free(fanfs_tbuf);
-    fanfs_tcap = 0;
-    fanfs_tbuf = malloc(FANFS_POOL_KEEP);
-    if (fanfs_tbuf != NULL)
-        fanfs_tcap = FANFS_POOL_KEEP;
-    return fanfs_tbuf;
+    free(b->p);
+    b->cap = 0;
+    b->p = malloc(FANFS_POOL_KEEP);
+    if (b->p != NULL)
+        b->cap = FANFS_POOL_KEEP;
+    return b->p;
 }
 
-static void fanfs_job_run(struct fanfs_job *j) {
-    int err = 0;
-    uint32_t done = 0;
-    char *buf = fanfs_buffer(j->len ? j->len : 1);
+static void fanfs_buffer_done(int which, char *p) {
+    if (p != fanfs_tbufs[which].p)
+        free(p);
+}
 
-    if (buf == NULL)
-        err = ENOMEM;
-    while (err == 0 && done < j->len) {
-        ssize_t n = pread(j->fd, buf + done, j->len - done, (off_t)(j->off + (int64_t)done));
+/* -- the frame cache: decoded pieces asked for in parts, shared by the pool's threads --------
+ * The kernel's readahead windows do not line up with frames (cat reads 256 KiB, then 512 KiB,
+ * then 1 MiB windows from 786,432 on), and a whole file over 256 KiB comes in two READs at
+ * least, so a piece is often asked for by two READs: decoding it once saves the second decode.
+ * Keyed by where the stored piece is (fd, offset, length, CRC); a slot in use by a reply is
+ * never evicted. */
+#define FANFS_FRAMES 32
+#define FANFS_FRAMES_BYTES (64u << 20)
+struct fanfs_frame {
+    int fd;
+    int64_t off;
+    uint32_t len, crc, size;
+    char *data; /* NULL: empty slot */
+    int refs;
+    uint64_t used;
+};
+static struct {
+    pthread_mutex_t lock;
+    struct fanfs_frame slot[FANFS_FRAMES];
+    uint64_t clock;
+    uint64_t bytes; /* decoded bytes held */
+    uint64_t hits, misses;
+} fanfs_frames = {PTHREAD_MUTEX_INITIALIZER};
+
+static int fanfs_frame_match(const struct fanfs_frame *f, int fd, const struct fanfs_piece *p) {
+    return f->data != NULL && f->fd == fd && f->off == p->off && f->len == p->len &&
+           f->crc == p->crc && f->size == p->size;
+}
+
+/* The slot holding this piece's decoded bytes (a reference taken), or -1. */
+static int fanfs_frame_get(int fd, const struct fanfs_piece *p) {
+    int i, found = -1;
+    pthread_mutex_lock(&fanfs_frames.lock);
+    for (i = 0; i < FANFS_FRAMES; i++) {
+        if (fanfs_frame_match(&fanfs_frames.slot[i], fd, p)) {
+            fanfs_frames.slot[i].refs++;
+            fanfs_frames.slot[i].used = ++fanfs_frames.clock;
+            found = i;
+            break;
+        }
+    }
+    if (found >= 0)
+        fanfs_frames.hits++;
+    else
+        fanfs_frames.misses++;
+    pthread_mutex_unlock(&fanfs_frames.lock);
+    return found;
+}
+
+/* Keep `data` (malloc'ed, `p->size` bytes) as this piece's decoded bytes; returns its slot with
+ * a reference taken, or -1 when there is no room (the caller still owns `data`). Room: a slot
+ * that no reply uses, least recently used first, and at most FANFS_FRAMES_BYTES in all. */
+static int fanfs_frame_put(int fd, const struct fanfs_piece *p, char *data) {
+    int i, victim;
+    struct fanfs_frame *f;
+    pthread_mutex_lock(&fanfs_frames.lock);
+    for (;;) {
+        victim = -1;
+        for (i = 0; i < FANFS_FRAMES; i++) {
+            f = &fanfs_frames.slot[i];
+            if (f->refs == 0 && (victim < 0 || f->data == NULL ||
+                                 (fanfs_frames.slot[victim].data != NULL &&
+                                  f->used < fanfs_frames.slot[victim].used)))
+                victim = i;
+        }
+        if (victim < 0)
+            break;
+        f = &fanfs_frames.slot[victim];
+        if (f->data == NULL && fanfs_frames.bytes + p->size <= FANFS_FRAMES_BYTES)
+            break;
+        if (f->data == NULL) { /* no room by bytes and nothing left to evict */
+            victim = -1;
+            break;
+        }
+        fanfs_frames.bytes -= f->size;
+        free(f->data);
+        f->data = NULL;
+    }
+    if (victim >= 0) {
+        f = &fanfs_frames.slot[victim];
+        f->fd = fd;
+        f->off = p->off;
+        f->len = p->len;
+        f->crc = p->crc;
+        f->size = p->size;
+        f->data = data;
+        f->refs = 1;
+        f->used = ++fanfs_frames.clock;
+        fanfs_frames.bytes += p->size;
+    }
+    pthread_mutex_unlock(&fanfs_frames.lock);
+    return victim;
+}
+
+static void fanfs_frame_release(int slot) {
+    pthread_mutex_lock(&fanfs_frames.lock);
+    fanfs_frames.slot[slot].refs--;
+    pthread_mutex_unlock(&fanfs_frames.lock);
+}
+
+static void fanfs_frames_clear(void) {
+    int i;
+    pthread_mutex_lock(&fanfs_frames.lock);
+    for (i = 0; i < FANFS_FRAMES; i++) {
+        free(fanfs_frames.slot[i].data);
+        fanfs_frames.slot[i].data = NULL;
+        fanfs_frames.slot[i].refs = 0;
+    }
+    fanfs_frames.bytes = 0;
+    pthread_mutex_unlock(&fanfs_frames.lock);
+}
+
+/* -- filters: the inverse of fanfs/filters.py, byte for byte -------------------------------- */
+static int fanfs_filter_width(int fid) {
+    switch (fid) {
+    case FANFS_SHUFFLE4: case FANFS_DELTA4: case FANFS_DECIMAL4: return 4;
+    case FANFS_SHUFFLE8: case FANFS_DELTA8: case FANFS_DECIMAL8: return 8;
+    default: return 0;
+    }
+}
+
+/* The most bytes a filter's output of `size` bytes may have (decimal adds its exceptions). */
+static uint64_t fanfs_filtered_max(int fid, uint32_t size) {
+    int w = fanfs_filter_width(fid);
+    if (fid == FANFS_DECIMAL4 || fid == FANFS_DECIMAL8)
+        return 8 + (uint64_t)(size / w) * (4 + w) + size;
+    return size;
+}
+
+static void fanfs_unshuffle(const unsigned char *in, unsigned char *out, uint32_t words, int w) {
+    uint32_t i;
+    int b;
+    for (b = 0; b < w; b++) {
+        const unsigned char *plane = in + (uint64_t)b * words;
+        for (i = 0; i < words; i++)
+            out[(uint64_t)i * w + b] = plane[i];
+    }
+}
+
+static const double fanfs_pow10[19] = {1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9,
+                                       1e10, 1e11, 1e12, 1e13, 1e14, 1e15, 1e16, 1e17, 1e18};
+
+/* Undo filter `fid` of `in` (`n` bytes) into `out` (`size` bytes); 0 or EILSEQ. */
+static int fanfs_unfilter(int fid, const unsigned char *in, uint64_t n, unsigned char *out,
+                          uint32_t size) {
+    int w = fanfs_filter_width(fid);
+    uint32_t words, i, k, e;
+    if (w == 0 || size % w)
+        return EILSEQ;
+    words = size / w;
+    if (fid == FANFS_DECIMAL4 || fid == FANFS_DECIMAL8) {
+        const unsigned char *pos, *kept;
+        uint64_t acc = 0;
+        if (n < 8)
+            return EILSEQ;
+        e = in[0];
+        memcpy(&k, in + 4, 4);
+        if (e > (uint32_t)(w == 4 ? 10 : 18) || k > words ||
+            n != 8 + (uint64_t)k * (4 + w) + size)
+            return EILSEQ;
+        pos = in + 8;
+        kept = pos + (uint64_t)k * 4;
+        fanfs_unshuffle(kept + (uint64_t)k * w, out, words, w);
+        for (i = 0; i < words; i++) {
+            uint64_t z;
+            int64_t d;
+            double v;
+            if (w == 4) {
+                uint32_t z4;
+                memcpy(&z4, out + (uint64_t)i * 4, 4);
+                z = z4;
+            } else {
+                memcpy(&z, out + (uint64_t)i * 8, 8);
+            }
+            d = (int64_t)(z >> 1) ^ -(int64_t)(z & 1);
+            acc += (uint64_t)d; /* the running sum, mod 2^64 as numpy's int64 cumsum */
+            v = (double)(int64_t)acc / fanfs_pow10[e];
+            if (w == 4) {
+                float f = (float)v;
+                memcpy(out + (uint64_t)i * 4, &f, 4);
+            } else {
+                memcpy(out + (uint64_t)i * 8, &v, 8);
+            }
+        }
+        for (i = 0; i < k; i++) {
+            uint32_t at;
+            memcpy(&at, pos + (uint64_t)i * 4, 4);
+            if (at >= words)
+                return EILSEQ;
+            memcpy(out + (uint64_t)at * w, kept + (uint64_t)i * w, w);
+        }
+        return 0;
+    }
+    if (n != size)
+        return EILSEQ;
+    fanfs_unshuffle(in, out, words, w);
+    if (fid == FANFS_DELTA4) {
+        uint32_t acc = 0, x;
+        for (i = 0; i < words; i++) {
+            memcpy(&x, out + (uint64_t)i * 4, 4);
+            acc += x;
+            memcpy(out + (uint64_t)i * 4, &acc, 4);
+        }
+    } else if (fid == FANFS_DELTA8) {
+        uint64_t acc = 0, x;
+        for (i = 0; i < words; i++) {
+            memcpy(&x, out + (uint64_t)i * 8, 8);
+            acc += x;
+            memcpy(out + (uint64_t)i * 8, &acc, 8);
+        }
+    }
+    return 0;
+}
+
+/* One zstd frame into `out` (room for `cap` bytes); its decoded length, or -1. */
+static int64_t fanfs_unzstd(const unsigned char *in, uint32_t n, unsigned char *out, uint64_t cap) {
+    struct fanfs_zstd *z = &fanfs_pool.zstd;
+    unsigned id;
+    size_t r;
+    if (fanfs_dctx == NULL && (fanfs_dctx = z->create_dctx()) == NULL)
+        return -1;
+    id = z->dict_id(in, n);
+    if (id != 0) {
+        if (id > (unsigned)fanfs_pool.ndicts)
+            return -1;
+        r = z->decompress_ddict(fanfs_dctx, out, cap, in, n, fanfs_pool.ddicts[id - 1]);
+    } else {
+        r = z->decompress_dctx(fanfs_dctx, out, cap, in, n);
+    }
+    return z->is_error(r) ? -1 : (int64_t)r;
+}
+
+/* Decode a checked piece's stored bytes `in` into `out` (p->size bytes); 0 or an errno. */
+static int fanfs_decode(const struct fanfs_piece *p, const unsigned char *in, unsigned char *out) {
+    int fid = 0, err = 0;
+    uint32_t n = p->len;
+    uint64_t cap;
+    int64_t got;
+    char *filtered;
+
+    if (p->kind == FANFS_KIND_RAW) {
+        if (n != p->size)
+            return EILSEQ;
+        memcpy(out, in, n);
+        return 0;
+    }
+    if (fanfs_pool.zstd.create_dctx == NULL)
+        return ENOSYS;
+    if (p->kind == FANFS_KIND_FILTERED) {
+        if (n < 2)
+            return EILSEQ;
+        fid = in[0];
+        in++;
+        n--;
+    } else if (p->kind > FANFS_KIND_FILTER) {
+        fid = p->kind - FANFS_KIND_FILTER;
+    } else if (p->kind != FANFS_KIND_ZSTD) {
+        return EILSEQ;
+    }
+    if (fid == 0) {
+        got = fanfs_unzstd(in, n, out, p->size);
+        return got == (int64_t)p->size ? 0 : EILSEQ;
+    }
+    if (fanfs_filter_width(fid) == 0)
+        return EILSEQ;
+    cap = fanfs_filtered_max(fid, p->size);
+    filtered = fanfs_buffer(FANFS_BUF_FILTERED, cap);
+    if (filtered == NULL)
+        return ENOMEM;
+    got = fanfs_unzstd(in, n, (unsigned char *)filtered, cap);
+    if (got < 0)
+        err = EILSEQ;
+    else
+        err = fanfs_unfilter(fid, (unsigned char *)filtered, (uint64_t)got, out, p->size);
+    fanfs_buffer_done(FANFS_BUF_FILTERED, filtered);
+    return err;
+}
+
+static int fanfs_pread_all(int fd, char *buf, uint32_t len, int64_t off) {
+    uint32_t done = 0;
+    while (done < len) {
+        ssize_t n = pread(fd, buf + done, len - done, (off_t)(off + (int64_t)done));
         if (n < 0 && errno == EINTR)
             continue;
         if (n < 0)
-            err = errno;
-        else if (n == 0)
-            err = EIO; /* the partition ends early */
-        else
-            done += (uint32_t)n;
+            return errno;
+        if (n == 0)
+            return EIO; /* the partition ends early */
+        done += (uint32_t)n;
     }
-    if (err == 0 && fanfs_crc32((const unsigned char *)buf, j->len) != j->crc)
+    return 0;
+}
+
+/* A piece's decoded bytes, for the reply: from the frame cache (slot >= 0, a reference held),
+ * in one of this thread's buffers (`which`), or malloc'ed (`which` < 0). */
+struct fanfs_decoded {
+    char *data;
+    int slot;
+    int which;
+};
+
+/* Piece `index` of a job of `npieces`: only the first may use the thread's buffers. */
+static int fanfs_piece_get(int fd, const struct fanfs_piece *p, int index,
+                           struct fanfs_decoded *d) {
+    int err;
+    char *stored, *out;
+
+    d->slot = -1;
+    d->which = p->cache || index > 0 ? -1 : FANFS_BUF_OUT;
+    if (p->cache && (d->slot = fanfs_frame_get(fd, p)) >= 0) {
+        d->data = fanfs_frames.slot[d->slot].data;
+        return 0;
+    }
+    stored = fanfs_buffer(FANFS_BUF_STORED, p->len);
+    if (stored == NULL)
+        return ENOMEM;
+    err = fanfs_pread_all(fd, stored, p->len, p->off);
+    if (err == 0 && fanfs_crc32((const unsigned char *)stored, p->len) != p->crc)
         err = EBADMSG;
+    if (err == 0 && p->kind == FANFS_KIND_RAW && d->which == FANFS_BUF_OUT) {
+        if (p->len != p->size)
+            err = EILSEQ;
+        d->data = stored; /* a raw whole file: reply from the stored bytes themselves */
+        d->which = FANFS_BUF_STORED;
+        if (err != 0)
+            fanfs_buffer_done(FANFS_BUF_STORED, stored);
+        return err;
+    }
+    out = NULL;
     if (err == 0) {
-        fuse_reply_buf(j->req, buf + j->skip, j->count);
-    } else {
+        out = d->which < 0 ? malloc(p->size ? p->size : 1) : fanfs_buffer(d->which, p->size);
+        if (out == NULL)
+            err = ENOMEM;
+    }
+    if (err == 0)
+        err = fanfs_decode(p, (const unsigned char *)stored, (unsigned char *)out);
+    fanfs_buffer_done(FANFS_BUF_STORED, stored);
+    if (err != 0) {
+        if (d->which < 0)
+            free(out);
+        else if (out != NULL)
+            fanfs_buffer_done(d->which, out);
+        return err;
+    }
+    d->data = out;
+    if (p->cache)
+        d->slot = fanfs_frame_put(fd, p, out); /* -1: no room, the job frees it */
+    return 0;
+}
+
+static void fanfs_piece_done(struct fanfs_decoded *d) {
+    if (d->slot >= 0)
+        fanfs_frame_release(d->slot);
+    else if (d->which < 0)
+        free(d->data);
+    else
+        fanfs_buffer_done(d->which, d->data);
+}
+
+static void fanfs_job_run(struct fanfs_job *j) {
+    struct fanfs_decoded got[FANFS_MAX_PIECES];
+    struct iovec iov[FANFS_MAX_PIECES];
+    int err = 0, i, n = 0, niov = 0;
+    uint64_t at = 0, lo = j->skip, hi = (uint64_t)j->skip + j->count;
+
+    for (i = 0; i < j->npieces && err == 0; i++) {
+        const struct fanfs_piece *p = &j->pieces[i];
+        uint64_t a, b;
+        err = fanfs_piece_get(j->fd, p, i, &got[i]);
+        if (err != 0)
+            break;
+        n++;
+        /* This piece covers decoded bytes [at, at + size) of the job. */
+        a = lo > at ? lo - at : 0;
+        b = hi < at + p->size ? hi - at : p->size;
+        if (b > a) {
+            iov[niov].iov_base = got[i].data + a;
+            iov[niov].iov_len = b - a;
+            niov++;
+        }
+        at += p->size;
+    }
+    if (err == 0)
+        fuse_reply_iov(j->req, iov, niov);
+    for (i = 0; i < n; i++)
+        fanfs_piece_done(&got[i]);
+    if (err != 0) {
         /* A full pipe loses the record; the file is still answered EIO on every read. */
         struct fanfs_error_record rec = {j->entry, err, 0};
         ssize_t posted;
@@ -124,11 +545,10 @@ static void fanfs_job_run(struct fanfs_job *j) {
         posted = write(fanfs_pool.errfd, &rec, sizeof rec);
         (void)posted;
     }
-    if (buf != fanfs_tbuf)
-        free(buf);
 }
 
 static void *fanfs_pool_main(void *arg) {
+    int i;
     (void)arg;
     for (;;) {
         struct fanfs_job *j;
@@ -147,10 +567,33 @@ static void *fanfs_pool_main(void *arg) {
         fanfs_job_run(j);
         free(j);
     }
-    free(fanfs_tbuf);
-    fanfs_tbuf = NULL;
-    fanfs_tcap = 0;
+    for (i = 0; i < FANFS_NBUFS; i++) {
+        free(fanfs_tbufs[i].p);
+        fanfs_tbufs[i].p = NULL;
+        fanfs_tbufs[i].cap = 0;
+    }
+    if (fanfs_dctx != NULL)
+        fanfs_pool.zstd.free_dctx(fanfs_dctx);
+    fanfs_dctx = NULL;
     return NULL;
+}
+
+static void fanfs_load_zstd(void) {
+    struct fanfs_zstd z;
+    void *lib = dlopen("libzstd.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (lib == NULL)
+        return;
+    *(void **)&z.create_dctx = dlsym(lib, "ZSTD_createDCtx");
+    *(void **)&z.free_dctx = dlsym(lib, "ZSTD_freeDCtx");
+    *(void **)&z.decompress_dctx = dlsym(lib, "ZSTD_decompressDCtx");
+    *(void **)&z.decompress_ddict = dlsym(lib, "ZSTD_decompress_usingDDict");
+    *(void **)&z.create_ddict = dlsym(lib, "ZSTD_createDDict");
+    *(void **)&z.free_ddict = dlsym(lib, "ZSTD_freeDDict");
+    *(void **)&z.is_error = dlsym(lib, "ZSTD_isError");
+    *(void **)&z.dict_id = dlsym(lib, "ZSTD_getDictID_fromFrame");
+    if (z.create_dctx && z.free_dctx && z.decompress_dctx && z.decompress_ddict &&
+        z.create_ddict && z.free_ddict && z.is_error && z.dict_id)
+        fanfs_pool.zstd = z;
 }
 
 /* Start `nthreads` threads (idempotent); error records go to `errfd` (non-blocking pipe). */
@@ -171,6 +614,8 @@ static int fanfs_pool_start(int nthreads, int errfd) {
         fanfs_pool.zlib_crc32 = (fanfs_zlib_crc32_fn)dlsym(zlib, "crc32");
     if (fanfs_pool.isal_crc32 == NULL && fanfs_pool.zlib_crc32 == NULL)
         return -ENOENT;
+    if (fanfs_pool.zstd.create_dctx == NULL)
+        fanfs_load_zstd();
     fanfs_pool.errfd = errfd;
     fanfs_pool.stopping = 0;
     /* Signals stay with the interpreter's thread. */
@@ -185,29 +630,55 @@ static int fanfs_pool_start(int nthreads, int errfd) {
     return fanfs_pool.nthreads > 0 ? 0 : -EAGAIN;
 }
 
+/* The image's zstd dictionaries (dictionary id i + 1 is dicts[i]); call before the first job
+ * that needs one. 0, or -ENOSYS without libzstd, -EINVAL / -ENOMEM. */
+static int fanfs_pool_set_dicts(int n, const char **dicts, const size_t *lens) {
+    int i;
+    if (fanfs_pool.zstd.create_ddict == NULL)
+        return -ENOSYS;
+    if (n < 0 || n > FANFS_MAX_DICTS)
+        return -EINVAL;
+    for (i = 0; i < fanfs_pool.ndicts; i++)
+        fanfs_pool.zstd.free_ddict(fanfs_pool.ddicts[i]);
+    fanfs_pool.ndicts = 0;
+    for (i = 0; i < n; i++) {
+        fanfs_pool.ddicts[i] = fanfs_pool.zstd.create_ddict(dicts[i], lens[i]);
+        if (fanfs_pool.ddicts[i] == NULL)
+            return -ENOMEM;
+        fanfs_pool.ndicts = i + 1;
+    }
+    return 0;
+}
+
 /* Which library computes the CRC-32 of the running pool. */
 static const char *fanfs_pool_crc_name(void) {
     return fanfs_pool.isal_crc32 != NULL ? "isa-l" : "zlib";
 }
 
-/* Queue a job; -1 if the pool is not running (the caller answers the request itself). */
-static int fanfs_pool_submit(fuse_req_t req, int fd, int64_t off, uint32_t len, uint32_t crc,
-                             int64_t entry, uint32_t skip, uint32_t count) {
+/* Whether the pool decodes zstd pieces (libzstd found). */
+static int fanfs_pool_decodes(void) {
+    return fanfs_pool.zstd.create_dctx != NULL;
+}
+
+/* Frame cache hits and misses so far. */
+static void fanfs_pool_frame_stats(uint64_t *hits, uint64_t *misses) {
+    pthread_mutex_lock(&fanfs_frames.lock);
+    *hits = fanfs_frames.hits;
+    *misses = fanfs_frames.misses;
+    pthread_mutex_unlock(&fanfs_frames.lock);
+}
+
+/* Queue a job (its pieces already checked by the caller for sizes); -1 if the pool is not
+ * running (the caller answers the request itself). */
+static int fanfs_pool_submit(struct fanfs_job *proto) {
     struct fanfs_job *j;
-    if (fanfs_pool.nthreads == 0 || fanfs_pool.stopping || skip > len || count > len - skip)
+    if (fanfs_pool.nthreads == 0 || fanfs_pool.stopping)
         return -1;
     j = malloc(sizeof *j);
     if (j == NULL)
         return -1;
+    *j = *proto;
     j->next = NULL;
-    j->req = req;
-    j->fd = fd;
-    j->off = off;
-    j->len = len;
-    j->crc = crc;
-    j->entry = entry;
-    j->skip = skip;
-    j->count = count;
     pthread_mutex_lock(&fanfs_pool.lock);
     if (fanfs_pool.tail != NULL)
         fanfs_pool.tail->next = j;
@@ -229,6 +700,7 @@ static void fanfs_pool_stop(void) {
     for (i = 0; i < fanfs_pool.nthreads; i++)
         pthread_join(fanfs_pool.threads[i], NULL);
     fanfs_pool.nthreads = 0;
+    fanfs_frames_clear();
 }
 
 /*

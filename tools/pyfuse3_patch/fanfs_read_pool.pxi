@@ -1,14 +1,34 @@
-# fanfs's native read pool (fanfs_read_pool.h), included at the end of pyfuse3's __init__.pyx
-# by tools/install_pyfuse3.py. A read handler that returns a tuple
-# (fd, offset, length, crc, entry, skip, count) instead of bytes hands the request to the pool,
-# which reads, checks and answers it without the GIL (see fuse_read_async).
+# fanfs's native read pool (fanfs_read_pool.h), included in pyfuse3's __init__.pyx by
+# tools/install_pyfuse3.py. A read handler that returns a tuple instead of bytes,
+# (fd, entry, skip, count) followed by (offset, length, crc, kind, size, cache) per stored piece
+# (fanfs/native.py), hands the request to the pool, which reads, checks, decodes and answers it
+# without the GIL (see fuse_read_async).
 
-from libc.stdint cimport int64_t
+from libc.stdint cimport int64_t, uint8_t, uint64_t
+from libc.stdlib cimport malloc, free
 
 cdef extern from "fanfs_read_pool.h" nogil:
+    enum: FANFS_MAX_PIECES
+    struct fanfs_piece:
+        int64_t off
+        uint32_t len
+        uint32_t crc
+        uint32_t size
+        uint8_t kind
+        uint8_t cache
+    struct fanfs_job:
+        fuse_req_t req
+        int fd
+        int64_t entry
+        uint32_t skip
+        uint32_t count
+        int npieces
+        fanfs_piece pieces[4]
     int fanfs_pool_start(int nthreads, int errfd)
-    int fanfs_pool_submit(fuse_req_t req, int fd, int64_t off, uint32_t len, uint32_t crc,
-                          int64_t entry, uint32_t skip, uint32_t count)
+    int fanfs_pool_submit(fanfs_job *job)
+    int fanfs_pool_set_dicts(int n, const char **dicts, const size_t *lens)
+    int fanfs_pool_decodes()
+    void fanfs_pool_frame_stats(uint64_t *hits, uint64_t *misses)
     void fanfs_pool_stop()
     const char *fanfs_pool_crc_name()
     int64_t fanfs_now_ns()
@@ -18,7 +38,32 @@ FANFS_PATCH = @PATCH_LEVEL@  # fanfs/native.py's PATCH_LEVEL, written in by inst
 
 
 cdef int _native_read_submit(fuse_req_t req, tuple job):
-    return fanfs_pool_submit(req, job[0], job[1], job[2], job[3], job[4], job[5], job[6])
+    """0: queued, the pool answers; -1: the caller answers EIO (a malformed job, a stopped
+    pool). Never raises: an exception here would leave the request unanswered."""
+    cdef fanfs_job j
+    cdef int i, b
+    cdef uint64_t total = 0
+    cdef int n = (len(job) - 4) // 6
+    if n < 1 or n > FANFS_MAX_PIECES or len(job) != 4 + 6 * n:
+        return -1
+    try:
+        j.req = req
+        j.fd, j.entry, j.skip, j.count = job[0], job[1], job[2], job[3]
+        j.npieces = n
+        for i in range(n):
+            b = 4 + 6 * i
+            j.pieces[i].off = job[b]
+            j.pieces[i].len = job[b + 1]
+            j.pieces[i].crc = job[b + 2]
+            j.pieces[i].kind = job[b + 3]
+            j.pieces[i].size = job[b + 4]
+            j.pieces[i].cache = job[b + 5]
+            total += j.pieces[i].size
+    except (TypeError, OverflowError):
+        return -1
+    if j.skip > total or j.count > total - j.skip:
+        return -1
+    return fanfs_pool_submit(&j)
 
 
 def native_read_start(int nthreads, int errfd):
@@ -28,6 +73,39 @@ def native_read_start(int nthreads, int errfd):
     if ret != 0:
         raise OSError(-ret, 'native read pool: ' + os.strerror(-ret))
     return fanfs_pool_crc_name().decode()
+
+
+def native_read_decodes():
+    '''Whether the running pool decodes zstd pieces (libzstd was found).'''
+    return bool(fanfs_pool_decodes())
+
+
+def native_read_dicts(dicts):
+    '''Give the pool the image's zstd dictionaries (id i + 1 is dicts[i]); OSError if it
+    cannot take them.'''
+    cdef int n = len(dicts), i, ret
+    cdef const char **ptrs = <const char **>malloc(sizeof(char *) * (n + 1))
+    cdef size_t *lens = <size_t *>malloc(sizeof(size_t) * (n + 1))
+    kept = [bytes(d) for d in dicts]
+    try:
+        if ptrs == NULL or lens == NULL:
+            raise MemoryError()
+        for i in range(n):
+            ptrs[i] = <const char *>kept[i]
+            lens[i] = len(kept[i])
+        ret = fanfs_pool_set_dicts(n, ptrs, lens)
+        if ret != 0:
+            raise OSError(-ret, 'native read pool dictionaries: ' + os.strerror(-ret))
+    finally:
+        free(ptrs)
+        free(lens)
+
+
+def native_read_frame_stats():
+    '''(hits, misses) of the pool's cache of decoded frames.'''
+    cdef uint64_t hits = 0, misses = 0
+    fanfs_pool_frame_stats(&hits, &misses)
+    return hits, misses
 
 
 def native_read_stop():
