@@ -10,8 +10,11 @@ whole words) and has a one-byte id, the same in whole files (codec zstd-filtered
   fields and counters become small differences.
 - `decimal4`, `decimal8` (after ALP, SIGMOD 2023): float32 / float64 values that are decimals
   stored as binary floats (prices, rounded measurements) become the integers `n` with
-  `value == float(n / 10^e)` exactly, stored as zigzagged differences, shuffled; the few values
-  that do not round-trip (NaN, -0.0, a stray header) are kept verbatim as exceptions.
+  `value == float32(n * 10^-e)` (decimal4: a multiplication by the double nearest 10^-e, the
+  cheaper operation, whose last-bit error rounding to float32 hides) or `value == n / 10^e`
+  (decimal8: a correctly rounded division, so every decimal comes back), stored as zigzagged
+  differences, shuffled; the few values that do not round-trip (NaN, -0.0, a stray header) are
+  kept verbatim as exceptions.
 
 Lossless always: `decode(fid, encode(fid, data)) == data` for every input an encoder accepts, and
 each decoder checks the sizes it is given (CorruptFile), since stored bytes may be hostile. The
@@ -46,6 +49,7 @@ _DECIMAL_MAX_EXP = {4: 10, 8: 18}  # 10^e exactly representable as a double up t
 _DECIMAL_MAX_N = {4: 1 << 30, 8: 1 << 52}
 _DECIMAL_MIN_EXACT = 0.9  # below this share of values that round-trip, decimal does not apply
 _UINT: dict[int, np.dtype[Any]] = {4: np.dtype("<u4"), 8: np.dtype("<u8")}
+_INT: dict[int, np.dtype[Any]] = {4: np.dtype("<i4"), 8: np.dtype("<i8")}
 _FLOAT: dict[int, np.dtype[Any]] = {4: np.dtype("<f4"), 8: np.dtype("<f8")}
 
 
@@ -74,6 +78,16 @@ def undelta(data: bytes | memoryview, width: int) -> bytes:
     return np.cumsum(d, dtype=_UINT[width]).astype(_UINT[width], copy=False).tobytes()
 
 
+def _scaled(n: np.ndarray, e: int, width: int) -> np.ndarray:
+    """The decimal filter's values of the integers `n` (float64) at exponent `e`, as words: the
+    one formula both the encoder's check and every decoder (C too) apply."""
+    if width == 4:
+        v = n * float(f"1e-{e}")  # the double nearest 10^-e, parsed as C parses its literal
+    else:
+        v = n / float(f"1e{e}")
+    return v.astype(_FLOAT[width]).view(_UINT[width])
+
+
 def _exponent(v: np.ndarray, width: int) -> int | None:
     """The smallest decimal exponent at which most of the sample `v` (as float64) round-trips."""
     sample = v[:: max(1, len(v) // 4096)]
@@ -82,8 +96,7 @@ def _exponent(v: np.ndarray, width: int) -> int | None:
         return None
     bits = sample.astype(_FLOAT[width]).view(_UINT[width])
     for e in range(_DECIMAL_MAX_EXP[width] + 1):
-        n = np.rint(sample * 10.0**e)
-        back = (n / 10.0**e).astype(_FLOAT[width]).view(_UINT[width])
+        back = _scaled(np.rint(sample * 10.0**e), e, width)
         if np.count_nonzero(back == bits) >= len(sample) * _DECIMAL_MIN_EXACT:
             return e
     return None
@@ -105,8 +118,7 @@ def _decimal(data: bytes | memoryview, width: int) -> bytes | None:
     n = np.rint(v * scale)
     ok = np.isfinite(n) & (np.abs(n) < _DECIMAL_MAX_N[width])
     n = np.where(ok, n, 0).astype(np.int64)
-    back = (n.astype(np.float64) / scale).astype(_FLOAT[width]).view(_UINT[width])
-    ok &= back == orig
+    ok &= _scaled(n.astype(np.float64), e, width) == orig
     bad = np.flatnonzero(~ok).astype("<u4")
     if len(bad) > len(orig) * (1 - _DECIMAL_MIN_EXACT):
         return None
@@ -136,9 +148,12 @@ def undecimal(data: bytes | memoryview, width: int, size: int) -> bytes:
         raise CorruptFile("decimal filter: exception out of range")
     kept = np.frombuffer(data, dtype=_UINT[width], count=k, offset=_DECIMAL_HEAD.size + 4 * k)
     z = np.frombuffer(unshuffle(memoryview(data)[body:], width), dtype=_UINT[width])
-    d = (z >> np.uint64(1)).astype(np.int64) ^ -(z & np.uint64(1)).astype(np.int64)
-    n = np.cumsum(d, dtype=np.int64)
-    out = (n.astype(np.float64) / 10.0**e).astype(_FLOAT[width]).view(_UINT[width])
+    one = _UINT[width].type(1)
+    d = (z >> one) ^ (_UINT[width].type(0) - (z & one))  # unzigzagged, as unsigned words
+    # The running sum wraps at the word's width (decimal4: int32, as the C decoder sums).
+    n = np.cumsum(d, dtype=_UINT[width]).view(_INT[width])
+    with np.errstate(all="ignore"):  # hostile integers may overflow float32: still defined
+        out = _scaled(n.astype(np.float64), e, width)
     out[pos] = kept
     return bytes(out.tobytes())
 

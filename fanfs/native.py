@@ -31,7 +31,9 @@ log = logging.getLogger(__name__)
 
 PATCH_LEVEL = 6  # pyfuse3.FANFS_PATCH of the build tools/install_pyfuse3.py makes
 POOL_LEVEL = 6  # the first level whose pool takes jobs as `job` below and decodes
-THREADS = 4  # pool threads: concurrent disk reads of small files on a 2-core node
+# Pool threads: at least 4 (concurrent disk reads of small files, even on a 2-core node), and
+# one per core up to 32 on bigger nodes, where decoding compressed files is what they do most.
+THREADS = max(4, min(32, os.cpu_count() or 4))
 MAX_PIECES = 4  # stored pieces (frames) one job may span
 # Files stored whole up to this size are answered by the pool also when a READ asks for a part
 # (it keeps the decoded file in its frame cache, 64 MiB in all, for the other parts).

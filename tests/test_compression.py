@@ -160,10 +160,15 @@ def test_stored_bytes_that_do_not_decode_are_eio_for_that_file(
     c, _ = cat.Catalog.load(image)
     z = zstandard.ZstdCompressor()
     victims = {
-        "sizes/compressible-1m.txt": os.urandom(100),
+        "arrays/labels.i32": os.urandom(100),
         "fields/prices.f32": bytes((filters.DECIMAL4,)) + z.compress(b"\x07" * 999),
-        "arrays/labels.i32": bytes((filters.SHUFFLE4,)) + z.compress(b"\x01" * 1000),
+        "arrays/ids.i64": bytes((filters.SHUFFLE8,)) + z.compress(b"\x01" * 1000),
         "fields/small.f32": z.compress(b"\x01" * 1000),  # zstd-delta4 of the wrong length
+        # Large enough to be decoded while it is read (the pool's streaming path): garbage,
+        # and a valid frame that ends short of the file's size.
+        "fields/noisy-b.f32": bytes((filters.SHUFFLE4,))
+        + zstandard.ZstdCompressor(level=-5).compress(os.urandom(1 << 20)),
+        "fields/noisy.f32": os.urandom(300 << 10),
     }
     for rel, stored in victims.items():
         entry = c.resolve(os.fsencode(rel))
@@ -177,7 +182,7 @@ def test_stored_bytes_that_do_not_decode_are_eio_for_that_file(
                 with pytest.raises(OSError) as err:
                     (m.mountpoint / rel).read_bytes()
                 assert err.value.errno == errno.EIO, rel
-        for rel in ("tables/t07.csv", "fields/walk.f64", "arrays/ids.i64"):
+        for rel in ("tables/t07.csv", "fields/walk.f64", "arrays/smooth.f64", "fields/big.f32"):
             assert (m.mountpoint / rel).read_bytes() == (awkward_src / rel).read_bytes()
         # Logged once each, by the pool ("stored bytes do not decode") or by Python, which
         # the kernel's retry of a failed readahead (a one-page READ) may reach first.

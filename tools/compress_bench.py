@@ -121,6 +121,7 @@ def run_kind(work: Path, kind: str, total: int, repeat: int) -> dict[str, object
     seconds = {c: _prepare(src, base / f"img-{c}", c) for c in ("none", "auto")}
     catalog, _ = Catalog.load(base / "img-auto")
     stored = int(catalog.stored_len[catalog.is_file].sum())
+    codecs = {name: int(n) for name, n in _codecs(catalog, base / "img-auto").items() if n}
     results: dict[tuple[str, int, str], list[bench.Result]] = {}
     with (
         bench.serving(base / "img-none", base / "m-none", 1) as raw,
@@ -153,7 +154,7 @@ def run_kind(work: Path, kind: str, total: int, repeat: int) -> dict[str, object
         "ratio_zstd_alone": nbytes / zstd_bytes,
         "prepare_raw_mb_s": nbytes / seconds["none"] / 1e6,
         "prepare_auto_mb_s": nbytes / seconds["auto"] / 1e6,
-        "codecs": {name: int(n) for name, n in _codecs(catalog, base / "img-auto").items() if n},
+        "codecs": codecs,
         "cases": cases,
     }
 

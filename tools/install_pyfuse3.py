@@ -19,11 +19,13 @@ FUSE fd, and goes through trio's wait for readability (a lock, an epoll_ctl, an 
 only when there is none: several readers keep a queue, and each wait cost the daemon's one
 thread CPU it shares with them. Nothing for fanfs to detect: it is the same API.
 
-Idempotent: does nothing when the patched build is already installed in this interpreter.
+Idempotent: does nothing when the patched build is already installed in this interpreter (its
+patch level and the digest of the patch's sources, this script included, both match).
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 import subprocess
 import sys
@@ -40,6 +42,17 @@ PATCH_LEVEL = int(
               .read_text(), re.M).group(1)  # type: ignore[union-attr]
 )  # fmt: skip
 POOL = Path(__file__).resolve().parent / "pyfuse3_patch"
+# Any change to the patch (C, Cython or the anchors here) rebuilds, not only a new level.
+DIGEST = hashlib.sha256(
+    b"".join(
+        f.read_bytes()
+        for f in (
+            Path(__file__).resolve(),
+            POOL / "fanfs_read_pool.h",
+            POOL / "fanfs_read_pool.pxi",
+        )
+    )
+).hexdigest()[:16]
 
 # The anchor is pyfuse3 3.5.0's fuse_read(); a different release fails loudly instead of
 # silently building an unpatched module.
@@ -159,7 +172,8 @@ def safe_extract(tar: tarfile.TarFile, dest: Path) -> None:
 def installed_is_patched() -> bool:
     probe = (
         f"import pyfuse3, sys; sys.exit(0 if getattr(pyfuse3, {MARKER!r}, False) and "
-        f"getattr(pyfuse3, 'FANFS_PATCH', 0) >= {PATCH_LEVEL} else 1)"
+        f"getattr(pyfuse3, 'FANFS_PATCH', 0) >= {PATCH_LEVEL} and "
+        f"getattr(pyfuse3, 'FANFS_PATCH_DIGEST', '') == {DIGEST!r} else 1)"
     )
     return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
 
@@ -212,7 +226,7 @@ def main() -> int:
         init_text = init_text.replace(
             HANDLERS_INCLUDE, f'include "fanfs_read_pool.pxi"\n{HANDLERS_INCLUDE}'
         )
-        init.write_text(init_text + f"\n{MARKER} = True\n")
+        init.write_text(init_text + f"\n{MARKER} = True\nFANFS_PATCH_DIGEST = {DIGEST!r}\n")
         print(f"fanfs setup: building patched pyfuse3 {VERSION} (about 30 s)", flush=True)
         subprocess.run(
             [

@@ -25,6 +25,7 @@
 #define FANFS_READ_POOL_H
 
 #include <dlfcn.h>
+#include <fcntl.h>
 #include <errno.h>
 #include <pthread.h>
 #include <signal.h>
@@ -84,6 +85,10 @@ struct fanfs_error_record {
 /* libzstd, dlopen'ed like the CRC libraries (no -dev package or link flag needed). */
 typedef struct fanfs_zstd_dctx fanfs_zstd_dctx;
 typedef struct fanfs_zstd_ddict fanfs_zstd_ddict;
+struct fanfs_zstd_in { const void *src; size_t size; size_t pos; };   /* ZSTD_inBuffer */
+struct fanfs_zstd_out { void *dst; size_t size; size_t pos; };        /* ZSTD_outBuffer */
+#define FANFS_ZSTD_RESET_SESSION 1                 /* ZSTD_reset_session_only */
+#define FANFS_ZSTD_RESET_ALL 3                     /* ZSTD_reset_session_and_parameters */
 struct fanfs_zstd {
     fanfs_zstd_dctx *(*create_dctx)(void);
     void (*free_dctx)(fanfs_zstd_dctx *);
@@ -94,6 +99,10 @@ struct fanfs_zstd {
     void (*free_ddict)(fanfs_zstd_ddict *);
     unsigned (*is_error)(size_t);
     unsigned (*dict_id)(const void *, size_t);
+    /* streaming, for pieces decoded while they are still being read */
+    size_t (*reset)(fanfs_zstd_dctx *, int);
+    size_t (*ref_ddict)(fanfs_zstd_dctx *, const fanfs_zstd_ddict *);
+    size_t (*decompress_stream)(fanfs_zstd_dctx *, struct fanfs_zstd_out *, struct fanfs_zstd_in *);
 };
 
 static struct {
@@ -111,10 +120,15 @@ static struct {
     int ndicts;
 } fanfs_pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
 
-static uint32_t fanfs_crc32(const unsigned char *buf, uint32_t len) {
+/* CRC-32 of `buf` continuing from `crc` (0 to start), as zlib's crc32. */
+static uint32_t fanfs_crc32_more(uint32_t crc, const unsigned char *buf, uint32_t len) {
     if (fanfs_pool.isal_crc32 != NULL)
-        return fanfs_pool.isal_crc32(0, buf, len);
-    return (uint32_t)fanfs_pool.zlib_crc32(0, buf, len);
+        return fanfs_pool.isal_crc32(crc, buf, len);
+    return (uint32_t)fanfs_pool.zlib_crc32(crc, buf, len);
+}
+
+static uint32_t fanfs_crc32(const unsigned char *buf, uint32_t len) {
+    return fanfs_crc32_more(0, buf, len);
 }
 
 /* Per-thread buffers, kept between jobs (a fresh one per file costs page faults: glibc maps
@@ -280,21 +294,56 @@ static uint64_t fanfs_filtered_max(int fid, uint32_t size) {
     return size;
 }
 
-static void fanfs_unshuffle(const unsigned char *in, unsigned char *out, uint32_t words, int w) {
+/* The filters' loops are written to vectorize, which GCC does at -O3 only (Python's builds use
+ * -O2): ask for it per function. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define FANFS_VECTORIZE __attribute__((optimize("O3")))
+#else
+#define FANFS_VECTORIZE
+#endif
+
+/* The words of a shuffled stream (byte b of word i is in plane b: in[b * words + i]), written
+ * to `out`. One pass per word width, simple enough for the compiler to vectorize. */
+FANFS_VECTORIZE static void fanfs_unshuffle4(const unsigned char *in, uint32_t words, uint32_t *out) {
+    const unsigned char *p0 = in, *p1 = in + words, *p2 = in + 2 * (uint64_t)words,
+                        *p3 = in + 3 * (uint64_t)words;
+    uint32_t i;
+    for (i = 0; i < words; i++)
+        out[i] = (uint32_t)p0[i] | (uint32_t)p1[i] << 8 | (uint32_t)p2[i] << 16 |
+                 (uint32_t)p3[i] << 24;
+}
+
+FANFS_VECTORIZE static void fanfs_unshuffle8(const unsigned char *in, uint32_t words, uint64_t *out) {
     uint32_t i;
     int b;
-    for (b = 0; b < w; b++) {
+    for (i = 0; i < words; i++)
+        out[i] = 0;
+    for (b = 0; b < 8; b++) {
         const unsigned char *plane = in + (uint64_t)b * words;
         for (i = 0; i < words; i++)
-            out[(uint64_t)i * w + b] = plane[i];
+            out[i] |= (uint64_t)plane[i] << (8 * b);
     }
 }
 
+/* 10^e for decimal8 (a division, so every decimal round-trips) and the double nearest 10^-e
+ * for decimal4 (a multiplication: rounding to float32 hides its last-bit error, and the
+ * encoder keeps as exceptions the values it does not give back). Literals, as fanfs/filters.py
+ * parses the same strings. */
 static const double fanfs_pow10[19] = {1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9,
                                        1e10, 1e11, 1e12, 1e13, 1e14, 1e15, 1e16, 1e17, 1e18};
+static const double fanfs_inv10[11] = {1e-0, 1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6, 1e-7, 1e-8,
+                                       1e-9, 1e-10};
 
-/* Undo filter `fid` of `in` (`n` bytes) into `out` (`size` bytes); 0 or EILSEQ. */
-static int fanfs_unfilter(int fid, const unsigned char *in, uint64_t n, unsigned char *out,
+/* The decoders below pass over one buffer as words, then as numbers: views that may alias. */
+typedef int32_t fanfs_i32 __attribute__((may_alias));
+typedef int64_t fanfs_i64 __attribute__((may_alias));
+typedef float fanfs_f32 __attribute__((may_alias));
+typedef double fanfs_f64 __attribute__((may_alias));
+
+/* Undo filter `fid` of `in` (`n` bytes) into `out` (`size` bytes, 8-byte aligned: a malloc or a
+ * thread buffer); 0 or EILSEQ. Separate passes (unshuffle, running sum, scaling) so that all
+ * but the running sum vectorize. */
+FANFS_VECTORIZE static int fanfs_unfilter(int fid, const unsigned char *in, uint64_t n, unsigned char *out,
                           uint32_t size) {
     int w = fanfs_filter_width(fid);
     uint32_t words, i, k, e;
@@ -303,7 +352,6 @@ static int fanfs_unfilter(int fid, const unsigned char *in, uint64_t n, unsigned
     words = size / w;
     if (fid == FANFS_DECIMAL4 || fid == FANFS_DECIMAL8) {
         const unsigned char *pos, *kept;
-        uint64_t acc = 0;
         if (n < 8)
             return EILSEQ;
         e = in[0];
@@ -313,27 +361,31 @@ static int fanfs_unfilter(int fid, const unsigned char *in, uint64_t n, unsigned
             return EILSEQ;
         pos = in + 8;
         kept = pos + (uint64_t)k * 4;
-        fanfs_unshuffle(kept + (uint64_t)k * w, out, words, w);
-        for (i = 0; i < words; i++) {
-            uint64_t z;
-            int64_t d;
-            double v;
-            if (w == 4) {
-                uint32_t z4;
-                memcpy(&z4, out + (uint64_t)i * 4, 4);
-                z = z4;
-            } else {
-                memcpy(&z, out + (uint64_t)i * 8, 8);
+        if (w == 4) {
+            /* n[i]: the running sum of the unzigzagged differences, mod 2^32, as int32. */
+            uint32_t *z = (uint32_t *)out, acc = 0;
+            fanfs_i32 *nn = (fanfs_i32 *)out;
+            fanfs_f32 *f = (fanfs_f32 *)out;
+            const double inv = fanfs_inv10[e];
+            fanfs_unshuffle4(kept + (uint64_t)k * 4, words, z);
+            for (i = 0; i < words; i++) {
+                acc += (z[i] >> 1) ^ (0u - (z[i] & 1u));
+                z[i] = acc;
             }
-            d = (int64_t)(z >> 1) ^ -(int64_t)(z & 1);
-            acc += (uint64_t)d; /* the running sum, mod 2^64 as numpy's int64 cumsum */
-            v = (double)(int64_t)acc / fanfs_pow10[e];
-            if (w == 4) {
-                float f = (float)v;
-                memcpy(out + (uint64_t)i * 4, &f, 4);
-            } else {
-                memcpy(out + (uint64_t)i * 8, &v, 8);
+            for (i = 0; i < words; i++)
+                f[i] = (float)((double)nn[i] * inv);
+        } else {
+            uint64_t *z = (uint64_t *)out, acc = 0;
+            fanfs_i64 *nn = (fanfs_i64 *)out;
+            fanfs_f64 *v = (fanfs_f64 *)out;
+            const double p10 = fanfs_pow10[e];
+            fanfs_unshuffle8(kept + (uint64_t)k * 8, words, z);
+            for (i = 0; i < words; i++) {
+                acc += (z[i] >> 1) ^ (0u - (z[i] & 1u));
+                z[i] = acc;
             }
+            for (i = 0; i < words; i++)
+                v[i] = (double)nn[i] / p10;
         }
         for (i = 0; i < k; i++) {
             uint32_t at;
@@ -346,21 +398,18 @@ static int fanfs_unfilter(int fid, const unsigned char *in, uint64_t n, unsigned
     }
     if (n != size)
         return EILSEQ;
-    fanfs_unshuffle(in, out, words, w);
-    if (fid == FANFS_DELTA4) {
-        uint32_t acc = 0, x;
-        for (i = 0; i < words; i++) {
-            memcpy(&x, out + (uint64_t)i * 4, 4);
-            acc += x;
-            memcpy(out + (uint64_t)i * 4, &acc, 4);
-        }
-    } else if (fid == FANFS_DELTA8) {
-        uint64_t acc = 0, x;
-        for (i = 0; i < words; i++) {
-            memcpy(&x, out + (uint64_t)i * 8, 8);
-            acc += x;
-            memcpy(out + (uint64_t)i * 8, &acc, 8);
-        }
+    if (w == 4) {
+        uint32_t *x = (uint32_t *)out, acc = 0;
+        fanfs_unshuffle4(in, words, x);
+        if (fid == FANFS_DELTA4)
+            for (i = 0; i < words; i++)
+                x[i] = acc += x[i];
+    } else {
+        uint64_t *x = (uint64_t *)out, acc = 0;
+        fanfs_unshuffle8(in, words, x);
+        if (fid == FANFS_DELTA8)
+            for (i = 0; i < words; i++)
+                x[i] = acc += x[i];
     }
     return 0;
 }
@@ -444,6 +493,91 @@ static int fanfs_pread_all(int fd, char *buf, uint32_t len, int64_t off) {
     return 0;
 }
 
+/* -- decoding while reading: a large compressed piece is read in chunks, each checked into the
+ * running CRC and fed to zstd's streaming decoder while the kernel, told the whole range at
+ * once (POSIX_FADV_WILLNEED), reads the next ones: decoding overlaps the disk instead of
+ * following it. The CRC is still checked over every stored byte before anything is answered. */
+#define FANFS_STREAM_MIN (256u << 10) /* stored bytes from which a piece is streamed */
+#define FANFS_STREAM_CHUNK (128u << 10)
+
+static int fanfs_stream_decode(int fd, const struct fanfs_piece *p, unsigned char *out) {
+    struct fanfs_zstd *z = &fanfs_pool.zstd;
+    struct fanfs_zstd_out ob;
+    struct fanfs_zstd_in ib;
+    unsigned char *stored;
+    char *filtered = NULL;
+    uint32_t done = 0, zstart = 0, crc = 0;
+    int fid = 0, err = 0, bad = 0;
+    size_t r = 1;
+
+    if (fanfs_dctx == NULL && (fanfs_dctx = z->create_dctx()) == NULL)
+        return ENOMEM;
+    stored = (unsigned char *)fanfs_buffer(FANFS_BUF_STORED, p->len);
+    if (stored == NULL)
+        return ENOMEM;
+    (void)posix_fadvise(fd, (off_t)p->off, (off_t)p->len, POSIX_FADV_WILLNEED);
+    z->reset(fanfs_dctx, FANFS_ZSTD_RESET_ALL);
+    while (done < p->len && err == 0) {
+        uint32_t n = p->len - done < FANFS_STREAM_CHUNK ? p->len - done : FANFS_STREAM_CHUNK;
+        err = fanfs_pread_all(fd, (char *)stored + done, n, p->off + done);
+        if (err != 0)
+            break;
+        crc = fanfs_crc32_more(crc, stored + done, n);
+        if (done == 0) { /* the first chunk says the filter and the dictionary */
+            unsigned id;
+            if (p->kind == FANFS_KIND_FILTERED) {
+                fid = stored[0];
+                zstart = 1;
+            } else if (p->kind > FANFS_KIND_FILTER) {
+                fid = p->kind - FANFS_KIND_FILTER;
+            }
+            ob.pos = 0;
+            if (fid != 0) {
+                ob.size = fanfs_filter_width(fid) ? fanfs_filtered_max(fid, p->size) : 0;
+                filtered = fanfs_buffer(FANFS_BUF_FILTERED, ob.size);
+                ob.dst = filtered;
+                bad = filtered == NULL || ob.size == 0;
+            } else {
+                ob.dst = out;
+                ob.size = p->size;
+            }
+            id = z->dict_id(stored + zstart, n - zstart);
+            if (id > (unsigned)fanfs_pool.ndicts)
+                bad = 1;
+            else if (id != 0)
+                z->ref_ddict(fanfs_dctx, fanfs_pool.ddicts[id - 1]);
+        }
+        /* After a decoding error the rest is still read, for the CRC: a damaged disk says
+         * "checksum mismatch", only a hostile image "does not decode". */
+        ib.src = stored + (done > zstart ? done : zstart);
+        ib.size = done + n - (done > zstart ? done : zstart);
+        ib.pos = 0;
+        while (!bad && ib.pos < ib.size) {
+            size_t in_was = ib.pos, out_was = ob.pos;
+            if (r == 0) { /* bytes after the end of the frame */
+                bad = 1;
+                break;
+            }
+            r = z->decompress_stream(fanfs_dctx, &ob, &ib);
+            /* An error, or no progress at all: the output is full (more than the size). */
+            if (z->is_error(r) || (ib.pos == in_was && ob.pos == out_was))
+                bad = 1;
+        }
+        done += n;
+    }
+    z->reset(fanfs_dctx, FANFS_ZSTD_RESET_ALL); /* drop the dictionary for the next piece */
+    if (err == 0 && crc != p->crc)
+        err = EBADMSG;
+    if (err == 0 && (bad || r != 0 || (fid == 0 && ob.pos != p->size)))
+        err = EILSEQ;
+    if (err == 0 && fid != 0)
+        err = fanfs_unfilter(fid, (unsigned char *)filtered, ob.pos, out, p->size);
+    if (filtered != NULL)
+        fanfs_buffer_done(FANFS_BUF_FILTERED, filtered);
+    fanfs_buffer_done(FANFS_BUF_STORED, (char *)stored);
+    return err;
+}
+
 /* A piece's decoded bytes, for the reply: from the frame cache (slot >= 0, a reference held),
  * in one of this thread's buffers (`which`), or malloc'ed (`which` < 0). */
 struct fanfs_decoded {
@@ -462,6 +596,24 @@ static int fanfs_piece_get(int fd, const struct fanfs_piece *p, int index,
     d->which = p->cache || index > 0 ? -1 : FANFS_BUF_OUT;
     if (p->cache && (d->slot = fanfs_frame_get(fd, p)) >= 0) {
         d->data = fanfs_frames.slot[d->slot].data;
+        return 0;
+    }
+    if (p->kind != FANFS_KIND_RAW && p->len >= FANFS_STREAM_MIN &&
+        fanfs_pool.zstd.create_dctx != NULL) {
+        out = d->which < 0 ? malloc(p->size ? p->size : 1) : fanfs_buffer(d->which, p->size);
+        if (out == NULL)
+            return ENOMEM;
+        err = fanfs_stream_decode(fd, p, (unsigned char *)out);
+        if (err != 0) {
+            if (d->which < 0)
+                free(out);
+            else
+                fanfs_buffer_done(d->which, out);
+            return err;
+        }
+        d->data = out;
+        if (p->cache)
+            d->slot = fanfs_frame_put(fd, p, out);
         return 0;
     }
     stored = fanfs_buffer(FANFS_BUF_STORED, p->len);
@@ -591,8 +743,12 @@ static void fanfs_load_zstd(void) {
     *(void **)&z.free_ddict = dlsym(lib, "ZSTD_freeDDict");
     *(void **)&z.is_error = dlsym(lib, "ZSTD_isError");
     *(void **)&z.dict_id = dlsym(lib, "ZSTD_getDictID_fromFrame");
+    *(void **)&z.reset = dlsym(lib, "ZSTD_DCtx_reset");
+    *(void **)&z.ref_ddict = dlsym(lib, "ZSTD_DCtx_refDDict");
+    *(void **)&z.decompress_stream = dlsym(lib, "ZSTD_decompressStream");
     if (z.create_dctx && z.free_dctx && z.decompress_dctx && z.decompress_ddict &&
-        z.create_ddict && z.free_ddict && z.is_error && z.dict_id)
+        z.create_ddict && z.free_ddict && z.is_error && z.dict_id && z.reset && z.ref_ddict &&
+        z.decompress_stream)
         fanfs_pool.zstd = z;
 }
 
