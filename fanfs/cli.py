@@ -8,6 +8,7 @@ else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -203,6 +204,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from fanfs import bench
     from fanfs.progress import parse_size
 
+    if args.calibrate:
+        from fanfs.bench import calibrate
+
+        cal = calibrate.calibrate(Path(args.workdir).absolute() / "calibrate",
+                                  log=lambda m: print(m, file=sys.stderr, flush=True))  # fmt: skip
+        Path(args.calibrate).write_text(json.dumps(cal.to_json(), indent=2) + "\n")
+        print(_calibration_text(cal))
+        print(f"bench: wrote {args.calibrate}")
+        return ExitCode.OK
     try:
         sizes = [parse_size(s) for s in args.sizes.split(",")]
         readers = [int(n) for n in args.readers.split(",")]
@@ -229,6 +239,125 @@ def cmd_bench(args: argparse.Namespace) -> int:
         + (f" and {args.plot}" if plotted else " (no matplotlib: no plot)")
     )
     return ExitCode.OK
+
+
+def _calibration_text(cal: Any) -> str:
+    return "\n".join([
+        f"calibration of {cal.host} ({cal.cores} cores):",
+        f"  local cold read   {cal.local_s * 1e6:8.0f} us + {cal.local_s_per_byte * 1e9:.2f} ns/B;"
+        f" CPU {cal.local_cpu_s * 1e6:.0f} us + {cal.local_cpu_s_per_byte * 1e9:.2f} ns/B",
+        f"  remote adds       {cal.alpha_s * 1e6:8.0f} us + {cal.beta_s_per_byte * 1e9:.2f} ns/B;"
+        f" CPU {cal.remote_cpu_s * 1e6:.0f} us + {cal.remote_cpu_s_per_byte * 1e9:.2f} ns/B",
+        f"  daemon loop       {cal.local_daemon_s * 1e6:8.0f} us + "
+        f"{cal.local_daemon_s_per_byte * 1e9:.2f} ns/B a local file, "
+        f"{cal.remote_daemon_s * 1e6:.0f} us + {cal.remote_daemon_s_per_byte * 1e9:.2f} ns/B "
+        f"a remote one (both ends)",
+        f"  warm read         {cal.warm_s * 1e6:8.0f} us + {cal.warm_s_per_byte * 1e9:.2f} ns/B",
+        f"  decoding          {cal.decode_s_per_byte * 1e9:.2f} ns/B; disk "
+        f"{cal.disk_bytes_per_s / 1e6:.0f} MB/s; staging {cal.stage_bytes_per_s / 1e6:.0f} MB/s;"
+        f" FUSE round trip {cal.request_s * 1e6:.0f} us",
+    ])  # fmt: skip
+
+
+def cmd_project(args: argparse.Namespace) -> int:
+    from fanfs import projection
+    from fanfs.progress import parse_size
+
+    try:
+        cal = projection.Calibration.from_json(json.loads(Path(args.calibration).read_text()))
+    except (OSError, ValueError, TypeError) as e:
+        raise UsageError(f"project: cannot read calibration {args.calibration}: {e}") from None
+    if args.validate:
+        from fanfs.bench import calibrate
+
+        try:
+            daemons = [int(n) for n in args.daemons.split(",")]
+        except ValueError:
+            raise UsageError(f"project: bad --daemons {args.daemons!r}") from None
+        checks = calibrate.validate(
+            cal, Path(args.workdir).absolute() / "validate", daemons,
+            log=lambda m: print(m, file=sys.stderr, flush=True))  # fmt: skip
+        print(f"{'daemons':>7} {'shuffle':7} {'measured s':>10} {'model s':>8} {'error':>6}  bound")
+        for v in checks:
+            print(f"{v['daemons']:>7} {v['shuffle']:7} {v['measured_s']:10.2f} "
+                  f"{v['projected_s']:8.2f} {v['error']:+6.0%}  {v['bound']}")  # fmt: skip
+        if args.json:
+            Path(args.json).write_text(
+                json.dumps({"calibration": cal.to_json(), "validation": checks}, indent=2) + "\n"
+            )
+        return ExitCode.OK
+    try:
+        if args.image:
+            from fanfs import catalog as cat
+
+            c, _ = cat.Catalog.load(Path(args.image))
+            files = int(c.is_file.sum())
+            nbytes = int(c.size[c.is_file].sum())
+            stored = int(c.stored_len[c.is_file].sum())
+            ratio = nbytes / max(1, stored) if args.ratio is None else args.ratio
+        else:
+            if args.files is None or args.bytes is None:
+                raise UsageError("project: give --image IMAGE, or --files N and --bytes SIZE")
+            files, nbytes = args.files, parse_size(args.bytes)
+            ratio = 1.0 if args.ratio is None else args.ratio
+        nodes = tuple(int(n) for n in args.nodes.split(","))
+        link = parse_size(args.link) if args.link else None
+        pfs = parse_size(args.pfs) if args.pfs else None
+    except ValueError as e:
+        raise UsageError(f"project: bad option value: {e}") from None
+    if min(nodes) < 1 or not 0 <= args.q <= 1 or ratio < 1:
+        raise UsageError("project: nodes at least 1, --q from 0 to 1, --ratio at least 1")
+    job = projection.Job(files=files, bytes=nbytes, readers=args.readers, replicas=args.replicas,
+                         q=args.q, ratio=ratio, cold=not args.warm, cores=args.cores,
+                         link_bytes_per_s=link, net_alpha_s=args.net_alpha_us * 1e-6,
+                         pfs_bytes_per_s=pfs, overhead_s=args.overhead)  # fmt: skip
+    rows = projection.project(cal, job, nodes)
+    stop, why = projection.stops_scaling(rows)
+    print(
+        f"job: {files} files, {nbytes / 1e9:.1f} GB (ratio {ratio:.2f}), {args.readers} readers "
+        f"per node, q={args.q}, replicas {args.replicas}; calibration of {cal.host}"
+    )
+    print(f"{'nodes':>6} {'remote':>6} {'epoch s':>9} {'files/s/node':>12} {'MB/s/node':>9} "
+          f"{'staging s':>9} {'effic.':>6}  bound")  # fmt: skip
+    for r in rows:
+        print(f"{r.nodes:>6} {r.remote_share:6.0%} {r.epoch_s:9.3f} "
+              f"{r.files_per_s_per_node:12.0f} {r.mb_per_s_per_node:9.0f} {r.staging_s:9.1f} "
+              f"{r.efficiency:6.0%}  {r.bound}")  # fmt: skip
+    print(f"stops scaling at {stop} nodes ({why})" if stop else "scales to the last node count")
+    if args.json:
+        out = {
+            "calibration": cal.to_json(),
+            "job": dataclasses.asdict(job),
+            "rows": [r.to_json() for r in rows],
+            "stops_at": stop,
+            "stops_because": why,
+        }
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    if args.plot:
+        projection_plot({args.label or f"q={args.q}": rows}, Path(args.plot))
+    return ExitCode.OK
+
+
+def projection_plot(curves: dict[str, Any], path: Path) -> None:
+    """Efficiency against node count, one line per curve (matplotlib, headless)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, rows in curves.items():
+        ax.plot([r.nodes for r in rows], [r.efficiency * 100 for r in rows], marker="o",
+                label=label)  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("nodes")
+    ax.set_ylabel("scaling efficiency, %")
+    ax.set_ylim(0, 105)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -443,7 +572,46 @@ def build_parser() -> argparse.ArgumentParser:
                    "fanfs-bench"), help="scratch directory (default: %(default)s)")  # fmt: skip
     p.add_argument("--json", default="fanfs-bench.json", help="default: %(default)s")
     p.add_argument("--plot", default="fanfs-bench.png", help="default: %(default)s")
+    p.add_argument("--calibrate", metavar="FILE",
+                   help="instead: measure this node's costs for fanfs project and write them "
+                   "to FILE (JSON; about two minutes)")  # fmt: skip
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("project", help="what an epoch costs at 1 to 1,024 nodes (a model fed "
+                       "by fanfs bench --calibrate)")  # fmt: skip
+    p.add_argument("calibration", metavar="CALIBRATION", help="JSON from fanfs bench --calibrate")
+    p.add_argument("--image", help="the dataset: a prepared image (files, sizes, ratio)")
+    p.add_argument("--files", type=_positive, help="the dataset: number of files")
+    p.add_argument("--bytes", help="the dataset: total size (e.g. 140G)")
+    p.add_argument("--ratio", type=float, help="compression ratio (default: the image's, or 1)")
+    p.add_argument("--nodes", default="1,2,4,8,16,32,64,128,256,512,1024")
+    p.add_argument("--readers", type=_positive, default=4, help="per node (default: 4)")
+    p.add_argument("--replicas", type=_positive, default=1)
+    p.add_argument("--q", type=float, default=1.0,
+                   help="1 global shuffle (default), 0 local, between: partial")  # fmt: skip
+    p.add_argument("--warm", action="store_true", help="epochs from the page cache, not disk")
+    p.add_argument("--cores", type=float, help="per node (default: the calibration's)")
+    p.add_argument("--link", help="network bandwidth per node in bytes/s, e.g. 12G (default: "
+                   "measured)")  # fmt: skip
+    p.add_argument(
+        "--net-alpha-us",
+        type=float,
+        default=0.0,
+        help="latency the network adds to the measured round trip (default: 0)",
+    )
+    p.add_argument("--pfs", help="shared file system bandwidth for staging, bytes/s, all nodes")
+    p.add_argument("--overhead", type=float, default=0.0,
+                   help="fixed seconds of every epoch (default: 0)")  # fmt: skip
+    p.add_argument("--validate", action="store_true",
+                   help="run real cold epochs at 1, 2 and 4 daemons, global and local, and "
+                   "report the model's error")  # fmt: skip
+    p.add_argument("--daemons", default="1,2,4", help="--validate at these daemon counts")
+    p.add_argument("--workdir", default=os.path.join(os.environ.get("TMPDIR") or "/tmp",
+                   "fanfs-project"), help="scratch directory for --validate")  # fmt: skip
+    p.add_argument("--json", help="also write the projection here")
+    p.add_argument("--plot", help="also draw the efficiency curve here (PNG)")
+    p.add_argument("--label", help="the curve's label in the plot")
+    p.set_defaults(func=cmd_project)
 
     p = sub.add_parser("status", help="statistics of a running mount")
     p.add_argument("mountpoint", metavar="MOUNTPOINT")

@@ -81,10 +81,8 @@ def undelta(data: bytes | memoryview, width: int) -> bytes:
 def _scaled(n: np.ndarray, e: int, width: int) -> np.ndarray:
     """The decimal filter's values of the integers `n` (float64) at exponent `e`, as words: the
     one formula both the encoder's check and every decoder (C too) apply."""
-    if width == 4:
-        v = n * float(f"1e-{e}")  # the double nearest 10^-e, parsed as C parses its literal
-    else:
-        v = n / float(f"1e{e}")
+    # decimal4: times the double nearest 10^-e, parsed from the same literal as in C.
+    v = n * float(f"1e-{e}") if width == 4 else n / float(f"1e{e}")
     return v.astype(_FLOAT[width]).view(_UINT[width])
 
 

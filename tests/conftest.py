@@ -36,6 +36,7 @@ STEP_TIMEOUT = launch.STEP_TIMEOUT  # any single fanfs command in a test: a hang
 TIERS = {
     "test_catalog": "unit",
     "test_layers": "unit",
+    "test_projection": "unit",
     "test_read_pieces": "adapter",
     "test_hostile": "adapter",
     "test_fuse_ops": "adapter",

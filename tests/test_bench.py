@@ -85,3 +85,40 @@ def test_folio_sizes_of_cached_files(tmp_path: Path) -> None:
     assert pagecache.folios(tmp_path / "missing") is None
     (tmp_path / "empty").write_bytes(b"")
     assert pagecache.folio_kib([tmp_path / "empty"]) is None
+
+
+@pytest.mark.mpi
+def test_calibrate_then_validate_the_projection(tmp_path: Path) -> None:
+    """`fanfs bench --calibrate` measures every cost the model takes (positive, in sane
+    ranges), and `fanfs project --validate` runs real epochs and reports the model's error."""
+    cal = tmp_path / "cal.json"
+    done = fanfs("bench", "--calibrate", cal, "--workdir", tmp_path / "work", timeout=600)
+    assert done.returncode == 0, done.stderr
+    got = json.loads(cal.read_text())
+    assert got["cores"] == os.cpu_count()
+    for key in (
+        "local_s",
+        "local_daemon_s",
+        "remote_daemon_s",
+        "local_cpu_s",
+        "warm_s",
+        "decode_s_per_byte",
+        "disk_bytes_per_s",
+        "stage_bytes_per_s",
+        "request_s",
+    ):
+        assert got[key] > 0, key  # fmt: skip
+    assert got["local_s"] < 0.05 and got["request_s"] < 0.01 and got["disk_bytes_per_s"] > 1e7
+    assert "calibration of" in done.stdout and "daemon loop" in done.stdout
+    out = tmp_path / "val.json"
+    done = fanfs("project", cal, "--validate", "--daemons", "1,2", "--json", out,
+                 "--workdir", tmp_path / "work", timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())["validation"]
+    assert [(r["daemons"], r["shuffle"]) for r in rows] == [
+        (1, "global"), (1, "local"), (2, "global"), (2, "local")]  # fmt: skip
+    for r in rows:
+        assert r["measured_s"] > 0 and r["projected_s"] > 0
+        assert r["error"] == pytest.approx((r["projected_s"] - r["measured_s"]) / r["measured_s"])
+    assert rows[2]["remote_share"] == 0.5 and rows[3]["remote_share"] == 0
+    assert not list((tmp_path / "work").glob("*/src"))

@@ -20,7 +20,8 @@ LAYERS = {
     "store": 3, "image": 4, "cache": 2, "sources": 4, "reader": 5,
     "prepare.interrupt": 2, "prepare.source": 3, "prepare.dicts": 3, "prepare.pack": 3,
     "prepare.fanout": 4, "prepare.publish": 4, "prepare": 5,
-    "fuse_ops": 6, "daemon": 7, "bench.launch": 7, "bench.epoch": 7, "bench": 8, "cli": 9,
+    "fuse_ops": 6, "daemon": 7, "bench.launch": 7, "bench.epoch": 7, "bench": 8,
+    "bench.calibrate": 8, "cli": 9, "projection": 0,
 }  # fmt: skip
 ONE_IMPORTER = {"mpi4py": "transport.world", "pyfuse3": "fuse_ops", "zstandard": "codec",
                 "isal": "checksum"}  # fmt: skip
