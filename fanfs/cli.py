@@ -287,6 +287,7 @@ def cmd_project(args: argparse.Namespace) -> int:
             )
         return ExitCode.OK
     try:
+        qs = [float(x) for x in args.q.split(",")]
         if args.image:
             from fanfs import catalog as cat
 
@@ -294,48 +295,58 @@ def cmd_project(args: argparse.Namespace) -> int:
             files = int(c.is_file.sum())
             nbytes = int(c.size[c.is_file].sum())
             stored = int(c.stored_len[c.is_file].sum())
-            ratio = nbytes / max(1, stored) if args.ratio is None else args.ratio
+            ratios = [nbytes / max(1, stored)]
         else:
             if args.files is None or args.bytes is None:
                 raise UsageError("project: give --image IMAGE, or --files N and --bytes SIZE")
             files, nbytes = args.files, parse_size(args.bytes)
-            ratio = 1.0 if args.ratio is None else args.ratio
+            ratios = [1.0]
+        if args.ratio:
+            ratios = [float(x) for x in args.ratio.split(",")]
         nodes = tuple(int(n) for n in args.nodes.split(","))
         link = parse_size(args.link) if args.link else None
         pfs = parse_size(args.pfs) if args.pfs else None
     except ValueError as e:
         raise UsageError(f"project: bad option value: {e}") from None
-    if min(nodes) < 1 or not 0 <= args.q <= 1 or ratio < 1:
+    if min(nodes) < 1 or not all(0 <= q <= 1 for q in qs) or min(ratios) < 1:
         raise UsageError("project: nodes at least 1, --q from 0 to 1, --ratio at least 1")
-    job = projection.Job(files=files, bytes=nbytes, readers=args.readers, replicas=args.replicas,
-                         q=args.q, ratio=ratio, cold=not args.warm, cores=args.cores,
-                         link_bytes_per_s=link, net_alpha_s=args.net_alpha_us * 1e-6,
-                         pfs_bytes_per_s=pfs, overhead_s=args.overhead)  # fmt: skip
-    rows = projection.project(cal, job, nodes)
-    stop, why = projection.stops_scaling(rows)
-    print(
-        f"job: {files} files, {nbytes / 1e9:.1f} GB (ratio {ratio:.2f}), {args.readers} readers "
-        f"per node, q={args.q}, replicas {args.replicas}; calibration of {cal.host}"
-    )
-    print(f"{'nodes':>6} {'remote':>6} {'epoch s':>9} {'files/s/node':>12} {'MB/s/node':>9} "
-          f"{'staging s':>9} {'effic.':>6}  bound")  # fmt: skip
-    for r in rows:
-        print(f"{r.nodes:>6} {r.remote_share:6.0%} {r.epoch_s:9.3f} "
-              f"{r.files_per_s_per_node:12.0f} {r.mb_per_s_per_node:9.0f} {r.staging_s:9.1f} "
-              f"{r.efficiency:6.0%}  {r.bound}")  # fmt: skip
-    print(f"stops scaling at {stop} nodes ({why})" if stop else "scales to the last node count")
+    curves, report = {}, []
+    for ratio in ratios:
+        for q in qs:
+            job = projection.Job(files=files, bytes=nbytes, readers=args.readers,
+                                 replicas=args.replicas, q=q, ratio=ratio, cold=not args.warm,
+                                 cores=args.cores, link_bytes_per_s=link,
+                                 net_alpha_s=args.net_alpha_us * 1e-6, pfs_bytes_per_s=pfs,
+                                 overhead_s=args.overhead,
+                                 compute_files_per_s=args.compute)  # fmt: skip
+            rows = projection.project(cal, job, nodes)
+            stop, why = projection.stops_scaling(rows)
+            print(_projection_text(job, rows, stop, why, cal.host))
+            curves[f"q={q:g}, ratio {ratio:g}"] = rows
+            report.append({"job": dataclasses.asdict(job), "rows": [r.to_json() for r in rows],
+                           "stops_at": stop, "stops_because": why})  # fmt: skip
     if args.json:
-        out = {
-            "calibration": cal.to_json(),
-            "job": dataclasses.asdict(job),
-            "rows": [r.to_json() for r in rows],
-            "stops_at": stop,
-            "stops_because": why,
-        }
+        out = {"calibration": cal.to_json(), "projections": report}
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     if args.plot:
-        projection_plot({args.label or f"q={args.q}": rows}, Path(args.plot))
+        projection_plot(curves, Path(args.plot))
     return ExitCode.OK
+
+
+def _projection_text(job: Any, rows: list[Any], stop: int | None, why: str, host: str) -> str:
+    lines = [
+        f"job: {job.files} files, {job.bytes / 1e9:.1f} GB (ratio {job.ratio:.2f}), {job.readers} "
+        f"readers per node, q={job.q:g}, replicas {job.replicas}; calibration of {host}",
+        f"{'nodes':>6} {'remote':>6} {'epoch s':>9} {'files/s/node':>12} {'MB/s/node':>9} "
+        f"{'staging s':>9} {'effic.':>6}  bound",
+    ]
+    for r in rows:
+        lines.append(f"{r.nodes:>6} {r.remote_share:6.0%} {r.epoch_s:9.3f} "
+                     f"{r.files_per_s_per_node:12.0f} {r.mb_per_s_per_node:9.0f} "
+                     f"{r.staging_s:9.1f} {r.efficiency:6.0%}  {r.bound}")  # fmt: skip
+    lines.append(f"stops scaling at {stop} nodes ({why})" if stop
+                 else "scales to the last node count")  # fmt: skip
+    return "\n".join(lines) + "\n"
 
 
 def projection_plot(curves: dict[str, Any], path: Path) -> None:
@@ -583,12 +594,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--image", help="the dataset: a prepared image (files, sizes, ratio)")
     p.add_argument("--files", type=_positive, help="the dataset: number of files")
     p.add_argument("--bytes", help="the dataset: total size (e.g. 140G)")
-    p.add_argument("--ratio", type=float, help="compression ratio (default: the image's, or 1)")
+    p.add_argument("--ratio", help="compression ratio(s), e.g. 1,2 (default: the image's, or 1)")
     p.add_argument("--nodes", default="1,2,4,8,16,32,64,128,256,512,1024")
     p.add_argument("--readers", type=_positive, default=4, help="per node (default: 4)")
     p.add_argument("--replicas", type=_positive, default=1)
-    p.add_argument("--q", type=float, default=1.0,
-                   help="1 global shuffle (default), 0 local, between: partial")  # fmt: skip
+    p.add_argument("--q", default="1",
+                   help="1 global shuffle (default), 0 local, between: partial; several as "
+                   "0,0.1,1 give one curve each")  # fmt: skip
     p.add_argument("--warm", action="store_true", help="epochs from the page cache, not disk")
     p.add_argument("--cores", type=float, help="per node (default: the calibration's)")
     p.add_argument("--link", help="network bandwidth per node in bytes/s, e.g. 12G (default: "
@@ -602,6 +614,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pfs", help="shared file system bandwidth for staging, bytes/s, all nodes")
     p.add_argument("--overhead", type=float, default=0.0,
                    help="fixed seconds of every epoch (default: 0)")  # fmt: skip
+    p.add_argument(
+        "--compute",
+        type=float,
+        metavar="FILES_PER_S",
+        help="files per second a node's training consumes (default: I/O only)",
+    )
     p.add_argument("--validate", action="store_true",
                    help="run real cold epochs at 1, 2 and 4 daemons, global and local, and "
                    "report the model's error")  # fmt: skip
@@ -610,7 +628,6 @@ def build_parser() -> argparse.ArgumentParser:
                    "fanfs-project"), help="scratch directory for --validate")  # fmt: skip
     p.add_argument("--json", help="also write the projection here")
     p.add_argument("--plot", help="also draw the efficiency curve here (PNG)")
-    p.add_argument("--label", help="the curve's label in the plot")
     p.set_defaults(func=cmd_project)
 
     p = sub.add_parser("status", help="statistics of a running mount")

@@ -31,6 +31,8 @@ decoded size s (stored s / ratio), n files, r replicas:
   latency holds beyond them; plus a per-epoch fixed cost: overhead_s (the job's: the first
   files of every reader, the sampler) and a barrier across the nodes at its end,
   (alpha + alpha_net) * ceil(log2 N).
+- with the job's compute rate (files a node's training consumes per second), the epoch is the
+  longer of that compute time and the I/O time above (a DataLoader reads ahead of training).
 - efficiency at N: the one-node epoch time over N times the N-node epoch time.
 
 Everything here is arithmetic on numbers (no I/O): `fanfs.bench.calibrate` measures, the CLI
@@ -45,8 +47,13 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 BOUNDS = ("latency", "cpu", "daemon", "disk", "network")
+# With a compute rate the job's own pace is a bound too: reads overlap training (a DataLoader
+# reads ahead), so the epoch is the longer of the two.
+COMPUTE = "compute"
 NODES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-STOP_SPEEDUP = 1.1  # doubling the nodes speeds the epoch up less than this: it stopped scaling
+# Doubling the nodes speeds the epoch up less than this (80 % of the ideal 2x): it stopped
+# scaling at the smaller count.
+STOP_SPEEDUP = 1.6
 
 
 @dataclass(frozen=True)
@@ -103,6 +110,7 @@ class Job:
     net_alpha_s: float = 0.0  # what the network adds to the measured round trip
     pfs_bytes_per_s: float | None = None  # the shared file system, for all nodes at once
     overhead_s: float = 0.0  # fixed cost of every epoch (workers' first files, sampler)
+    compute_files_per_s: float | None = None  # what a node's training consumes; None: I/O only
 
     @property
     def file_bytes(self) -> float:
@@ -161,10 +169,19 @@ def epoch_bounds(cal: Calibration, job: Job, nodes: int) -> dict[str, float]:
         "network": f * rho * stored / link,
         "overhead": job.overhead_s + (alpha * math.ceil(math.log2(nodes)) if nodes > 1 else 0),
     }
+    if job.compute_files_per_s:
+        bounds[COMPUTE] = f / job.compute_files_per_s
     return bounds
 
 
 def epoch_seconds(bounds: dict[str, float], readers: int = 1) -> tuple[float, str]:
+    """`io_seconds`, or the job's compute time when that is longer (bound "compute")."""
+    io, bound = io_seconds(bounds, readers)
+    compute = bounds.get(COMPUTE, 0.0)
+    return (compute, COMPUTE) if compute > io else (io, bound)
+
+
+def io_seconds(bounds: dict[str, float], readers: int = 1) -> tuple[float, str]:
     """(epoch seconds, what bounds it) from `epoch_bounds`, by mean value analysis of a closed
     queueing network: `readers` customers per node, each cycling through its files; the cpu,
     daemon, disk and network bounds are single-server queues (their per-file demand is the
@@ -224,11 +241,14 @@ def project(cal: Calibration, job: Job, nodes: tuple[int, ...] = NODES) -> list[
 
 def stops_scaling(rows: list[Projection]) -> tuple[int | None, str]:
     """(the first node count from 2 on whose doubling speeds the epoch up less than
-    STOP_SPEEDUP, what bounds it there), or (None, "") if it scales to the last. From 2: going
-    from one node to two always adds the remote reads of a shared dataset."""
+    STOP_SPEEDUP, why), or (None, "") if it scales to the last. From 2: going from one node to
+    two always adds the remote reads of a shared dataset. Why: "overhead" when the fixed cost
+    of an epoch, which does not shrink with the nodes, is a quarter of the doubled epoch or
+    more; else what bounds the doubled epoch."""
     for a, b in itertools.pairwise(rows):
         if a.nodes >= 2 and b.nodes == 2 * a.nodes and a.epoch_s < STOP_SPEEDUP * b.epoch_s:
-            return a.nodes, b.bound
+            fixed = b.bounds_s.get("overhead", 0.0) >= 0.25 * b.epoch_s
+            return a.nodes, "overhead" if fixed else b.bound
     return None, ""
 
 

@@ -56,9 +56,17 @@ def test_projection_rows() -> None:
     assert packed["disk"] == pytest.approx(plain["disk"] / 2)
     assert packed["cpu"] > plain["cpu"]
     # A fixed cost per epoch ends scaling where it dominates.
-    slow = p.project(CAL, dataclasses.replace(IMAGENET, overhead_s=30.0))
+    slow = p.project(CAL, dataclasses.replace(IMAGENET, q=0.0, overhead_s=30.0))
     stop, why = p.stops_scaling(slow)
     assert stop is not None and why == "overhead"
+
+
+def test_compute_bound_hides_io() -> None:
+    slow = dataclasses.replace(IMAGENET, compute_files_per_s=50.0)
+    rows = p.project(CAL, slow, (1, 2, 64))
+    assert all(r.bound == "compute" for r in rows)
+    assert [r.efficiency for r in rows] == pytest.approx([1.0, 1.0, 1.0])
+    assert rows[2].epoch_s == pytest.approx(IMAGENET.files / 64 / 50.0)
 
 
 def test_calibration_json_is_checked() -> None:
@@ -73,14 +81,15 @@ def test_project_command(tmp_path: Path) -> None:
     cal = tmp_path / "cal.json"
     cal.write_text(json.dumps(CAL.to_json()))
     out = tmp_path / "proj.json"
-    done = fanfs("project", cal, "--files", "1281167", "--bytes", "140G", "--q", "0.1",
+    done = fanfs("project", cal, "--files", "1281167", "--bytes", "140G", "--q", "0,0.1",
                  "--link", "12G", "--net-alpha-us", "2", "--json", out, "--plot",
                  tmp_path / "p.png")  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "1024" in done.stdout
     assert "stops scaling at" in done.stdout or "scales to the last" in done.stdout
-    got = json.loads(out.read_text())
-    assert len(got["rows"]) == len(p.NODES) and got["job"]["q"] == 0.1
+    got = json.loads(out.read_text())["projections"]
+    assert [g["job"]["q"] for g in got] == [0.0, 0.1]
+    assert all(len(g["rows"]) == len(p.NODES) for g in got)
     assert (tmp_path / "p.png").stat().st_size > 1000
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
