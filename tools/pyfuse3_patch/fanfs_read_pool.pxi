@@ -120,7 +120,7 @@ def native_read_stop():
 # trio is asked whether another task wants to run, and if so the spin stops (`*busy` set) so
 # the loop can let it run first and spin on.
 cdef enum:
-    FANFS_SPIN_NS = 200000
+    FANFS_SPIN_NS = 500000
     FANFS_SPIN_CHUNK_NS = 20000
 cdef int64_t _fanfs_last_request = 0
 fanfs_spins = [0, 0, 0]  # requests caught by a spin, spins that ended empty, stopped for trio
