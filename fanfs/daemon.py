@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 # Readahead of the mount's bdi: with 1 MiB the kernel asks for big files in 1 MiB requests
 # instead of 128 KiB ones (+17 to 28 % on 2 to 8 MiB files here, docs/environment.md).
 READ_AHEAD_KB = 1024
+# The session loop's poll after a request (tools/pyfuse3_patch, README "Second, third"): long
+# enough to cover a reader copying a 2 MiB file out of the page cache between two opens.
+SPIN_US = 500
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +90,22 @@ def check_mountpoint(mountpoint: Path, nonempty: bool = False) -> None:
                 f"{mountpoint}: mount point is not empty (holds {held.name!r}); "
                 "use --nonempty to mount over it anyway"
             )
+
+
+def native_decoding() -> bool:
+    """FANFS_NATIVE_DECODE=0 leaves compressed files to Python (for comparison, or should the
+    C decoder ever be suspected); anything else lets the native pool decode them."""
+    return os.environ.get("FANFS_NATIVE_DECODE", "1").strip() != "0"
+
+
+def spin_us() -> int:
+    """FANFS_SPIN_US: how long after a request the session loop polls for the next one before
+    it sleeps (default SPIN_US; 0: never poll, for nodes where a core must never be busy)."""
+    try:
+        return max(0, int(os.environ.get("FANFS_SPIN_US", SPIN_US)))
+    except ValueError:
+        log.warning("FANFS_SPIN_US is not an integer: %r", os.environ["FANFS_SPIN_US"])
+        return SPIN_US
 
 
 def _tune_readahead(mountpoint: Path) -> None:
@@ -272,7 +291,8 @@ class Daemon:
             self._agree(error)
             if NATIVE_POOL and self.native.start(stack, catalog.dicts):
                 self.reader.native = True
-                self.reader.native_decodes = self.native.decodes
+                self.reader.native_decodes = self.native.decodes and native_decoding()
+            fuse_ops.set_spin_us(spin_us())
             log.info(
                 "rank %d/%d: %d of %d partitions here (%d bytes), mount %s, local %s",
                 self.rank, self.size, len(owned), catalog.n_partitions,

@@ -114,7 +114,7 @@ def awkward(dest: Path, big_bytes: int = 64 * MIB + 12345, seed: int = 1) -> Non
     put(b"arrays/labels.i32", rng.integers(0, 1000, 30_000).astype(np.int32).tobytes())
     put(b"arrays/ids.i64", rng.integers(0, 100_000, 20_000).astype(np.int64).tobytes())  # shuffle8
     put(b"arrays/smooth.f64", np.cumsum(np.cumsum(rng.normal(0, 1, 20_000))).tobytes())  # delta8
-    # 2 MiB of noise compressed whole to about 1.3 MiB: the native pool decodes it as it reads.
+    # 2 MiB of noise compressed whole to about 1.3 MiB: read in parts through the pool's cache.
     for name in (b"fields/noisy.f32", b"fields/noisy-b.f32"):
         put(name, rng.normal(280, 5, 512 << 10).astype(np.float32).tobytes())
     for i in range(200):  # many small files across a few directories

@@ -288,6 +288,14 @@ def native_frame_stats() -> tuple[int, int]:
     return int(hits), int(misses)
 
 
+def set_spin_us(us: int) -> None:
+    """How long after a request the session loop polls for the next one (builds without it:
+    nothing to set)."""
+    setter = getattr(pyfuse3, "set_spin_us", None)
+    if setter is not None:
+        setter(us)
+
+
 def spin_counts() -> tuple[int, int, int]:
     """The session loop's spin: (requests caught, spins that ended empty, spins cut short for
     trio); zeros on a build without it."""

@@ -164,8 +164,8 @@ def test_stored_bytes_that_do_not_decode_are_eio_for_that_file(
         "fields/prices.f32": bytes((filters.DECIMAL4,)) + z.compress(b"\x07" * 999),
         "arrays/ids.i64": bytes((filters.SHUFFLE8,)) + z.compress(b"\x01" * 1000),
         "fields/small.f32": z.compress(b"\x01" * 1000),  # zstd-delta4 of the wrong length
-        # Large enough to be decoded while it is read (the pool's streaming path): garbage,
-        # and a valid frame that ends short of the file's size.
+        # Large ones (about 1.3 MiB stored, answered in parts through the frame cache):
+        # a valid frame that ends short of the file's size, and garbage.
         "fields/noisy-b.f32": bytes((filters.SHUFFLE4,))
         + zstandard.ZstdCompressor(level=-5).compress(os.urandom(1 << 20)),
         "fields/noisy.f32": os.urandom(300 << 10),

@@ -25,7 +25,6 @@
 #define FANFS_READ_POOL_H
 
 #include <dlfcn.h>
-#include <fcntl.h>
 #include <errno.h>
 #include <pthread.h>
 #include <signal.h>
@@ -85,10 +84,6 @@ struct fanfs_error_record {
 /* libzstd, dlopen'ed like the CRC libraries (no -dev package or link flag needed). */
 typedef struct fanfs_zstd_dctx fanfs_zstd_dctx;
 typedef struct fanfs_zstd_ddict fanfs_zstd_ddict;
-struct fanfs_zstd_in { const void *src; size_t size; size_t pos; };   /* ZSTD_inBuffer */
-struct fanfs_zstd_out { void *dst; size_t size; size_t pos; };        /* ZSTD_outBuffer */
-#define FANFS_ZSTD_RESET_SESSION 1                 /* ZSTD_reset_session_only */
-#define FANFS_ZSTD_RESET_ALL 3                     /* ZSTD_reset_session_and_parameters */
 struct fanfs_zstd {
     fanfs_zstd_dctx *(*create_dctx)(void);
     void (*free_dctx)(fanfs_zstd_dctx *);
@@ -99,10 +94,6 @@ struct fanfs_zstd {
     void (*free_ddict)(fanfs_zstd_ddict *);
     unsigned (*is_error)(size_t);
     unsigned (*dict_id)(const void *, size_t);
-    /* streaming, for pieces decoded while they are still being read */
-    size_t (*reset)(fanfs_zstd_dctx *, int);
-    size_t (*ref_ddict)(fanfs_zstd_dctx *, const fanfs_zstd_ddict *);
-    size_t (*decompress_stream)(fanfs_zstd_dctx *, struct fanfs_zstd_out *, struct fanfs_zstd_in *);
 };
 
 static struct {
@@ -120,15 +111,10 @@ static struct {
     int ndicts;
 } fanfs_pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
 
-/* CRC-32 of `buf` continuing from `crc` (0 to start), as zlib's crc32. */
-static uint32_t fanfs_crc32_more(uint32_t crc, const unsigned char *buf, uint32_t len) {
-    if (fanfs_pool.isal_crc32 != NULL)
-        return fanfs_pool.isal_crc32(crc, buf, len);
-    return (uint32_t)fanfs_pool.zlib_crc32(crc, buf, len);
-}
-
 static uint32_t fanfs_crc32(const unsigned char *buf, uint32_t len) {
-    return fanfs_crc32_more(0, buf, len);
+    if (fanfs_pool.isal_crc32 != NULL)
+        return fanfs_pool.isal_crc32(0, buf, len);
+    return (uint32_t)fanfs_pool.zlib_crc32(0, buf, len);
 }
 
 /* Per-thread buffers, kept between jobs (a fresh one per file costs page faults: glibc maps
@@ -493,91 +479,6 @@ static int fanfs_pread_all(int fd, char *buf, uint32_t len, int64_t off) {
     return 0;
 }
 
-/* -- decoding while reading: a large compressed piece is read in chunks, each checked into the
- * running CRC and fed to zstd's streaming decoder while the kernel, told the whole range at
- * once (POSIX_FADV_WILLNEED), reads the next ones: decoding overlaps the disk instead of
- * following it. The CRC is still checked over every stored byte before anything is answered. */
-#define FANFS_STREAM_MIN (256u << 10) /* stored bytes from which a piece is streamed */
-#define FANFS_STREAM_CHUNK (128u << 10)
-
-static int fanfs_stream_decode(int fd, const struct fanfs_piece *p, unsigned char *out) {
-    struct fanfs_zstd *z = &fanfs_pool.zstd;
-    struct fanfs_zstd_out ob;
-    struct fanfs_zstd_in ib;
-    unsigned char *stored;
-    char *filtered = NULL;
-    uint32_t done = 0, zstart = 0, crc = 0;
-    int fid = 0, err = 0, bad = 0;
-    size_t r = 1;
-
-    if (fanfs_dctx == NULL && (fanfs_dctx = z->create_dctx()) == NULL)
-        return ENOMEM;
-    stored = (unsigned char *)fanfs_buffer(FANFS_BUF_STORED, p->len);
-    if (stored == NULL)
-        return ENOMEM;
-    (void)posix_fadvise(fd, (off_t)p->off, (off_t)p->len, POSIX_FADV_WILLNEED);
-    z->reset(fanfs_dctx, FANFS_ZSTD_RESET_ALL);
-    while (done < p->len && err == 0) {
-        uint32_t n = p->len - done < FANFS_STREAM_CHUNK ? p->len - done : FANFS_STREAM_CHUNK;
-        err = fanfs_pread_all(fd, (char *)stored + done, n, p->off + done);
-        if (err != 0)
-            break;
-        crc = fanfs_crc32_more(crc, stored + done, n);
-        if (done == 0) { /* the first chunk says the filter and the dictionary */
-            unsigned id;
-            if (p->kind == FANFS_KIND_FILTERED) {
-                fid = stored[0];
-                zstart = 1;
-            } else if (p->kind > FANFS_KIND_FILTER) {
-                fid = p->kind - FANFS_KIND_FILTER;
-            }
-            ob.pos = 0;
-            if (fid != 0) {
-                ob.size = fanfs_filter_width(fid) ? fanfs_filtered_max(fid, p->size) : 0;
-                filtered = fanfs_buffer(FANFS_BUF_FILTERED, ob.size);
-                ob.dst = filtered;
-                bad = filtered == NULL || ob.size == 0;
-            } else {
-                ob.dst = out;
-                ob.size = p->size;
-            }
-            id = z->dict_id(stored + zstart, n - zstart);
-            if (id > (unsigned)fanfs_pool.ndicts)
-                bad = 1;
-            else if (id != 0)
-                z->ref_ddict(fanfs_dctx, fanfs_pool.ddicts[id - 1]);
-        }
-        /* After a decoding error the rest is still read, for the CRC: a damaged disk says
-         * "checksum mismatch", only a hostile image "does not decode". */
-        ib.src = stored + (done > zstart ? done : zstart);
-        ib.size = done + n - (done > zstart ? done : zstart);
-        ib.pos = 0;
-        while (!bad && ib.pos < ib.size) {
-            size_t in_was = ib.pos, out_was = ob.pos;
-            if (r == 0) { /* bytes after the end of the frame */
-                bad = 1;
-                break;
-            }
-            r = z->decompress_stream(fanfs_dctx, &ob, &ib);
-            /* An error, or no progress at all: the output is full (more than the size). */
-            if (z->is_error(r) || (ib.pos == in_was && ob.pos == out_was))
-                bad = 1;
-        }
-        done += n;
-    }
-    z->reset(fanfs_dctx, FANFS_ZSTD_RESET_ALL); /* drop the dictionary for the next piece */
-    if (err == 0 && crc != p->crc)
-        err = EBADMSG;
-    if (err == 0 && (bad || r != 0 || (fid == 0 && ob.pos != p->size)))
-        err = EILSEQ;
-    if (err == 0 && fid != 0)
-        err = fanfs_unfilter(fid, (unsigned char *)filtered, ob.pos, out, p->size);
-    if (filtered != NULL)
-        fanfs_buffer_done(FANFS_BUF_FILTERED, filtered);
-    fanfs_buffer_done(FANFS_BUF_STORED, (char *)stored);
-    return err;
-}
-
 /* A piece's decoded bytes, for the reply: from the frame cache (slot >= 0, a reference held),
  * in one of this thread's buffers (`which`), or malloc'ed (`which` < 0). */
 struct fanfs_decoded {
@@ -596,24 +497,6 @@ static int fanfs_piece_get(int fd, const struct fanfs_piece *p, int index,
     d->which = p->cache || index > 0 ? -1 : FANFS_BUF_OUT;
     if (p->cache && (d->slot = fanfs_frame_get(fd, p)) >= 0) {
         d->data = fanfs_frames.slot[d->slot].data;
-        return 0;
-    }
-    if (p->kind != FANFS_KIND_RAW && p->len >= FANFS_STREAM_MIN &&
-        fanfs_pool.zstd.create_dctx != NULL) {
-        out = d->which < 0 ? malloc(p->size ? p->size : 1) : fanfs_buffer(d->which, p->size);
-        if (out == NULL)
-            return ENOMEM;
-        err = fanfs_stream_decode(fd, p, (unsigned char *)out);
-        if (err != 0) {
-            if (d->which < 0)
-                free(out);
-            else
-                fanfs_buffer_done(d->which, out);
-            return err;
-        }
-        d->data = out;
-        if (p->cache)
-            d->slot = fanfs_frame_put(fd, p, out);
         return 0;
     }
     stored = fanfs_buffer(FANFS_BUF_STORED, p->len);
@@ -743,12 +626,8 @@ static void fanfs_load_zstd(void) {
     *(void **)&z.free_ddict = dlsym(lib, "ZSTD_freeDDict");
     *(void **)&z.is_error = dlsym(lib, "ZSTD_isError");
     *(void **)&z.dict_id = dlsym(lib, "ZSTD_getDictID_fromFrame");
-    *(void **)&z.reset = dlsym(lib, "ZSTD_DCtx_reset");
-    *(void **)&z.ref_ddict = dlsym(lib, "ZSTD_DCtx_refDDict");
-    *(void **)&z.decompress_stream = dlsym(lib, "ZSTD_decompressStream");
     if (z.create_dctx && z.free_dctx && z.decompress_dctx && z.decompress_ddict &&
-        z.create_ddict && z.free_ddict && z.is_error && z.dict_id && z.reset && z.ref_ddict &&
-        z.decompress_stream)
+        z.create_ddict && z.free_ddict && z.is_error && z.dict_id)
         fanfs_pool.zstd = z;
 }
 

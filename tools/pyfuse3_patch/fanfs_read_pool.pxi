@@ -116,18 +116,18 @@ def native_read_stop():
 
 
 # The session loop's spin (fanfs_read_pool.h): after a request, poll the FUSE fd for up to
-# FANFS_SPIN_NS before waiting through trio, in chunks of FANFS_SPIN_CHUNK_NS; between chunks
+# _fanfs_spin_ns before waiting through trio, in chunks of FANFS_SPIN_CHUNK_NS; between chunks
 # trio is asked whether another task wants to run, and if so the spin stops (`*busy` set) so
 # the loop can let it run first and spin on.
 cdef enum:
-    FANFS_SPIN_NS = 500000
     FANFS_SPIN_CHUNK_NS = 20000
+cdef int64_t _fanfs_spin_ns = 500000  # set_spin_us: how long after a request the loop polls
 cdef int64_t _fanfs_last_request = 0
 fanfs_spins = [0, 0, 0]  # requests caught by a spin, spins that ended empty, stopped for trio
 
 
 cdef int _fanfs_spin(fuse_buf *buf, bint *busy):
-    cdef int64_t until = _fanfs_last_request + FANFS_SPIN_NS
+    cdef int64_t until = _fanfs_last_request + _fanfs_spin_ns
     cdef int res = -errno.EAGAIN
     busy[0] = False
     while fanfs_now_ns() < until and not fuse_session_exited(session):
@@ -147,3 +147,9 @@ cdef int _fanfs_spin(fuse_buf *buf, bint *busy):
 cdef void _fanfs_request_seen():
     global _fanfs_last_request
     _fanfs_last_request = fanfs_now_ns()
+
+
+def set_spin_us(int us):
+    '''How long after a request the session loop polls for the next one (0: never).'''
+    global _fanfs_spin_ns
+    _fanfs_spin_ns = max(0, us) * 1000
