@@ -292,6 +292,7 @@ class Daemon:
             if NATIVE_POOL and self.native.start(stack, catalog.dicts):
                 self.reader.native = True
                 self.reader.native_decodes = self.native.decodes and native_decoding()
+                self.reader.native_ahead = fuse_ops.native_read_ahead
             fuse_ops.set_spin_us(spin_us())
             log.info(
                 "rank %d/%d: %d of %d partitions here (%d bytes), mount %s, local %s",
@@ -310,6 +311,7 @@ class Daemon:
             log.info("unmounting %s", self.mountpoint)
             if self.reader is not None:
                 self.reader.native = self.reader.native_decodes = False
+                self.reader.native_ahead = None
             self.native.stop()  # it answers what is queued while the session still exists
             fuse_ops.unmount()
 

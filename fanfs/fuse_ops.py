@@ -279,6 +279,13 @@ def native_pool_dictionaries(dicts: Sequence[bytes]) -> bool:
     return True
 
 
+def native_read_ahead(job: NativeJob) -> bool:
+    """Queue a read-ahead job (no request): the native pool decodes its pieces into the frame
+    cache. False if it was not queued."""
+    queued: bool = pyfuse3.native_read_ahead(job)  # type: ignore[attr-defined]
+    return queued
+
+
 def native_frame_stats() -> tuple[int, int]:
     """(hits, misses) of the native pool's cache of decoded frames; zeros without a pool."""
     stats = getattr(pyfuse3, "native_read_frame_stats", None)

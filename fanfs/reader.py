@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 WHOLE_FILE_LIMIT = 16 << 20  # raw files up to this are fetched whole and checked at once
 INLINE_LIMIT = 256 << 10  # below this, decoding runs inline (cheaper than a thread hand-off)
 TABLES_KEPT = 4096  # parsed frame tables of framed files kept (LRU)
+FRAMES_AHEAD = 2  # frames the native pool decodes ahead of a framed file read in order
 
 
 class Reader:
@@ -89,6 +90,10 @@ class Reader:
         self.native = False  # the daemon sets it once pyfuse3's native read pool runs
         self.native_decodes = False  # ... and this once it decodes zstd too
         self.native_jobs = 0
+        # Read-ahead of frames in the native pool (the daemon sets it): whether it was queued.
+        self.native_ahead: Callable[[NativeJob], bool] | None = None
+        self.frames_ahead = 0
+        self._next_frame: OrderedDict[int, int] = OrderedDict()  # entry -> frame read next
 
     async def read(self, entry: int, offset: int, size: int) -> bytes | memoryview | NativeJob:
         """`size` bytes of `entry` from `offset`, or a job for the native pool. Any failure,
@@ -122,8 +127,12 @@ class Reader:
         self.bytes_served += size
         codec_id = int(self.catalog.codec[entry])
         if codec_id == cat.CODEC_FRAMED:
-            job = self._native_frames(entry, offset, size) if self.native_decodes else None
-            return job if job is not None else await self._framed(entry, offset, size)
+            if self.native_decodes and self.sources.mine(entry):
+                # The table first (a small read, kept parsed), then the frames in C.
+                job = self._native_frames(entry, await self._table(entry), offset, size)
+                if job is not None:
+                    return job
+            return await self._framed(entry, offset, size)
         if codec_id == cat.CODEC_RAW and length > WHOLE_FILE_LIMIT:
             # Checked once as a whole (locally), then served range by range.
             data, _ = await self.sources.stored(
@@ -181,33 +190,44 @@ class Reader:
         piece = (start, stored_len, crc, kind, length, 0 if whole else 1)
         return native.job(store.fd(part), entry, offset, size, [piece])
 
-    def _native_frames(self, entry: int, offset: int, size: int) -> NativeJob | None:
+    def _native_frames(
+        self, entry: int, table: codec.FrameTable, offset: int, size: int
+    ) -> NativeJob | None:
         """A job for the native pool answering [offset, offset + size) of a framed file held
-        here, from the frames it touches; None when Python should answer (the table is not
-        parsed yet, a frame is decoded in this daemon's cache, too many frames)."""
-        table = self._tables.get(entry)
-        if table is None or not self.sources.mine(entry):
-            return None
+        here, from the frames it touches; None when Python should answer (a frame is decoded
+        in this daemon's cache, or too many frames)."""
         fs = table.frame_size
         first, last = offset // fs, (offset + size - 1) // fs
         if last - first >= native.MAX_PIECES:
             return None
-        c = self.catalog
-        base = int(c.data_off[entry])
-        pieces = []
-        for i in range(first, last + 1):
-            if (entry, i) in self._cache:
-                return None
-            off, length = table.stored(i)
-            n, fid = table.decoded_len(i), int(table.filters[i])
-            kind = native.KIND_FILTER + fid if fid else (
-                native.KIND_RAW if length == n else native.KIND_ZSTD)  # fmt: skip
-            pieces.append((base + off, length, int(table.crcs[i]), kind, n, 1))
-            self.sources.bytes_fetched += length
-        self._tables.move_to_end(entry)
+        if any((entry, i) in self._cache for i in range(first, last + 1)):
+            return None
+        fd = self.sources.store.fd(int(self.catalog.part[entry]))
+        pieces = [self._frame_piece(entry, table, i) for i in range(first, last + 1)]
+        self.sources.bytes_fetched += sum(piece[1] for piece in pieces)
         self.native_jobs += 1
-        fd = self.sources.store.fd(int(c.part[entry]))
+        # Reading on from where the last request of this file ended (or from its start): the
+        # pool's other threads decode the next frames meanwhile, into its frame cache.
+        sequential = first == 0 or self._next_frame.get(entry) == first
+        self._next_frame[entry] = last + 1
+        self._next_frame.move_to_end(entry)
+        while len(self._next_frame) > TABLES_KEPT:
+            self._next_frame.popitem(last=False)
+        ahead = range(last + 1, min(len(table), last + 1 + FRAMES_AHEAD))
+        if sequential and ahead and self.native_ahead is not None:
+            for i in ahead:  # one job each, so that idle threads take them in parallel
+                piece = self._frame_piece(entry, table, i)
+                if self.native_ahead(native.job(fd, entry, 0, 0, [piece])):
+                    self.frames_ahead += 1
         return native.job(fd, entry, offset - first * fs, size, pieces)
+
+    def _frame_piece(self, entry: int, table: codec.FrameTable, i: int) -> tuple[int, ...]:
+        """Frame i of a framed file as a native job's piece (kept in the frame cache)."""
+        off, length = table.stored(i)
+        n, fid = table.decoded_len(i), int(table.filters[i])
+        kind = native.KIND_FILTER + fid if fid else (
+            native.KIND_RAW if length == n else native.KIND_ZSTD)  # fmt: skip
+        return (int(self.catalog.data_off[entry]) + off, length, int(table.crcs[i]), kind, n, 1)
 
     def looked_up(self, entry: int) -> None:
         """The kernel looked `entry` up: a small file held by a peer starts its whole-file

@@ -100,6 +100,7 @@ static struct {
     pthread_mutex_t lock;
     pthread_cond_t cond;
     struct fanfs_job *head, *tail;
+    struct fanfs_job *ahead_head, *ahead_tail; /* read-aheads: taken when no READ waits */
     pthread_t threads[FANFS_POOL_MAX_THREADS];
     int nthreads;
     int stopping;
@@ -159,86 +160,190 @@ static void fanfs_buffer_done(int which, char *p) {
  * never evicted. */
 #define FANFS_FRAMES 32
 #define FANFS_FRAMES_BYTES (64u << 20)
+#define FANFS_SPARES 8 /* evicted buffers kept for the next decode: no fresh pages to fault in */
 struct fanfs_frame {
     int fd;
     int64_t off;
     uint32_t len, crc, size;
-    char *data; /* NULL: empty slot */
+    char *data; /* NULL: empty slot, or one being decoded (pending) */
+    uint32_t cap; /* bytes data can hold */
     int refs;
+    int pending; /* a read-ahead is decoding it: wait for it rather than decode it twice */
     uint64_t used;
+};
+struct fanfs_spare {
+    char *data;
+    uint32_t cap;
 };
 static struct {
     pthread_mutex_t lock;
     struct fanfs_frame slot[FANFS_FRAMES];
+    struct fanfs_spare spare[FANFS_SPARES];
     uint64_t clock;
     uint64_t bytes; /* decoded bytes held */
     uint64_t hits, misses;
-} fanfs_frames = {PTHREAD_MUTEX_INITIALIZER};
+    pthread_cond_t ready; /* a pending slot was filled or given up */
+} fanfs_frames = {.lock = PTHREAD_MUTEX_INITIALIZER, .ready = PTHREAD_COND_INITIALIZER};
+
+/* A buffer for a decoded piece of `size` bytes: a spare one if there is one big enough (an
+ * evicted piece's: its pages are mapped already), else a new one. Its capacity in *cap. */
+static char *fanfs_piece_alloc(uint32_t size, uint32_t *cap) {
+    int i, best = -1;
+    char *data = NULL;
+    pthread_mutex_lock(&fanfs_frames.lock);
+    for (i = 0; i < FANFS_SPARES; i++) {
+        struct fanfs_spare *sp = &fanfs_frames.spare[i];
+        if (sp->data != NULL && sp->cap >= size &&
+            (best < 0 || sp->cap < fanfs_frames.spare[best].cap))
+            best = i;
+    }
+    if (best >= 0) {
+        data = fanfs_frames.spare[best].data;
+        *cap = fanfs_frames.spare[best].cap;
+        fanfs_frames.spare[best].data = NULL;
+    }
+    pthread_mutex_unlock(&fanfs_frames.lock);
+    if (data == NULL) {
+        *cap = size ? size : 1;
+        data = malloc(*cap);
+    }
+    return data;
+}
+
+/* Give a piece's buffer back: kept as a spare while there is room, else freed. Called with
+ * the cache's lock held (`locked`) or not. */
+static void fanfs_piece_free(char *data, uint32_t cap, int locked) {
+    int i;
+    if (data == NULL)
+        return;
+    if (!locked)
+        pthread_mutex_lock(&fanfs_frames.lock);
+    for (i = 0; i < FANFS_SPARES; i++) {
+        if (fanfs_frames.spare[i].data == NULL) {
+            fanfs_frames.spare[i].data = data;
+            fanfs_frames.spare[i].cap = cap;
+            data = NULL;
+            break;
+        }
+    }
+    if (!locked)
+        pthread_mutex_unlock(&fanfs_frames.lock);
+    free(data);
+}
 
 static int fanfs_frame_match(const struct fanfs_frame *f, int fd, const struct fanfs_piece *p) {
-    return f->data != NULL && f->fd == fd && f->off == p->off && f->len == p->len &&
+    return (f->data != NULL || f->pending) && f->fd == fd && f->off == p->off && f->len == p->len &&
            f->crc == p->crc && f->size == p->size;
 }
 
 /* The slot holding this piece's decoded bytes (a reference taken), or -1. */
 static int fanfs_frame_get(int fd, const struct fanfs_piece *p) {
-    int i, found = -1;
+    int i, found;
     pthread_mutex_lock(&fanfs_frames.lock);
-    for (i = 0; i < FANFS_FRAMES; i++) {
-        if (fanfs_frame_match(&fanfs_frames.slot[i], fd, p)) {
-            fanfs_frames.slot[i].refs++;
-            fanfs_frames.slot[i].used = ++fanfs_frames.clock;
-            found = i;
+    for (;;) {
+        found = -1;
+        for (i = 0; i < FANFS_FRAMES; i++)
+            if (fanfs_frame_match(&fanfs_frames.slot[i], fd, p))
+                found = i;
+        if (found < 0 || !fanfs_frames.slot[found].pending)
             break;
-        }
+        /* A read-ahead is decoding it now (it runs, it is not queued): wait for it. */
+        pthread_cond_wait(&fanfs_frames.ready, &fanfs_frames.lock);
     }
-    if (found >= 0)
+    if (found >= 0) {
+        fanfs_frames.slot[found].refs++;
+        fanfs_frames.slot[found].used = ++fanfs_frames.clock;
         fanfs_frames.hits++;
-    else
+    } else {
         fanfs_frames.misses++;
+    }
     pthread_mutex_unlock(&fanfs_frames.lock);
     return found;
 }
 
-/* Keep `data` (malloc'ed, `p->size` bytes) as this piece's decoded bytes; returns its slot with
- * a reference taken, or -1 when there is no room (the caller still owns `data`). Room: a slot
- * that no reply uses, least recently used first, and at most FANFS_FRAMES_BYTES in all. */
-static int fanfs_frame_put(int fd, const struct fanfs_piece *p, char *data) {
+/* A slot for `size` more bytes, under the lock: one that no reply uses and no read-ahead fills,
+ * least recently used first, evicting until FANFS_FRAMES_BYTES allows; -1 if none. */
+static int fanfs_frame_room(uint32_t size) {
     int i, victim;
     struct fanfs_frame *f;
-    pthread_mutex_lock(&fanfs_frames.lock);
     for (;;) {
         victim = -1;
         for (i = 0; i < FANFS_FRAMES; i++) {
             f = &fanfs_frames.slot[i];
-            if (f->refs == 0 && (victim < 0 || f->data == NULL ||
-                                 (fanfs_frames.slot[victim].data != NULL &&
-                                  f->used < fanfs_frames.slot[victim].used)))
+            if (f->refs == 0 && !f->pending &&
+                (victim < 0 || f->data == NULL ||
+                 (fanfs_frames.slot[victim].data != NULL &&
+                  f->used < fanfs_frames.slot[victim].used)))
                 victim = i;
         }
         if (victim < 0)
-            break;
+            return -1;
         f = &fanfs_frames.slot[victim];
-        if (f->data == NULL && fanfs_frames.bytes + p->size <= FANFS_FRAMES_BYTES)
-            break;
-        if (f->data == NULL) { /* no room by bytes and nothing left to evict */
-            victim = -1;
-            break;
-        }
+        if (f->data == NULL && fanfs_frames.bytes + size <= FANFS_FRAMES_BYTES)
+            return victim;
+        if (f->data == NULL) /* no room by bytes and nothing left to evict */
+            return -1;
         fanfs_frames.bytes -= f->size;
-        free(f->data);
+        fanfs_piece_free(f->data, f->cap, 1);
         f->data = NULL;
     }
+}
+
+static void fanfs_frame_key(struct fanfs_frame *f, int fd, const struct fanfs_piece *p) {
+    f->fd = fd;
+    f->off = p->off;
+    f->len = p->len;
+    f->crc = p->crc;
+    f->size = p->size;
+    f->used = ++fanfs_frames.clock;
+}
+
+/* Claim a slot for a read-ahead of this piece: its index (pending), or -1 when the piece is
+ * held or being decoded already, or there is no room. */
+static int fanfs_frame_reserve(int fd, const struct fanfs_piece *p) {
+    int i, slot = -1, held = 0;
+    pthread_mutex_lock(&fanfs_frames.lock);
+    for (i = 0; i < FANFS_FRAMES; i++)
+        held |= fanfs_frame_match(&fanfs_frames.slot[i], fd, p);
+    if (!held && (slot = fanfs_frame_room(p->size)) >= 0) {
+        struct fanfs_frame *f = &fanfs_frames.slot[slot];
+        fanfs_frame_key(f, fd, p);
+        f->pending = 1;
+        f->refs = 0;
+        fanfs_frames.bytes += p->size; /* counted now: the room is taken */
+    }
+    pthread_mutex_unlock(&fanfs_frames.lock);
+    return slot;
+}
+
+/* Fill a reserved slot with its decoded bytes (NULL: the decode failed, give the slot up; the
+ * READ will decode it itself and report the failure), and wake whoever waits for it. */
+static void fanfs_frame_fill(int slot, char *data, uint32_t cap) {
+    struct fanfs_frame *f = &fanfs_frames.slot[slot];
+    pthread_mutex_lock(&fanfs_frames.lock);
+    f->pending = 0;
+    f->data = data;
+    f->cap = cap;
+    if (data == NULL)
+        fanfs_frames.bytes -= f->size;
+    pthread_cond_broadcast(&fanfs_frames.ready);
+    pthread_mutex_unlock(&fanfs_frames.lock);
+}
+
+/* Keep `data` (from fanfs_piece_alloc, `p->size` bytes of `cap`) as this piece's decoded bytes;
+ * returns its slot with a reference taken, or -1 when there is no room (the caller still owns
+ * `data`). Room: see fanfs_frame_room. */
+static int fanfs_frame_put(int fd, const struct fanfs_piece *p, char *data, uint32_t cap) {
+    int victim;
+    pthread_mutex_lock(&fanfs_frames.lock);
+    victim = fanfs_frame_room(p->size);
     if (victim >= 0) {
-        f = &fanfs_frames.slot[victim];
-        f->fd = fd;
-        f->off = p->off;
-        f->len = p->len;
-        f->crc = p->crc;
-        f->size = p->size;
+        struct fanfs_frame *f = &fanfs_frames.slot[victim];
+        fanfs_frame_key(f, fd, p);
         f->data = data;
+        f->cap = cap;
         f->refs = 1;
-        f->used = ++fanfs_frames.clock;
+        f->pending = 0;
         fanfs_frames.bytes += p->size;
     }
     pthread_mutex_unlock(&fanfs_frames.lock);
@@ -258,6 +363,11 @@ static void fanfs_frames_clear(void) {
         free(fanfs_frames.slot[i].data);
         fanfs_frames.slot[i].data = NULL;
         fanfs_frames.slot[i].refs = 0;
+        fanfs_frames.slot[i].pending = 0;
+    }
+    for (i = 0; i < FANFS_SPARES; i++) {
+        free(fanfs_frames.spare[i].data);
+        fanfs_frames.spare[i].data = NULL;
     }
     fanfs_frames.bytes = 0;
     pthread_mutex_unlock(&fanfs_frames.lock);
@@ -485,6 +595,7 @@ struct fanfs_decoded {
     char *data;
     int slot;
     int which;
+    uint32_t cap; /* which < 0: the capacity of data, from fanfs_piece_alloc */
 };
 
 /* Piece `index` of a job of `npieces`: only the first may use the thread's buffers. */
@@ -516,7 +627,8 @@ static int fanfs_piece_get(int fd, const struct fanfs_piece *p, int index,
     }
     out = NULL;
     if (err == 0) {
-        out = d->which < 0 ? malloc(p->size ? p->size : 1) : fanfs_buffer(d->which, p->size);
+        out = d->which < 0 ? fanfs_piece_alloc(p->size, &d->cap)
+                           : fanfs_buffer(d->which, p->size);
         if (out == NULL)
             err = ENOMEM;
     }
@@ -525,14 +637,14 @@ static int fanfs_piece_get(int fd, const struct fanfs_piece *p, int index,
     fanfs_buffer_done(FANFS_BUF_STORED, stored);
     if (err != 0) {
         if (d->which < 0)
-            free(out);
+            fanfs_piece_free(out, d->cap, 0);
         else if (out != NULL)
             fanfs_buffer_done(d->which, out);
         return err;
     }
     d->data = out;
     if (p->cache)
-        d->slot = fanfs_frame_put(fd, p, out); /* -1: no room, the job frees it */
+        d->slot = fanfs_frame_put(fd, p, out, d->cap); /* -1: no room, the job frees it */
     return 0;
 }
 
@@ -540,9 +652,37 @@ static void fanfs_piece_done(struct fanfs_decoded *d) {
     if (d->slot >= 0)
         fanfs_frame_release(d->slot);
     else if (d->which < 0)
-        free(d->data);
+        fanfs_piece_free(d->data, d->cap, 0);
     else
         fanfs_buffer_done(d->which, d->data);
+}
+
+/* A read-ahead job (no request): decode each piece nobody holds into the frame cache. */
+static void fanfs_readahead_run(struct fanfs_job *j) {
+    int i;
+    for (i = 0; i < j->npieces; i++) {
+        const struct fanfs_piece *p = &j->pieces[i];
+        int slot = fanfs_frame_reserve(j->fd, p), err;
+        uint32_t cap = 0;
+        char *stored, *out = NULL;
+        if (slot < 0)
+            continue;
+        stored = fanfs_buffer(FANFS_BUF_STORED, p->len);
+        err = stored == NULL ? ENOMEM : fanfs_pread_all(j->fd, stored, p->len, p->off);
+        if (err == 0 && fanfs_crc32((const unsigned char *)stored, p->len) != p->crc)
+            err = EBADMSG;
+        if (err == 0 && (out = fanfs_piece_alloc(p->size, &cap)) == NULL)
+            err = ENOMEM;
+        if (err == 0)
+            err = fanfs_decode(p, (const unsigned char *)stored, (unsigned char *)out);
+        if (stored != NULL)
+            fanfs_buffer_done(FANFS_BUF_STORED, stored);
+        if (err != 0) {
+            fanfs_piece_free(out, cap, 0);
+            out = NULL;
+        }
+        fanfs_frame_fill(slot, out, cap);
+    }
 }
 
 static void fanfs_job_run(struct fanfs_job *j) {
@@ -551,6 +691,10 @@ static void fanfs_job_run(struct fanfs_job *j) {
     int err = 0, i, n = 0, niov = 0;
     uint64_t at = 0, lo = j->skip, hi = (uint64_t)j->skip + j->count;
 
+    if (j->req == NULL) {
+        fanfs_readahead_run(j);
+        return;
+    }
     for (i = 0; i < j->npieces && err == 0; i++) {
         const struct fanfs_piece *p = &j->pieces[i];
         uint64_t a, b;
@@ -582,20 +726,38 @@ static void fanfs_job_run(struct fanfs_job *j) {
     }
 }
 
+/* The next job under the lock: a READ's first, a read-ahead only when no READ waits. */
+static struct fanfs_job *fanfs_next_job(void) {
+    struct fanfs_job **head = &fanfs_pool.head, **tail = &fanfs_pool.tail, *j;
+    if (fanfs_pool.stopping) /* read-aheads are not worth running any more */
+        while ((j = fanfs_pool.ahead_head) != NULL) {
+            fanfs_pool.ahead_head = j->next;
+            free(j);
+        }
+    if (fanfs_pool.stopping)
+        fanfs_pool.ahead_tail = NULL;
+    if (*head == NULL) {
+        head = &fanfs_pool.ahead_head;
+        tail = &fanfs_pool.ahead_tail;
+    }
+    j = *head;
+    if (j != NULL) {
+        *head = j->next;
+        if (*head == NULL)
+            *tail = NULL;
+    }
+    return j;
+}
+
 static void *fanfs_pool_main(void *arg) {
     int i;
     (void)arg;
     for (;;) {
         struct fanfs_job *j;
         pthread_mutex_lock(&fanfs_pool.lock);
-        while (fanfs_pool.head == NULL && !fanfs_pool.stopping)
+        while (fanfs_pool.head == NULL && fanfs_pool.ahead_head == NULL && !fanfs_pool.stopping)
             pthread_cond_wait(&fanfs_pool.cond, &fanfs_pool.lock);
-        j = fanfs_pool.head;
-        if (j != NULL) {
-            fanfs_pool.head = j->next;
-            if (fanfs_pool.head == NULL)
-                fanfs_pool.tail = NULL;
-        }
+        j = fanfs_next_job();
         pthread_mutex_unlock(&fanfs_pool.lock);
         if (j == NULL)
             break; /* stopping, and every queued job is answered */
@@ -706,7 +868,7 @@ static void fanfs_pool_frame_stats(uint64_t *hits, uint64_t *misses) {
 /* Queue a job (its pieces already checked by the caller for sizes); -1 if the pool is not
  * running (the caller answers the request itself). */
 static int fanfs_pool_submit(struct fanfs_job *proto) {
-    struct fanfs_job *j;
+    struct fanfs_job *j, **head, **tail;
     if (fanfs_pool.nthreads == 0 || fanfs_pool.stopping)
         return -1;
     j = malloc(sizeof *j);
@@ -714,12 +876,14 @@ static int fanfs_pool_submit(struct fanfs_job *proto) {
         return -1;
     *j = *proto;
     j->next = NULL;
+    head = j->req == NULL ? &fanfs_pool.ahead_head : &fanfs_pool.head; /* read-aheads apart */
+    tail = j->req == NULL ? &fanfs_pool.ahead_tail : &fanfs_pool.tail;
     pthread_mutex_lock(&fanfs_pool.lock);
-    if (fanfs_pool.tail != NULL)
-        fanfs_pool.tail->next = j;
+    if (*tail != NULL)
+        (*tail)->next = j;
     else
-        fanfs_pool.head = j;
-    fanfs_pool.tail = j;
+        *head = j;
+    *tail = j;
     pthread_cond_signal(&fanfs_pool.cond);
     pthread_mutex_unlock(&fanfs_pool.lock);
     return 0;

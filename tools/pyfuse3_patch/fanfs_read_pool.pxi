@@ -37,17 +37,14 @@ cdef extern from "fanfs_read_pool.h" nogil:
 FANFS_PATCH = @PATCH_LEVEL@  # fanfs/native.py's PATCH_LEVEL, written in by install_pyfuse3
 
 
-cdef int _native_read_submit(fuse_req_t req, tuple job):
-    """0: queued, the pool answers; -1: the caller answers EIO (a malformed job, a stopped
-    pool). Never raises: an exception here would leave the request unanswered."""
-    cdef fanfs_job j
+cdef int _fanfs_job_from(tuple job, fanfs_job *j):
+    """Fill `j` from a job tuple; 0, or -1 if it is malformed. Never raises."""
     cdef int i, b
     cdef uint64_t total = 0
     cdef int n = (len(job) - 4) // 6
     if n < 1 or n > FANFS_MAX_PIECES or len(job) != 4 + 6 * n:
         return -1
     try:
-        j.req = req
         j.fd, j.entry, j.skip, j.count = job[0], job[1], job[2], job[3]
         j.npieces = n
         for i in range(n):
@@ -63,7 +60,27 @@ cdef int _native_read_submit(fuse_req_t req, tuple job):
         return -1
     if j.skip > total or j.count > total - j.skip:
         return -1
+    return 0
+
+
+cdef int _native_read_submit(fuse_req_t req, tuple job):
+    """0: queued, the pool answers; -1: the caller answers EIO (a malformed job, a stopped
+    pool). Never raises: an exception here would leave the request unanswered."""
+    cdef fanfs_job j
+    if _fanfs_job_from(job, &j) != 0:
+        return -1
+    j.req = req
     return fanfs_pool_submit(&j)
+
+
+def native_read_ahead(tuple job):
+    '''Queue a read-ahead: the pool decodes the job's pieces into its frame cache (those not
+    held or being decoded already) and answers nobody. False if it was not queued.'''
+    cdef fanfs_job j
+    if _fanfs_job_from(job, &j) != 0:
+        return False
+    j.req = NULL
+    return fanfs_pool_submit(&j) == 0
 
 
 def native_read_start(int nthreads, int errfd):
