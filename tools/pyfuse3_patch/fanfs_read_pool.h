@@ -9,11 +9,15 @@
  * check their CRC-32 and send the reply to the kernel themselves (libfuse replies are
  * thread-safe: its own multi-threaded loop replies from any thread).
  *
- * A job covers one whole file stored raw: it is read and checked whole, and the reply is the
- * slice [skip, skip + count) of it. A failed read or a checksum mismatch answers EIO and posts
- * a 16-byte record (entry, errno, 0) on the error pipe, which the daemon reads to log the file
- * once and refuse it from then on. Nothing is cached here: the kernel's page cache keeps what
- * was read.
+ * A job is one or more stored pieces (a whole file, or frames of a framed file), each read and
+ * checked whole, then decoded (zstd with the image's dictionaries, and the array filters of
+ * fanfs/filters.py, byte for byte); the reply is the slice [skip, skip + count) of the pieces'
+ * decoded bytes, back to back. A failed read, a checksum mismatch or bytes that do not decode
+ * answer EIO and post a 16-byte record (entry, errno, 0) on the error pipe, which the daemon
+ * reads to log the file once and refuse it from then on. Whole files asked for whole are not
+ * cached here (the kernel's page cache keeps what was read); pieces asked for in parts, and
+ * frames, go through a small cache of decoded pieces (below), which read-ahead jobs (no
+ * request) fill ahead of a file read in order.
  *
  * CRC-32 comes from ISA-L (libisal.so.2, Debian's libisal2) when it is installed: its
  * crc32_gzip_refl computes the same CRC as zlib's crc32 with carry-less multiplication, about
