@@ -109,10 +109,9 @@ LOOP_PATCHES = (
         """\
         # fanfs: the fd is non-blocking; take a request that is already queued at once
         # and wait through trio only when there is none. Yield to other tasks every 16
-        # requests taken this way (a handler that does not suspend is no checkpoint).
+        # requests taken without waiting (a handler that does not suspend is no checkpoint).
         res = fuse_session_receive_buf(session, &buf)
         if res == -errno.EAGAIN:
-            streak = 0
             # fanfs_read_pool.pxi: the next request is likely to come within microseconds;
             # poll for it a while, letting other tasks run first when they want to.
             res = _fanfs_spin(&buf, &busy)
@@ -120,16 +119,19 @@ LOOP_PATCHES = (
                 await trio.lowlevel.cancel_shielded_checkpoint()
                 res = _fanfs_spin(&buf, &busy)
             if res == -errno.EAGAIN:
+                streak = 0
                 if not await _wait_fuse_readable():
                     break
                 res = fuse_session_receive_buf(session, &buf)
-        else:
+        if res > 0:
+            _fanfs_request_seen()
+            # Requests taken without waiting through trio (queued, or caught by the poll) do
+            # not let trio look at its other file descriptors (signals, the native pool's
+            # error pipe, sockets): yield to it every 16 of them, which polls them.
             streak += 1
             if streak >= 16:
                 streak = 0
                 await trio.lowlevel.cancel_shielded_checkpoint()
-        if res > 0:
-            _fanfs_request_seen()
 """,
     ),
     (
