@@ -264,7 +264,10 @@ def cmd_project(args: argparse.Namespace) -> int:
     from fanfs.progress import parse_size
 
     try:
-        cal = projection.Calibration.from_json(json.loads(Path(args.calibration).read_text()))
+        raw = json.loads(Path(args.calibration).read_text())
+        if not isinstance(raw, dict):
+            raise ValueError("not a JSON object")
+        cal = projection.Calibration.from_json(raw)
     except (OSError, ValueError, TypeError) as e:
         raise UsageError(f"project: cannot read calibration {args.calibration}: {e}") from None
     if args.validate:

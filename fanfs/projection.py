@@ -90,6 +90,13 @@ class Calibration:
         missing = names - set(d)
         if missing:
             raise ValueError(f"not a fanfs calibration: missing {', '.join(sorted(missing))}")
+        for name in names - {"host"}:
+            value = d[name]
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not math.isfinite(value) or value < 0):  # fmt: skip
+                raise ValueError(f"not a fanfs calibration: {name} is {value!r}")
+        if not isinstance(d["host"], str) or d["cores"] < 1:
+            raise ValueError("not a fanfs calibration: host or cores")
         return cls(**{k: d[k] for k in names})
 
 

@@ -75,6 +75,9 @@ def test_calibration_json_is_checked() -> None:
     del broken["alpha_s"]
     with pytest.raises(ValueError, match="alpha_s"):
         p.Calibration.from_json(broken)
+    for bad in ("x", -1.0, float("nan"), None, True):
+        with pytest.raises(ValueError, match="beta_s_per_byte"):
+            p.Calibration.from_json(dict(CAL.to_json(), beta_s_per_byte=bad))
 
 
 def test_project_command(tmp_path: Path) -> None:
@@ -92,8 +95,10 @@ def test_project_command(tmp_path: Path) -> None:
     assert all(len(g["rows"]) == len(p.NODES) for g in got)
     assert (tmp_path / "p.png").stat().st_size > 1000
     bad = tmp_path / "bad.json"
-    bad.write_text("{}")
-    assert fanfs("project", bad, "--files", "1", "--bytes", "1").returncode == ExitCode.USAGE
+    for text in ("{}", "[1, 2]", "not json", json.dumps(dict(CAL.to_json(), cores="many"))):
+        bad.write_text(text)
+        done = fanfs("project", bad, "--files", "1", "--bytes", "1")
+        assert done.returncode == ExitCode.USAGE and "Traceback" not in done.stderr, text
     assert fanfs("project", cal, "--files", "10").returncode == ExitCode.USAGE
     assert (
         fanfs("project", cal, "--files", "1", "--bytes", "1", "--q", "2").returncode
