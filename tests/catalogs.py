@@ -40,3 +40,20 @@ def rewrite(image: Path, change: Any) -> None:
     columns, strings, meta, frame_size = columns_of(path.read_bytes())
     new = change(columns, strings)
     path.write_bytes(encode(columns, strings if new is None else new, meta, frame_size))
+
+
+def flip_stored_byte(
+    image: Path, rel: bytes, at: int | None = None, mask: int = 0xFF
+) -> tuple[cat.Catalog, int]:
+    """Flip bits (`mask`) of one stored byte of file `rel` in IMAGE's partition, `at` bytes into
+    its stored bytes (default: the middle), the catalog left as it was, so that only the CRC
+    can tell. (The catalog, the file's entry.)"""
+    c, _ = cat.Catalog.load(image)
+    entry = c.resolve(rel)
+    assert entry is not None, rel
+    where = int(c.stored_len[entry]) // 2 if at is None else at
+    part = image / cat.partition_name(int(c.part[entry]))
+    data = bytearray(part.read_bytes())
+    data[int(c.data_off[entry]) + where] ^= mask
+    part.write_bytes(bytes(data))
+    return c, entry

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from catalogs import flip_stored_byte
 from conftest import Mount, mounted, prepare
 from PIL import Image
 
@@ -173,17 +174,9 @@ def test_fio_verifies_through_the_mount(
 
 
 def test_fio_catches_a_corrupted_byte(fio_image: Path, tmp_path: Path) -> None:
-    from fanfs import catalog as cat
-
     image = tmp_path / "img"
     subprocess.run(["cp", "-a", str(fio_image), str(image)], check=True)
-    c, _ = cat.Catalog.load(image)
-    victim = c.resolve(b"seq.0.1")
-    assert victim is not None
-    part = image / cat.partition_name(int(c.part[victim]))
-    data = bytearray(part.read_bytes())
-    data[int(c.data_off[victim]) + 100_000] ^= 0x01
-    part.write_bytes(bytes(data))
+    flip_stored_byte(image, b"seq.0.1", at=100_000, mask=0x01)
     with mounted(image, tmp_path / "mnt", tmp_path / "local") as m:
         done = fio(m.mountpoint, "seq", "--verify_only", "--readonly", read=True)
         assert done.returncode != 0, done.stdout

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from catalogs import flip_stored_byte
 from conftest import FANFS, Mount, fanfs, mounted, prepare, wait_until
 
 from fanfs import catalog as cat
@@ -225,13 +226,7 @@ def test_mountpoint_already_mounted(small_image: Path, tmp_path: Path) -> None:
 def test_corrupt_byte_gives_eio_for_that_file_only(small_src: Path, tmp_path: Path) -> None:
     for codec in ("none", "zstd"):
         image = prepare(small_src, tmp_path / f"img-{codec}", "--compress", codec)
-        c, _ = cat.Catalog.load(image)
-        victim = c.resolve(b"c1/f5.bin")
-        assert victim is not None
-        part = image / cat.partition_name(int(c.part[victim]))
-        data = bytearray(part.read_bytes())
-        data[int(c.data_off[victim]) + int(c.stored_len[victim]) // 2] ^= 0xFF
-        part.write_bytes(bytes(data))
+        c, victim = flip_stored_byte(image, b"c1/f5.bin")
 
         verify = fanfs("verify", image)
         assert verify.returncode == ExitCode.FAILED
@@ -415,13 +410,7 @@ def test_failures_are_heard_while_reads_never_stop(small_src: Path, tmp_path: Pa
     trio hears on a pipe, must still get through at once: the corrupt file is counted bad
     while the reads go on."""
     image = prepare(small_src, tmp_path / "img", "--compress", "none", "--partitions", "4")
-    c, _ = cat.Catalog.load(image)
-    victim = c.resolve(b"c1/f5.bin")
-    assert victim is not None
-    part = image / cat.partition_name(int(c.part[victim]))
-    data = bytearray(part.read_bytes())
-    data[int(c.data_off[victim]) + 10] ^= 0xFF
-    part.write_bytes(bytes(data))
+    flip_stored_byte(image, b"c1/f5.bin", at=10)
     with mounted(image, tmp_path / "mnt", tmp_path / "local") as m:
 
         def bad_files() -> int:
