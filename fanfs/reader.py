@@ -92,7 +92,6 @@ class Reader:
         self.native_jobs = 0
         # Read-ahead of frames in the native pool (the daemon sets it): whether it was queued.
         self.native_ahead: Callable[[NativeJob], bool] | None = None
-        self.frames_ahead = 0
         self._next_frame: OrderedDict[int, int] = OrderedDict()  # entry -> frame read next
 
     async def read(self, entry: int, offset: int, size: int) -> bytes | memoryview | NativeJob:
@@ -216,9 +215,7 @@ class Reader:
         ahead = range(last + 1, min(len(table), last + 1 + FRAMES_AHEAD))
         if sequential and ahead and self.native_ahead is not None:
             for i in ahead:  # one job each, so that idle threads take them in parallel
-                piece = self._frame_piece(entry, table, i)
-                if self.native_ahead(native.job(fd, entry, 0, 0, [piece])):
-                    self.frames_ahead += 1
+                self.native_ahead(native.job(fd, entry, 0, 0, [self._frame_piece(entry, table, i)]))
         return native.job(fd, entry, offset - first * fs, size, pieces)
 
     def _frame_piece(self, entry: int, table: codec.FrameTable, i: int) -> tuple[int, ...]:

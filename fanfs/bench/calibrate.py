@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from fanfs import codec, datagen, projection
-from fanfs.bench import drop_caches, make_dataset, read_all, serving
+from fanfs.bench import _read_files, drop_caches, make_dataset, read_all, serving
 from fanfs.bench import epoch as global_epoch
 from fanfs.bench.launch import check
 from fanfs.catalog import Catalog
@@ -209,7 +209,7 @@ def _both_per_file(groups: list[list[str]]) -> float:
         for _ in range(REPEAT):
             for paths in groups:
                 _evict(paths)
-            got = global_epoch.read_groups(groups, n, "raw", _read_files())
+            got = global_epoch.read_groups(groups, n, "raw", _read_files)
             walls.append(max(w for w, _, _ in got))
         best = min(best, statistics.median(walls) / sum(len(g) for g in groups))
     return best
@@ -255,7 +255,7 @@ def validate(
                     groups = global_epoch.epoch_paths(d.mnts, rels, split)
                     drop_caches()
                     got = global_epoch.read_groups(groups, VALIDATE_READERS, "raw",
-                                                   _read_files())  # fmt: skip
+                                                   _read_files)  # fmt: skip
                     walls.append(statistics.mean(w for w, _, _ in got))
                 measured = statistics.median(walls)
                 files = len(split[0]) * n
@@ -273,9 +273,3 @@ def validate(
                 rows.append(row)
     shutil.rmtree(workdir, ignore_errors=True)
     return rows
-
-
-def _read_files() -> Any:
-    from fanfs.bench import _read_files as read_files
-
-    return read_files
