@@ -11,6 +11,13 @@ Each resource registers its cleanup on an exit stack the moment it exists, so wh
 the daemon (`fanfs umount`/SIGTERM, SIGINT, an external unmount, an error) the mount goes away
 first, then the daemon keeps serving peers until they have unmounted too (`--linger`), then the
 staged copies are deleted.
+
+Signals (SIGTERM, SIGINT, SIGHUP) mean "stop", whenever they come, and are handled for the
+daemon's whole life, never by Python's defaults (which would kill it without cleaning up):
+during start-up one is noted and the next start-up collective fails every rank together
+(exit 130); while serving, read-ahead stops, then the FUSE session ends (exit 0); while it
+lingers after the unmount, it stops waiting for peers; while cleaning up, it is noted and
+the cleanup goes on.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import trio
 
 from fanfs import fuse_ops, logs, mounts, placement
 from fanfs.catalog import Catalog
-from fanfs.errors import ExitCode, FanfsError, MountFailed, MountpointError
+from fanfs.errors import ExitCode, FanfsError, Interrupted, MountFailed, MountpointError
 from fanfs.fuse_ops import NATIVE_POOL, PATCHED, FanfsOperations
 from fanfs.native import NativePool
 from fanfs.planner import Planner, default_budget
@@ -46,6 +53,7 @@ READ_AHEAD_KB = 1024
 # The session loop's poll after a request (tools/pyfuse3_patch, README "Second, third"): long
 # enough to cover a reader copying a 2 MiB file out of the page cache between two opens.
 SPIN_US = 500
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +149,9 @@ class Daemon:
         self.plan_socket = ""
         self.mountpoint = Path(cfg.mountpoint)
         self._mounted = False
+        self.phase = "starting"  # starting, serving, lingering, closing
+        self.stop_signal = 0  # the first stop signal received
+        self._linger_scope = trio.CancelScope()
         self.native = NativePool(
             fuse_ops.native_pool_start,
             fuse_ops.native_pool_stop,
@@ -221,7 +232,11 @@ class Daemon:
         return catalog
 
     def _agree(self, error: FanfsError | None) -> None:
-        """Raise if this rank or any other failed a start-up step (a start-up collective)."""
+        """Raise if this rank or any other failed a start-up step (a start-up collective), or
+        was asked to stop meanwhile: all ranks fail together, none waits for another."""
+        if error is None and self.stop_signal:
+            error = Interrupted(f"stopped by {signal.Signals(self.stop_signal).name} "
+                                "before serving")  # fmt: skip
         if self.world is None:
             if error is not None:
                 raise error
@@ -235,12 +250,29 @@ class Daemon:
             if verdict is not None:
                 raise _error(verdict[0], f"rank {rank} failed to start: {verdict[1]}")
 
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        """Outside trio (start-up, clean-up): note the first stop signal, never raise."""
+        if not self.stop_signal:
+            self.stop_signal = signum
+            log.info("%s: stopping", signal.Signals(signum).name)
+
     def run(self) -> None:
         cfg = self.cfg
-        self._start_world()
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+        try:
+            self._start_world()
+            self._run_in_world()
+        finally:
+            self.phase = "closing"
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        log.debug("daemon for %s done", cfg.mountpoint)
+
+    def _run_in_world(self) -> None:
         try:
             self._run()
         finally:
+            self.phase = "closing"
             if self.world is not None:
                 if self.transport is not None and self.transport.dead:
                     # A dead peer can make MPI_Finalize wait forever: leave without it.
@@ -249,7 +281,6 @@ class Daemon:
                     )
                 else:
                     self.world.finalize()
-        log.debug("daemon for %s done", cfg.mountpoint)
 
     def _run(self) -> None:
         cfg = self.cfg
@@ -318,9 +349,9 @@ class Daemon:
     async def _serve(self) -> None:
         assert self.store is not None
         async with trio.open_nursery() as nursery:
+            await nursery.start(self._watch_signals)
             if self.transport is not None:
                 await nursery.start(self.transport.run)
-            nursery.start_soon(self._watch_signals)
             nursery.start_soon(self._tune_readahead_after_init)
             if self.native.running:
                 nursery.start_soon(self.native.errors)
@@ -329,15 +360,25 @@ class Daemon:
                 self.plan_socket = str(await nursery.start(self.planner.serve))
             self.store.start_staging()
             self.serving = True
+            if self.phase == "starting":
+                self.phase = "serving"
             log.info("serving %s at %s (%s)", self.cfg.image, self.mountpoint,
                      "no_open" if PATCHED else "keep_cache opens")  # fmt: skip
             await fuse_ops.serve()
             self.serving = False
+            await self._stop_reading_ahead()  # before the session goes (pushers use it)
+            self.phase = "lingering"
             self._unmount()
             if self.transport is not None:
-                await self.transport.linger(self.cfg.linger)
+                with self._linger_scope:
+                    await self.transport.linger(self.cfg.linger)
                 self.transport.stop()
+            self.phase = "closing"
             nursery.cancel_scope.cancel()
+
+    async def _stop_reading_ahead(self) -> None:
+        if self.planner is not None:
+            await self.planner.stop()
 
     async def _tune_readahead_after_init(self) -> None:
         # The kernel sets the mount's readahead from FUSE INIT, which fuse_ops.serve answers
@@ -345,9 +386,24 @@ class Daemon:
         await trio.sleep(1.0)
         _tune_readahead(self.mountpoint)
 
-    async def _watch_signals(self) -> None:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+    async def _watch_signals(self, *, task_status: trio.TaskStatus[None]) -> None:
+        with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
+            task_status.started()
+            if self.stop_signal:  # it came before trio took over the signals
+                await self._stop()
             async for signum in signals:
-                log.info("%s: shutting down", signal.Signals(signum).name)
-                fuse_ops.terminate()
-                return
+                if not self.stop_signal:
+                    self.stop_signal = signum
+                    log.info("%s: shutting down", signal.Signals(signum).name)
+                await self._stop()
+
+    async def _stop(self) -> None:
+        """A stop signal, inside trio: end the FUSE session (read-ahead first, while READs
+        are still answered), or, once unmounted, stop lingering for peers."""
+        if self.phase in ("starting", "serving"):
+            self.phase = "stopping"
+            await self._stop_reading_ahead()
+            fuse_ops.terminate()
+        elif self.phase == "lingering":
+            log.info("not waiting for peers any longer")
+            self._linger_scope.cancel()

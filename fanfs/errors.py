@@ -20,7 +20,7 @@ class ExitCode(enum.IntEnum):
     MOUNTPOINT = 5  # mount point missing, not a directory, not empty, mounted or not; bad --local
     TIMEOUT = 6  # `wait` or `umount` gave up after --timeout
     MOUNT = 7  # the mount itself failed (FUSE unavailable, daemon died at start)
-    INTERRUPTED = 130  # SIGINT during prepare
+    INTERRUPTED = 130  # SIGINT during prepare; a stop signal before a mount served
 
 
 class FanfsError(Exception):
@@ -73,6 +73,12 @@ class WaitTimeout(FanfsError):
 
 class MountFailed(FanfsError):
     exit_code = ExitCode.MOUNT
+
+
+class Interrupted(FanfsError):
+    """A stop signal came before the command had done its work (it cleaned up first)."""
+
+    exit_code = ExitCode.INTERRUPTED
 
 
 class CorruptFile(Exception):

@@ -235,9 +235,19 @@ class FanfsOperations(pyfuse3.Operations):
 MOUNT_OPTIONS = {"fsname=fanfs", "subtype=fanfs", "ro", "default_permissions", "nosuid", "nodev"}
 
 
+# pyfuse3 keeps one session in a module global and frees it in `close`; `terminate` and
+# `notify_store` after that dereference a NULL session (a segfault, not an exception). So the
+# session's state is kept here, and every call that needs the session asks it first. Changed
+# only by the daemon's trio thread (mount, unmount); read by pusher threads, for which a
+# stale True is harmless: the daemon stops them before it unmounts.
+_session_open = False
+
+
 def mount(ops: FanfsOperations, mountpoint: str) -> None:
     """Mount `ops` at `mountpoint` (RuntimeError if the kernel refuses)."""
+    global _session_open
     pyfuse3.init(ops, mountpoint, set(pyfuse3.default_options) | MOUNT_OPTIONS)
+    _session_open = True
 
 
 async def serve() -> None:
@@ -246,16 +256,25 @@ async def serve() -> None:
 
 
 def terminate() -> None:
-    pyfuse3.terminate()
+    """Make `serve` return (at once if it has not started); nothing once unmounted."""
+    if _session_open:
+        pyfuse3.terminate()
 
 
 def unmount() -> None:
-    pyfuse3.close(unmount=True)
+    """Unmount and free the session (idempotent)."""
+    global _session_open
+    if _session_open:
+        _session_open = False
+        pyfuse3.close(unmount=True)
 
 
 def push_to_kernel(entry: int, data: bytes) -> bool:
     """Store a whole file's bytes in the kernel's page cache (planned epochs); False when the
-    kernel does not know the file's inode (never looked up, or forgotten) or refuses."""
+    kernel does not know the file's inode (never looked up, or forgotten) or refuses, and
+    once the session is closed."""
+    if not _session_open:
+        return False
     try:
         pyfuse3.notify_store(entry + ROOT, 0, data)
         return True

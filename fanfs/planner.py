@@ -76,6 +76,7 @@ SLACK = 256  # positions behind the job's before held bytes count as dropped unr
 REQUEST_TIMEOUT_S = 120.0  # a client that stops sending mid-plan is dropped
 PATH_MAX = 4096  # bytes of a path (Linux's limit)
 PLAN_FILE_LIMIT = 1 << 30  # stored bytes of a file the planner reads ahead (larger: not)
+STOP_TIMEOUT_S = 30.0  # a pusher thread ends its store within this (it waits for a READ at most)
 
 
 def default_budget() -> int:
@@ -138,6 +139,9 @@ class Planner:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._count = threading.Lock()  # counters shared with the pusher threads
         self._token: trio.lowlevel.TrioToken | None = None
+        self._scope = trio.CancelScope()
+        self._finished = trio.Event()
+        self._threads: list[threading.Thread] = []
         self.planned = 0
         self.missing = 0
         self.prefetched = 0
@@ -204,38 +208,62 @@ class Planner:
     # -- reading ahead ----------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Read ahead of every share until cancelled."""
+        """Read ahead of every share until cancelled or stopped."""
         self._token = trio.lowlevel.current_trio_token()
         threads = [threading.Thread(target=self._pusher, name=f"fanfs-plan-{i}", daemon=True)
                    for i in range(PUSH_THREADS)]  # fmt: skip
+        self._threads = threads
         for t in threads:
             t.start()
         try:
-            async with trio.open_nursery() as nursery:
-                while True:
-                    self._wake = trio.Event()  # before looking: a progress meanwhile counts
-                    started = False
-                    for share, s in list(self._shares.items()):
-                        per_share = self.budget // max(1, self._active())
-                        while s.next < len(s.order) and s.ahead_bytes() < per_share:
-                            pos = s.next
-                            s.next += 1
-                            if pos < s.position or not self._wanted(s, pos):
-                                continue
-                            started = True
-                            entry = int(s.order[pos])
-                            where = self._plain(entry)
-                            if where is not None:
-                                self.reader.advise(where[0], where[1], where[2])
-                                self._jobs.put((share, s, pos, entry, *where))
-                                continue
-                            await self._slots.acquire()
-                            nursery.start_soon(self._fetch_one, share, s, pos)
-                    if not started:
-                        await self._wake.wait()
+            with self._scope:
+                await self._read_ahead()
         finally:
             for _ in threads:
                 self._jobs.put(None)
+            self._finished.set()
+
+    async def stop(self) -> None:
+        """Stop reading ahead and wait until no pusher thread stores into the page cache any
+        more: the daemon calls it before it ends the FUSE session, while READs are still
+        answered (a store may wait for the reply to a READ of the same file)."""
+        self._scope.cancel()
+        if self._token is None:
+            return  # never ran
+        await self._finished.wait()
+
+        def join() -> None:
+            for t in self._threads:
+                t.join(STOP_TIMEOUT_S)
+                if t.is_alive():
+                    log.warning("read-ahead thread %s did not stop in %.0f s", t.name,
+                                STOP_TIMEOUT_S)  # fmt: skip
+
+        await trio.to_thread.run_sync(join)
+
+    async def _read_ahead(self) -> None:
+        async with trio.open_nursery() as nursery:
+            while True:
+                self._wake = trio.Event()  # before looking: a progress meanwhile counts
+                started = False
+                for share, s in list(self._shares.items()):
+                    per_share = self.budget // max(1, self._active())
+                    while s.next < len(s.order) and s.ahead_bytes() < per_share:
+                        pos = s.next
+                        s.next += 1
+                        if pos < s.position or not self._wanted(s, pos):
+                            continue
+                        started = True
+                        entry = int(s.order[pos])
+                        where = self._plain(entry)
+                        if where is not None:
+                            self.reader.advise(where[0], where[1], where[2])
+                            self._jobs.put((share, s, pos, entry, *where))
+                            continue
+                        await self._slots.acquire()
+                        nursery.start_soon(self._fetch_one, share, s, pos)
+                if not started:
+                    await self._wake.wait()
 
     def _plain(self, entry: int) -> tuple[int, int, int, int] | None:
         """(partition, start, stored length, codec) of a whole file that a pusher thread

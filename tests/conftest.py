@@ -48,6 +48,7 @@ TIERS = {
     "test_compression": "mount",
     "test_unprivileged": "mount",
     "test_plan": "mount",
+    "test_signals": "mount",
     "test_mpi": "mpi",
     "test_slurm": "slurm",
     "test_clients": "clients",

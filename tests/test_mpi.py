@@ -396,3 +396,31 @@ def test_unmounting_one_node_keeps_serving_the_others(
             _clean_after(m)
             assert first.wait(30) == 0
         assert "routing around" not in m.log.read_text()
+
+
+def test_a_signal_while_lingering_stops_the_wait(tree: Path, image: Path, tmp_path: Path) -> None:
+    """A rank whose mount went away (unmounted from outside) lingers for its peers; a SIGTERM
+    then ends the wait: it cleans up its staging at once (it used to segfault there, leaving
+    it) and, once its peers are done, the job exits 0."""
+    with mpi_mounted(image, tmp_path, 2, "--peer-timeout", "2") as m:
+        pid = m.status(0)["pid"]
+        subprocess.run(["fusermount3", "-u", "-z", str(m.mnts[0])], check=True, timeout=10)
+        assert wait_gone(m.mnts[0])
+        time.sleep(0.5)  # lingering now: rank 1 is still mounted
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        while m.locals[0].exists() and any(m.locals[0].iterdir()):
+            assert time.monotonic() < deadline, "rank 0 kept its staging directory"
+            time.sleep(0.1)
+        _epoch(tree, m.mnts[1], 1)  # rank 1 still reads everything (from the image if need be)
+        _clean_after(m)
+        assert "Segmentation" not in m.log.read_text()
+
+
+def wait_gone(mountpoint: Path, timeout: float = 20) -> bool:
+    deadline = time.monotonic() + timeout
+    while mounts.find(mountpoint):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
