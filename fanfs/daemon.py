@@ -38,10 +38,12 @@ from fanfs.catalog import Catalog
 from fanfs.errors import ExitCode, FanfsError, Interrupted, MountFailed, MountpointError
 from fanfs.fuse_ops import NATIVE_POOL, PATCHED, FanfsOperations
 from fanfs.native import NativePool
-from fanfs.planner import Planner, default_budget
-from fanfs.reader import Reader
+from fanfs.planner import ReadAhead
+from fanfs.plans import Plans, default_budget
+from fanfs.plansocket import PlanServer
+from fanfs.reader import WHOLE_FILE_LIMIT, Reader
 from fanfs.staging import default_parent
-from fanfs.status import NO_PLAN, CatalogStatus, Status
+from fanfs.status import NO_PLAN, CatalogStatus, PlanStatus, Status
 from fanfs.store import PartitionStore, check_partitions
 from fanfs.transport import PeerTransport
 
@@ -145,7 +147,9 @@ class Daemon:
         self.catalog: Catalog | None = None
         self.store: PartitionStore | None = None
         self.reader: Reader | None = None
-        self.planner: Planner | None = None
+        self.plans: Plans | None = None
+        self.read_ahead: ReadAhead | None = None
+        self.plan_server: PlanServer | None = None
         self.plan_socket = ""
         self.mountpoint = Path(cfg.mountpoint)
         self._mounted = False
@@ -190,9 +194,15 @@ class Daemon:
             store=self.store.statistics(),
             reader=self.reader.statistics(),
             peers=self.transport.statistics() if self.transport is not None else None,
-            plan=self.planner.statistics() if self.planner is not None else NO_PLAN,
+            plan=self._plan_status(),
             plan_socket=self.plan_socket,
         )
+
+    def _plan_status(self) -> PlanStatus:
+        if self.plans is None or self.read_ahead is None:
+            return NO_PLAN
+        r = self.read_ahead
+        return self.plans.statistics(r.prefetched, r.pushed, r.prefetched_bytes, r.failed)
 
     # -- start-up --------------------------------------------------------------------------
 
@@ -305,12 +315,16 @@ class Daemon:
                 from fanfs.transport.mpi import MpiTransport
 
                 self.transport = MpiTransport(self.world, cfg.peer_timeout)
-            self.reader = Reader(catalog, store, cfg.cache_bytes, owners, self.transport)
+            budget = cfg.prefetch_bytes if cfg.prefetch_bytes is not None else default_budget()
+            self.plans = Plans(catalog, budget)
+            self.reader = Reader(catalog, store, cfg.cache_bytes, owners, self.transport,
+                                 self.plans)  # fmt: skip
             if self.transport is not None:
                 self.transport.serve_fn = self.reader.serve
                 self.transport.direct = self.reader
-            budget = cfg.prefetch_bytes if cfg.prefetch_bytes is not None else default_budget()
-            self.planner = Planner(catalog, self.reader, budget, fuse_ops.push_to_kernel)
+            self.read_ahead = ReadAhead(catalog, self.plans, self.reader.sources,
+                                        fuse_ops.push_to_kernel, self.reader.cached)  # fmt: skip
+            self.plan_server = PlanServer(catalog, self.plans, WHOLE_FILE_LIMIT)
             ops = FanfsOperations(catalog, self.reader, lambda: self.status().to_json())
             error = None
             try:
@@ -355,9 +369,9 @@ class Daemon:
             nursery.start_soon(self._tune_readahead_after_init)
             if self.native.running:
                 nursery.start_soon(self.native.errors)
-            if self.planner is not None:
-                nursery.start_soon(self.planner.run)
-                self.plan_socket = str(await nursery.start(self.planner.serve))
+            if self.read_ahead is not None and self.plan_server is not None:
+                nursery.start_soon(self.read_ahead.run)
+                self.plan_socket = str(await nursery.start(self.plan_server.serve))
             self.store.start_staging()
             self.serving = True
             if self.phase == "starting":
@@ -377,8 +391,8 @@ class Daemon:
             nursery.cancel_scope.cancel()
 
     async def _stop_reading_ahead(self) -> None:
-        if self.planner is not None:
-            await self.planner.stop()
+        if self.read_ahead is not None:
+            await self.read_ahead.stop()
 
     async def _tune_readahead_after_init(self) -> None:
         # The kernel sets the mount's readahead from FUSE INIT, which fuse_ops.serve answers

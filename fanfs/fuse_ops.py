@@ -269,14 +269,14 @@ def unmount() -> None:
         pyfuse3.close(unmount=True)
 
 
-def push_to_kernel(entry: int, data: bytes) -> bool:
-    """Store a whole file's bytes in the kernel's page cache (planned epochs); False when the
-    kernel does not know the file's inode (never looked up, or forgotten) or refuses, and
-    once the session is closed."""
+def push_to_kernel(entry: int, offset: int, data: bytes) -> bool:
+    """Store bytes of a file at `offset` in the kernel's page cache (planned epochs); False
+    when the kernel does not know the file's inode (never looked up, or forgotten) or
+    refuses, and once the session is closed."""
     if not _session_open:
         return False
     try:
-        pyfuse3.notify_store(entry + ROOT, 0, data)
+        pyfuse3.notify_store(entry + ROOT, offset, data)
         return True
     except OSError:
         return False

@@ -3,10 +3,12 @@
     import fanfs.plan
     fanfs.plan.publish("/mnt/data", paths_in_epoch_order, share=rank_on_node)
 
-`paths` are absolute paths under the mount or paths relative to it, in the order the job will
-read them. `publish` returns once the daemon has taken the plan (a new plan for a share
-replaces that share's previous one; it stays in force after this process exits), and the
-daemon starts reading ahead at once (fanfs/planner.py). Several processes on one node (training
+`paths` are in the order the job will read them: absolute paths under the mount, or relative
+ones, which mean what `open()` makes of them: relative to the working directory when that is
+inside the mount (a job that runs in its dataset's directory), else relative to the mount.
+`publish` returns once the daemon has taken the plan (a new plan for a share replaces that
+share's previous one; it stays in force after this process exits), and the daemon starts
+reading ahead at once (fanfs/planner.py). Several processes on one node (training
 ranks) each publish their own share. `progress` tells the daemon how far a share's job has
 read, which lets it read further ahead when the job's reads do not reach it (files already in
 the page cache); `fanfs.torch.PlannedSampler` does both for PyTorch.
@@ -24,7 +26,7 @@ import json
 import os
 import socket
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,12 +46,44 @@ class PlanRefused(FanfsError):
 class Taken:
     planned: int  # files the plan names, in order
     missing: int  # paths that name no file under the mount
+    first_missing: str | None = None  # one of them, relative to the mount
+
+
+def relative(root: str, paths: Iterable[str | os.PathLike[str]],
+             base: str | None = None) -> Iterator[bytes]:  # fmt: skip
+    """Each path relative to the mount at `root` (canonical), `..` and `.` resolved: absolute
+    ones under `root`, relative ones under `base`, by default the working directory when it
+    is inside the mount, else the mount itself. PlanRefused for a path outside the mount."""
+    top = os.fsencode(root)
+    prefix = top.rstrip(b"/") + b"/"
+    if base is None:
+        cwd = os.fsencode(os.getcwd())
+        base = os.fsdecode(cwd if cwd == top or cwd.startswith(prefix) else top)
+    start = os.fsencode(mounts.canonical(base))
+    resolved: dict[bytes, bytes] = {}  # directories outside `root` through symlinks
+    for p in paths:
+        raw = os.fsencode(p)
+        if b"\0" in raw:
+            raise PlanRefused(f"{raw!r}: a path cannot hold a NUL byte")
+        full = os.path.normpath(raw if raw.startswith(b"/") else start + b"/" + raw)
+        if full != top and not full.startswith(prefix):
+            head, tail = os.path.split(full)
+            if head not in resolved:
+                resolved[head] = os.fsencode(mounts.canonical(os.fsdecode(head)))
+            full = os.path.join(resolved[head], tail)
+        if full == top:
+            yield b""
+        elif full.startswith(prefix):
+            yield full[len(prefix) :]
+        else:
+            raise PlanRefused(f"{os.fsdecode(raw)}: not under the mount {root}")
 
 
 def publish(mountpoint: str | os.PathLike[str], paths: Iterable[str | os.PathLike[str]],
-            share: int = 0) -> Taken:  # fmt: skip
+            share: int = 0, relative_to: str | os.PathLike[str] | None = None
+            ) -> Taken:  # fmt: skip
     """Hand the daemon behind `mountpoint` the order in which `share` will read `paths`."""
-    return Channel(mountpoint).publish(paths, share)
+    return Channel(mountpoint).publish(paths, share, relative_to)
 
 
 def progress(mountpoint: str | os.PathLike[str], position: int, share: int = 0) -> None:
@@ -61,28 +95,25 @@ class Channel:
     """The way to one mount's daemon, found once (`publish` and `progress` for many calls)."""
 
     def __init__(self, mountpoint: str | os.PathLike[str]):
-        self.root = Path(mountpoint).absolute()
-        self.socket = socket_path(self.root)
+        self.root = mounts.canonical(os.fspath(mountpoint))
+        self.socket = socket_path(Path(self.root))
 
-    def publish(self, paths: Iterable[str | os.PathLike[str]], share: int = 0) -> Taken:
-        prefix = os.fsencode(self.root) + b"/"
+    def publish(self, paths: Iterable[str | os.PathLike[str]], share: int = 0,
+                relative_to: str | os.PathLike[str] | None = None) -> Taken:  # fmt: skip
+        """Hand the daemon `share`'s order (`relative`: how paths are read; `relative_to`
+        overrides where relative ones start)."""
+        base = None if relative_to is None else os.fspath(relative_to)
         body = bytearray()
         n = 0
-        for p in paths:
-            raw = os.fsencode(p)
-            if raw.startswith(b"/"):
-                if not raw.startswith(prefix):
-                    raise PlanRefused(f"{os.fsdecode(raw)}: not under {self.root}")
-                raw = raw[len(prefix) :]
-            if b"\0" in raw:
-                raise PlanRefused(f"{raw!r}: a path cannot hold a NUL byte")
+        for raw in relative(self.root, paths, base):
             body += raw + b"\0"
             n += 1
         reply = self._request(f"FANFS-PLAN 1 order {int(share)} {n}\n".encode() + bytes(body))
         planned, missing = reply.get("planned"), reply.get("missing")
         if not isinstance(planned, int) or not isinstance(missing, int):
             raise FanfsError(f"{self.root}: the daemon answered {reply!r}")
-        return Taken(planned, missing)
+        first = reply.get("first_missing")
+        return Taken(planned, missing, first if isinstance(first, str) else None)
 
     def progress(self, position: int, share: int = 0) -> None:
         self._request(f"FANFS-PLAN 1 at {int(share)} {int(position)}\n".encode())
@@ -97,15 +128,18 @@ class Channel:
                 uid = struct.unpack("3i", creds)[1]
                 if uid not in (os.geteuid(), 0):
                     raise FanfsError(f"{self.root}: the plan socket belongs to uid {uid}")
-                s.sendall(message)
-                s.shutdown(socket.SHUT_WR)
+                try:
+                    s.sendall(message)
+                    s.shutdown(socket.SHUT_WR)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the daemon refused before reading it all: its answer says why
                 reply = b""
                 while chunk := s.recv(65536):
                     reply += chunk
         except OSError as e:
             raise FanfsError(f"{self.root}: cannot reach the daemon's plan socket: {e}") from None
         try:
-            got: dict[str, object] = json.loads(reply)
+            got: dict[str, object] = json.loads(reply.split(b"\n", 1)[0])
         except ValueError:
             raise FanfsError(f"{self.root}: the daemon answered {reply[:200]!r}") from None
         if "error" in got:
@@ -124,26 +158,23 @@ class Placement:
 
 def placement(mountpoint: str | os.PathLike[str],
               paths: Iterable[str | os.PathLike[str]]) -> Placement:  # fmt: skip
-    """Which daemons hold each of `paths` (absolute under the mount or relative to it). The
-    same pure function the daemons place partitions with (fanfs/placement.py), computed from
-    the image's catalog: no daemon is asked, so every training rank gets the same answer."""
+    """Which daemons hold each of `paths` (read as `publish` reads them). The same pure
+    function the daemons place partitions with (fanfs/placement.py), computed from the
+    image's catalog: no daemon is asked, so every training rank gets the same answer."""
     from fanfs.catalog import Catalog
+    from fanfs.paths import resolve_many
     from fanfs.placement import place
 
-    root = Path(mountpoint).absolute()
-    status = _status(root)
+    root = mounts.canonical(os.fspath(mountpoint))
+    status = _status(Path(root))
     catalog, _ = Catalog.load(Path(str(status["image"])))
     owners = place(catalog.part_size, catalog.part_flags, int(status["size"]),
                    int(status.get("replicas", 1)))  # fmt: skip
-    prefix = os.fsencode(root) + b"/"
+    entries = resolve_many(catalog, list(relative(root, paths)))
     holders: list[tuple[int, ...]] = []
-    for p in paths:
-        raw = os.fsencode(p)
-        if raw.startswith(b"/"):
-            raw = raw[len(prefix) :] if raw.startswith(prefix) else b"\0"
-        entry = catalog.resolve(raw) if b"\0" not in raw else None
-        ok = entry is not None and bool(catalog.is_file[entry])
-        holders.append(owners[int(catalog.part[entry])] if ok and entry is not None else ())
+    for entry in entries.tolist():
+        ok = entry >= 0 and bool(catalog.is_file[entry])
+        holders.append(owners[int(catalog.part[entry])] if ok else ())
     return Placement(int(status["size"]), int(status["rank"]), holders)
 
 

@@ -48,6 +48,7 @@ from fanfs.checksum import crc32
 from fanfs.errors import CorruptFile
 from fanfs.lookahead import SIZE_LIMIT, LookAhead
 from fanfs.native import NativeJob
+from fanfs.plans import Plans
 from fanfs.sources import NOWAIT_LIMIT, Sources
 from fanfs.status import ReaderStatus
 from fanfs.store import PartitionStore
@@ -69,8 +70,12 @@ class Reader:
         cache_bytes: int,
         owners: Sequence[tuple[int, ...]] | None = None,
         transport: PeerTransport | None = None,
+        plans: Plans | None = None,
     ):
+        """`plans`: planned epochs' state, told of every READ and LOOKUP (the job's position)
+        and holding bytes read ahead until their READ."""
         self.catalog = catalog
+        self.plans = plans
         self.sources = Sources(catalog, store, owners, transport)
         # Decoded whole files (key: entry) and frames of framed files (key: (entry, frame)).
         self._cache = ByteLRU(cache_bytes)
@@ -79,12 +84,6 @@ class Reader:
         self._verified: set[int] = set()
         self._bad: set[int] = set()
         self._ahead = LookAhead()
-        # Planned epochs (fanfs/planner.py): whole files read ahead, waiting for their READ,
-        # and the planner's hook told of every LOOKUP (hit None) and READ (hit or not).
-        self.held: dict[int, bytes] = {}
-        self.held_bytes = 0
-        self.held_hits = 0
-        self.on_access: Callable[[int, bool | None], None] | None = None
         self.bytes_served = 0
         self.reads = 0
         self.native = False  # the daemon sets it once pyfuse3's native read pool runs
@@ -101,15 +100,10 @@ class Reader:
         self.reads += 1
         if entry in self._bad:
             raise CorruptFile(self._describe(entry))
-        held = self.held.get(entry)
-        if self.on_access is not None:
-            self.on_access(entry, held is not None)
-        if held is not None:
-            self.held_hits += 1
-            if offset + size >= len(held):  # the rest of the file: the kernel keeps it now
-                del self.held[entry]
-                self.held_bytes -= len(held)
-            return memoryview(held)[offset : offset + size]
+        if self.plans is not None:
+            held = self.plans.read(entry, offset, size)  # read ahead, waiting for this READ
+            if held is not None:
+                return held
         try:
             return await self._read(entry, offset, size)
         except CorruptFile:
@@ -176,6 +170,7 @@ class Reader:
                     if crc32(cached) != crc:
                         self._mark_bad(entry, CorruptFile("checksum mismatch"))
                         raise CorruptFile(self._describe(entry))
+                    store.count_read(part)
                     self.sources.record(began, length)
                     return memoryview(cached)
         elif codec_id in (cat.CODEC_ZSTD, cat.CODEC_ZSTD_DICT):
@@ -185,7 +180,7 @@ class Reader:
         else:
             kind = native.KIND_FILTERED
         self.native_jobs += 1
-        self.sources.bytes_fetched += stored_len
+        self.sources.native(part, stored_len)
         piece = (start, stored_len, crc, kind, length, 0 if whole else 1)
         return native.job(store.fd(part), entry, offset, size, [piece])
 
@@ -201,9 +196,10 @@ class Reader:
             return None
         if any((entry, i) in self._cache for i in range(first, last + 1)):
             return None
-        fd = self.sources.store.fd(int(self.catalog.part[entry]))
+        part = int(self.catalog.part[entry])
+        fd = self.sources.store.fd(part)
         pieces = [self._frame_piece(entry, table, i) for i in range(first, last + 1)]
-        self.sources.bytes_fetched += sum(piece[1] for piece in pieces)
+        self.sources.native(part, sum(piece[1] for piece in pieces))
         self.native_jobs += 1
         # Reading on from where the last request of this file ended (or from its start): the
         # pool's other threads decode the next frames meanwhile, into its frame cache.
@@ -230,8 +226,8 @@ class Reader:
         """The kernel looked `entry` up: a small file held by a peer starts its whole-file
         fetch now, while reads keep following lookups (fanfs/lookahead.py)."""
         c = self.catalog
-        if self.on_access is not None:
-            self.on_access(entry, None)
+        if self.plans is not None and self.plans.shares:
+            self.plans.accessed(entry, None)
         if self.sources.transport is None or not c.is_file[entry] or self.sources.mine(entry):
             return
         if int(c.codec[entry]) == cat.CODEC_FRAMED or int(c.stored_len[entry]) > SIZE_LIMIT:
@@ -252,25 +248,9 @@ class Reader:
         """Whether this daemon holds `entry`'s partition."""
         return self.sources.mine(entry)
 
-    def has(self, entry: int) -> bool:
-        """Whether `entry`'s decoded bytes are held or cached here (not the kernel's cache)."""
-        return entry in self.held or entry in self._cache
-
-    async def whole(self, entry: int) -> bytes:
-        """`entry`'s whole decoded bytes, checked, not kept (for the planner); CorruptFile as
-        `read`. Large raw files are not read whole: the planner does not ask for them."""
-        if entry in self._bad:
-            raise CorruptFile(self._describe(entry))
-        size = int(self.catalog.size[entry])
-        if int(self.catalog.codec[entry]) == cat.CODEC_FRAMED:
-            return bytes(await self._framed(entry, 0, size)) if size else b""
-        return await self._whole(entry, keep=False)
-
-    def hold(self, entry: int, data: bytes) -> None:
-        """Keep `entry`'s bytes read ahead until its READ (or the planner drops them)."""
-        if entry not in self.held:
-            self.held[entry] = data
-            self.held_bytes += len(data)
+    def cached(self, entry: int) -> bool:
+        """Whether `entry`'s decoded bytes are in this daemon's cache (not the kernel's)."""
+        return entry in self._cache
 
     def native_failed(self, entry: int, err: int) -> None:
         """The native pool answered EIO for `entry`: refuse it from now on, log it once."""
@@ -408,11 +388,6 @@ class Reader:
     def pread(self, part: int, offset: int, length: int) -> bytes:
         return self.sources.store.pread(part, offset, length)
 
-    def advise(self, part: int, offset: int, length: int) -> None:
-        """Ask the kernel to start reading these bytes of the store now (never waits)."""
-        with contextlib.suppress(OSError):
-            os.posix_fadvise(self.sources.store.fd(part), offset, length, os.POSIX_FADV_WILLNEED)
-
     async def _verify_large(self, entry: int) -> None:
         async def produce() -> bool:
             began = time.perf_counter()
@@ -438,7 +413,7 @@ class Reader:
         src = self.sources
         return ReaderStatus(
             reads=self.reads,
-            local_fetches=src.latency.count,
+            local_fetches=src.latency.count + src.native_reads,
             cache_hits=self._cache.hits,
             bytes_fetched=src.bytes_fetched,
             bytes_served=self.bytes_served,

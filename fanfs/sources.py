@@ -11,13 +11,21 @@ Local reads never block the event loop on the disk: preadv2(RWF_NOWAIT) answers 
 cache inline or fails at once, and only reads that would wait go to a worker thread (a hand-off
 costs 60 to 140 us, more than copying a small file from the page cache).
 
-Concurrency: the trio thread only; blocking reads run in worker threads under one limiter.
+`stored_blocking` is the same choice for threads of the daemon's own (the read-ahead engine's):
+it blocks, asking peers through the transport's blocking fetch where it has one, else through
+the event loop.
+
+Concurrency: `stored` and the other async methods run in the trio thread, their blocking reads
+in worker threads under one limiter; `stored_blocking` in any other thread. Counters shared by
+both sides change under a lock.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -60,9 +68,11 @@ class Sources:
             self._mine = np.array([self.rank in o for o in self.owners], dtype=bool)
         self._limiter = trio.CapacityLimiter(WORKER_THREADS)
         self.latency = Latencies()  # of local fetches
+        self._count = threading.Lock()
         self.bytes_fetched = 0
         self.fallbacks = 0
         self.bad_payloads = 0
+        self.native_reads = 0  # local fetches the native pool did (not in `latency`)
 
     def mine(self, entry: int) -> bool:
         """Whether this daemon holds `entry`'s partition."""
@@ -86,13 +96,71 @@ class Sources:
             got = await self.remote(entry, offset, length, crc)
             if got is not None:
                 return got, crc is not None
-            self.fallbacks += 1  # no peer could: read the image (shared storage)
+            self._fell_back()  # no peer could: read the image (shared storage)
         if before_local is not None:
             await before_local()
         began = time.perf_counter()
         data = await self.local(entry, offset, length)
         self.record(began, length)
         return data, False
+
+    def stored_blocking(self, entry: int, offset: int, length: int, crc: int | None,
+                        token: trio.lowlevel.TrioToken) -> tuple[bytes, bool]:  # fmt: skip
+        """`stored` for a thread of the daemon's own (never the event loop's): peers through
+        the transport's blocking fetch when it has one, else through the event loop (`token`)."""
+        if not self.mine(entry):
+            if self.transport is not None and self.transport.blocking_fetch:
+                got = self._remote_blocking(entry, offset, length, crc)
+            else:
+                got = trio.from_thread.run(self.remote, entry, offset, length, crc,
+                                           trio_token=token)  # fmt: skip
+            if got is not None:
+                return got, crc is not None
+            self._fell_back()
+        part = int(self.catalog.part[entry])
+        start = int(self.catalog.data_off[entry]) + offset
+        began = time.perf_counter()
+        data = self.store.pread(part, start, length)
+        self.record(began, length)
+        return data, False
+
+    def _remote_blocking(self, entry: int, offset: int, length: int,
+                         crc: int | None) -> bytes | None:  # fmt: skip
+        assert self.transport is not None
+        for peer in self.peers(entry):
+            try:
+                stored = self.transport.fetch_blocking(peer, entry, offset, length)
+            except PeerTimeout:
+                continue
+            if stored is not None and self._good(entry, peer, stored, crc):
+                return stored
+        return None
+
+    def advise(self, entry: int) -> None:
+        """Ask the kernel to start reading a file this daemon holds (never waits for it)."""
+        if self.mine(entry):
+            part = int(self.catalog.part[entry])
+            with contextlib.suppress(OSError):
+                os.posix_fadvise(
+                    self.store.fd(part),
+                    int(self.catalog.data_off[entry]),
+                    int(self.catalog.stored_len[entry]),
+                    os.POSIX_FADV_WILLNEED,
+                )
+
+    def _fell_back(self) -> None:
+        with self._count:
+            self.fallbacks += 1
+
+    def _good(self, entry: int, peer: int, stored: bytes, crc: int | None) -> bool:
+        """Whether a peer's reply matches its CRC; a bad copy is counted and logged."""
+        if crc is None or crc32(stored) == crc:
+            return True
+        with self._count:
+            self.bad_payloads += 1
+        log.warning("bad payload for %s from rank %d, trying another source",
+                    os.fsdecode(b"/" + self.catalog.path(entry)), peer)  # fmt: skip
+        return False
 
     def peers(self, entry: int) -> list[int]:
         """Peers holding `entry`, live ones only, rotated per file to spread load over replicas."""
@@ -111,13 +179,8 @@ class Sources:
                 stored = await self.transport.fetch(peer, entry, offset, length)
             except PeerTimeout:
                 continue
-            if stored is None:
-                continue
-            if crc is None or crc32(stored) == crc:
+            if stored is not None and self._good(entry, peer, stored, crc):
                 return stored
-            self.bad_payloads += 1
-            log.warning("bad payload for %s from rank %d, trying another source",
-                        os.fsdecode(b"/" + self.catalog.path(entry)), peer)  # fmt: skip
         return None
 
     async def local(self, entry: int, offset: int, length: int) -> bytes:
@@ -140,5 +203,15 @@ class Sources:
             raise CorruptFile("checksum mismatch")
 
     def record(self, began: float, nbytes: int) -> None:
-        self.latency.record(time.perf_counter() - began)
-        self.bytes_fetched += nbytes
+        elapsed = time.perf_counter() - began
+        with self._count:
+            self.latency.record(elapsed)
+            self.bytes_fetched += nbytes
+
+    def native(self, part: int, nbytes: int) -> None:
+        """A read handed to the native pool (fanfs/native.py): counted as a local fetch (of
+        the image, if the partition is not staged yet), its time is the pool's."""
+        self.store.count_read(part)
+        with self._count:
+            self.native_reads += 1
+            self.bytes_fetched += nbytes

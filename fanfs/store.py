@@ -121,9 +121,13 @@ class PartitionStore:
             self.image_reads += 1
         return buf
 
-    def pread(self, part: int, offset: int, length: int) -> bytes:
+    def count_read(self, part: int) -> None:
+        """A read of `part` done elsewhere (the native pool): counted as the store's own."""
         if not self._staged_set[part]:
             self.image_reads += 1
+
+    def pread(self, part: int, offset: int, length: int) -> bytes:
+        self.count_read(part)
         return pread_exact(self.fd(part), length, offset, f"partition {part}")
 
     # -- staging ---------------------------------------------------------------------------

@@ -42,6 +42,7 @@ class PlannedSampler:
         self.share = int(getattr(sampler, "rank", 0)) if share is None else share
         self._channel: plan.Channel | None = None
         self._warned = False
+        self._warned_missing = False
 
     def __len__(self) -> int:
         return len(self.sampler)
@@ -52,11 +53,19 @@ class PlannedSampler:
 
     def __iter__(self) -> Iterator[int]:
         indices = [int(i) for i in self.sampler]
-        planned = self._call(lambda ch: ch.publish([self.paths[i] for i in indices], self.share))
+        planned = self._call(lambda ch: self._publish(ch, indices))
         for k, i in enumerate(indices):
             if planned and k and k % plan.PROGRESS_EVERY == 0:
                 planned = self._call(lambda ch, k=k: ch.progress(k, self.share))
             yield i
+
+    def _publish(self, channel: plan.Channel, indices: list[int]) -> None:
+        taken = channel.publish([self.paths[i] for i in indices], self.share)
+        if taken.missing and not self._warned_missing:
+            self._warned_missing = True
+            log.warning("fanfs: %d of %d planned paths name no file under %s (e.g. %r): they "
+                        "are read unplanned", taken.missing, len(indices), channel.root,
+                        taken.first_missing)  # fmt: skip
 
     def _call(self, fn: Any) -> bool:
         try:
@@ -83,15 +92,17 @@ class LocalitySampler:
     the job; the rest stay on their node), after "Why Globally Re-shuffle? Revisiting Data
     Shuffling in Large Scale Deep Learning" (IPDPS 2022).
 
-    Like `DistributedSampler`: `set_epoch`, every rank's length equal, every sample at least
-    once per epoch across the job (short ranks padded by repeating their own first samples),
-    deterministic for `seed` and the epoch, and no communication: every rank computes the whole
-    job's assignment from the image's catalog (`fanfs.plan.placement`). Training ranks map to
-    nodes by `node_of_rank` (default: through `torch.distributed` when it is initialized, else
-    ranks in blocks over the nodes, as Slurm
-    places them). The length is `ceil(len/N)`, or a little more when one node holds more than
-    its share (its ranks read all of it, so q = 0 reads nothing remote; the others pad); with
-    `drop_last` it is `floor(len/N)` and a node's surplus is read by others.
+    Like `DistributedSampler`: `set_epoch`, the same length on every rank, `ceil(len/N)`
+    (`floor(len/N)` with `drop_last`), so an epoch takes exactly as many steps as
+    DistributedSampler's; every sample at least once per epoch across the job (short ranks
+    padded by repeating their own first samples); deterministic for `seed` and the epoch; and
+    no communication: every rank computes the whole job's assignment from the image's catalog
+    (`fanfs.plan.placement`). Training ranks map to nodes by `node_of_rank` (default: through
+    `torch.distributed` when it is initialized, else ranks in blocks over the nodes, as Slurm
+    places them). fanfs balances nodes by bytes, so one node may hold a few more *files* than
+    its ranks read in an epoch: that surplus goes into the pool dealt out across the job (a
+    few remote reads even at q = 0), rather than making every rank's epoch longer.
+    Every path must name a file under the mount (ValueError otherwise).
     """
 
     def __init__(
@@ -106,6 +117,10 @@ class LocalitySampler:
         node_of_rank: Sequence[int] | None = None,
     ):
         where = plan.placement(mountpoint, paths)
+        lost = [i for i, h in enumerate(where.holders) if not h]
+        if lost:
+            raise ValueError(f"{len(lost)} of {len(paths)} paths name no file under "
+                             f"{mountpoint} (e.g. {os.fspath(paths[lost[0]])!r})")  # fmt: skip
         self._configure(where, q, num_replicas, rank, seed, drop_last, node_of_rank)
 
     @classmethod
@@ -156,16 +171,7 @@ class LocalitySampler:
         self._home = np.array([h[i % len(h)] if h else -1 for i, h in enumerate(self.holders)],
                               dtype=np.int64)  # fmt: skip
         n = len(self.holders)
-        if drop_last and n % num_replicas:
-            self.num_samples = n // num_replicas
-        else:
-            # Every node's ranks can read all the node holds, so that q = 0 reads nothing
-            # remote: a node holding more than its share makes every rank read a little more
-            # (repeats, as DistributedSampler pads); fanfs balances nodes to about a partition.
-            counts = np.bincount(self._home[self._home >= 0], minlength=self.nodes)
-            ranks = np.bincount(np.array(self.node_of_rank), minlength=self.nodes)
-            need = [-(-int(counts[k]) // int(ranks[k])) for k in range(self.nodes) if ranks[k]]
-            self.num_samples = max([-(-n // num_replicas), *need])
+        self.num_samples = n // num_replicas if drop_last else -(-n // num_replicas)
         self.total_size = self.num_samples * num_replicas
 
     def __len__(self) -> int:

@@ -37,6 +37,7 @@ TIERS = {
     "test_catalog": "unit",
     "test_layers": "unit",
     "test_projection": "unit",
+    "test_plans": "unit",
     "test_read_pieces": "adapter",
     "test_hostile": "adapter",
     "test_fuse_ops": "adapter",

@@ -69,9 +69,8 @@ def test_bench_python_client(tmp_path: Path) -> None:
 
 def test_bench_rejects_bad_options(tmp_path: Path) -> None:
     done = fanfs("bench", "--sizes", "lots", "--workdir", tmp_path)
-    assert (
-        done.returncode == ExitCode.USAGE and "fanfs: error: bench: bad option value" in done.stderr
-    )
+    assert done.returncode == ExitCode.USAGE
+    assert "fanfs: error: bench: argument --sizes: not a size: 'lots'" in done.stderr
 
 
 def test_folio_sizes_of_cached_files(tmp_path: Path) -> None:

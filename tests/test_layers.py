@@ -14,14 +14,16 @@ PACKAGE = Path(__file__).resolve().parents[1] / "fanfs"
 LAYERS = {
     "errors": 0, "progress": 0, "status": 0, "native": 0, "logs": 0, "checksum": 0,
     "latency": 1, "lookahead": 0, "catalog": 1, "placement": 1, "mounts": 1, "pagecache": 1,
-    "plan": 2, "torch": 3, "planner": 6,
+    "plan": 2, "torch": 3, "paths": 2, "plans": 3, "planner": 5, "plansocket": 4,
     "filters": 1, "codec": 2, "compare": 2, "datagen": 2, "staging": 2, "imagedir": 2,
     "transport.world": 2, "transport": 2, "transport.mpi": 3, "transport.inproc": 3,
     "store": 3, "image": 4, "cache": 2, "sources": 4, "reader": 5,
     "prepare.interrupt": 2, "prepare.source": 3, "prepare.dicts": 3, "prepare.pack": 3,
     "prepare.fanout": 4, "prepare.publish": 4, "prepare": 5,
     "fuse_ops": 6, "daemon": 7, "bench.launch": 7, "bench.epoch": 7, "bench": 8,
-    "bench.calibrate": 8, "cli": 9, "projection": 0,
+    "bench.calibrate": 8, "projection": 0,
+    "cli": 9, "cli.__main__": 10, "cli.options": 8, "cli.image": 9, "cli.mount": 9,
+    "cli.bench": 9, "cli.report": 8,
 }  # fmt: skip
 ONE_IMPORTER = {"mpi4py": "transport.world", "pyfuse3": "fuse_ops", "zstandard": "codec",
                 "isal": "checksum"}  # fmt: skip

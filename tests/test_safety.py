@@ -266,14 +266,20 @@ def test_killed_daemon_leaves_no_staged_data(src: Path, tmp: Path, tiny_disk: Pa
 # -- 8. umount and the epilog on other users' mounts -----------------------------------------
 
 
-def test_umount_reports_a_failed_lazy_unmount(src: Path, tmp: Path) -> None:
+def test_umount_of_another_users_mount_is_refused_by_name(src: Path, tmp: Path) -> None:
+    """Another user's mount, its daemon dead or alive: said so, and nothing is touched (it
+    used to be taken for a hung daemon: "not answering", and an attempt to abort it)."""
     image = prepare(src, tmp / "img")
     tmp.chmod(0o755)
     with mounted(image, tmp / "mnt", tmp / "local") as m:
+        for command in ("status", "umount"):
+            done = as_nobody(*FANFS, command, m.mountpoint)
+            assert_one_line_error(done, ExitCode.MOUNTPOINT, "another user's fanfs mount")
+        assert m.status()["serving"]
         m.proc.kill()
         m.proc.wait(10)
         done = as_nobody(*FANFS, "umount", m.mountpoint)  # not nobody's mount to remove
-        assert_one_line_error(done, ExitCode.MOUNTPOINT, "lazy unmount failed")
+        assert_one_line_error(done, ExitCode.MOUNTPOINT, "another user's fanfs mount")
         assert mounts.find(m.mountpoint) is not None
 
 

@@ -22,6 +22,7 @@ import json
 import shutil
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -114,7 +115,7 @@ def _prepare(src: Path, image: Path, compress: str) -> float:
 
 def run_kind(work: Path, kind: str, total: int, repeat: int) -> dict[str, object]:
     base = work / kind
-    shutil.rmtree(base, ignore_errors=True)
+    base.mkdir()  # in the run's own scratch directory
     src = base / "src"
     rels, zstd_bytes = generate(src, kind, total, seed=len(kind))
     nbytes = sum((src / r).stat().st_size for r in rels)
@@ -207,7 +208,8 @@ def format_table(rows: list[dict[str, object]]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workdir", default="/tmp/fanfs-compress-bench")
+    ap.add_argument("--workdir", default=tempfile.gettempdir(),
+                    help="where the run makes its own directory (default: $TMPDIR)")  # fmt: skip
     ap.add_argument("--mib", type=int, default=100, help="MiB of source data per kind")
     ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--repeat", type=int, default=3)
@@ -215,13 +217,12 @@ def main() -> int:
     args = ap.parse_args()
     if not bench.drop_caches():
         print("compress_bench: cannot drop caches (not root): reads are not cold", file=sys.stderr)
-    work = Path(args.workdir)
-    work.mkdir(parents=True, exist_ok=True)
     rows = []
-    for kind in args.kinds.split(","):
-        print(f"compress_bench: {kind}: {args.mib} MiB", flush=True)
-        rows.append(run_kind(work, kind, args.mib << 20, args.repeat))
-        print(format_table(rows[-1:]), flush=True)
+    with launch.scratch(args.workdir, "fanfs-compress-bench") as work:
+        for kind in args.kinds.split(","):
+            print(f"compress_bench: {kind}: {args.mib} MiB", flush=True)
+            rows.append(run_kind(work, kind, args.mib << 20, args.repeat))
+            print(format_table(rows[-1:]), flush=True)
     print(format_table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")

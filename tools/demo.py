@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import random
-import shutil
 import sys
 import tempfile
 import time
@@ -49,16 +48,21 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--files", type=int, default=2000)
     ap.add_argument("--compress", default="auto", help="auto (the default of prepare), zstd, none")
-    ap.add_argument("--workdir", type=Path, help="default: a new directory under $TMPDIR")
-    ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()),
+                    help="where the demo makes its own directory (default: $TMPDIR)")  # fmt: skip
+    ap.add_argument("--keep", action="store_true", help="keep the demo's directory")
     args = ap.parse_args()
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="fanfs-demo-"))
+    with launch.scratch(args.workdir, "fanfs-demo", keep=args.keep) as work:
+        return demo(work, args.files, args.compress, args.keep)
+
+
+def demo(work: Path, files: int, compress: str, keep: bool) -> int:
     src, image, mnt, local = work / "src", work / "image.fanfs", work / "mnt", work / "local"
     t0 = time.perf_counter()
-    print(f"demo: generating {args.files} files in {src}", flush=True)
-    nbytes = datagen.sample(src, n_files=args.files)
+    print(f"demo: generating {files} files in {src}", flush=True)
+    nbytes = datagen.sample(src, n_files=files)
     print(f"demo: {nbytes / 1e6:.0f} MB generated in {time.perf_counter() - t0:.1f} s")
-    print(fanfs("prepare", src, image, "--compress", args.compress, "--force").strip())
+    print(fanfs("prepare", src, image, "--compress", compress).strip())
     ok = left = False
     try:
         daemon = launch.Daemons(image, mnt, local, log=work / "daemon.log")
@@ -92,9 +96,7 @@ def main() -> int:
     finally:
         daemon.stop()
         left = mounts.find(mnt) is not None
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
-    print(f"demo: unmounted, {'kept' if args.keep else 'removed'} {work}; "
+    print(f"demo: unmounted, {'kept' if keep else 'removing'} {work}; "
           f"total {time.perf_counter() - t0:.0f} s")  # fmt: skip
     return 0 if ok and not left else 1
 

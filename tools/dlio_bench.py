@@ -20,10 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -125,8 +125,9 @@ def main() -> int:
                 for reader, folder in (("native", str(src)),
                                        ("fanfs", f"{work}/mnt-$OMPI_COMM_WORLD_RANK")):  # fmt: skip
                     drop_caches()
-                    out = work / "out" / f"{name}-{reader}-{i}"
-                    shutil.rmtree(out, ignore_errors=True)
+                    # A new directory per run: nothing already in DIR is ever removed.
+                    (work / "out").mkdir(exist_ok=True)
+                    out = Path(tempfile.mkdtemp(prefix=f"{name}-{reader}-{i}-", dir=work / "out"))
                     runs[reader].append(dlio(work, name, folder, out))
                     print(f"dlio_bench: {name} {reader} run {i}: {runs[reader][-1]}", flush=True)
         finally:

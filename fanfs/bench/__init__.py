@@ -37,7 +37,7 @@ import numpy as np
 
 from fanfs import pagecache
 from fanfs.bench import epoch as global_epoch
-from fanfs.bench.launch import Daemons, check, mounted
+from fanfs.bench.launch import Daemons, check, mounted, scratch
 from fanfs.catalog import Catalog
 from fanfs.placement import place
 
@@ -300,45 +300,69 @@ def run(
     extras: dict[Case, dict[str, Any]] = {}
     if "cold" in temps and not drop_caches():
         log(f"bench: {NOT_DROPPED[2:]}")
-    for size in sizes:
-        count = max(min_files, total_bytes // size)
-        base = workdir / size_label(size)
-        shutil.rmtree(base, ignore_errors=True)
-        base.mkdir(parents=True)
-        log(f"bench: {count} files of {size_label(size)}: generate, prepare, mount")
-        rels = make_dataset(base / "src", size, count, seed=size)
-        check("-q", "prepare", base / "src", base / "img", timeout=600)
-        plan = (readers, temps, repeat, log, client)
-        with serving(base / "img", base / "one", 1) as d:
-            results += _cases(size, "local", base / "src", d.mnts[0], rels, *plan)
-            if planned and "cold" in temps:
-                results += _cases(size, "planned", base / "src", d.mnts[0], rels, readers,
-                                  ["cold"], repeat, log, client)  # fmt: skip
-        if ranks > 1:
-            catalog, _ = Catalog.load(base / "img")
-            owners = place(catalog.part_size, catalog.part_flags, ranks)
-            entries = {r: catalog.resolve(r.encode()) for r in rels}
-            remote = [r for r, e in entries.items()
-                      if e is not None and 0 not in owners[int(catalog.part[e])]]  # fmt: skip
-            with serving(base / "img", base / "many", ranks) as d:
-                results += _cases(size, "remote", base / "src", d.mnts[0], remote, *plan)
-                if epoch == "global":
-                    part_of = [int(catalog.part[entries[r]]) for r in rels]
-                    got, more = _epoch_cases(size, base / "src", d, rels, part_of, owners, *plan)
-                    results += got
-                    extras.update(more)
-                    if planned and "cold" in temps:
-                        got, more = _epoch_cases(size, base / "src", d, rels, part_of, owners,
-                                                 readers, ["cold"], repeat, log, client,
-                                                 planned=True)  # fmt: skip
-                        results += got
-                        extras.update(more)
-        shutil.rmtree(base, ignore_errors=True)
+    with scratch(workdir, "fanfs-bench") as work:
+        for size in sizes:
+            got, more = _size_cases(work / size_label(size), size, total_bytes, min_files,
+                                    readers, repeat, ranks, temps, log, client, epoch,
+                                    planned)  # fmt: skip
+            results += got
+            extras.update(more)
     rows = summarize(results)
     for row in rows:
         row.update(extras.get(Case(row["size"], row["readers"], row["temp"], row["where"],
                                    row["client"]), {}))  # fmt: skip
     return rows
+
+
+def _size_cases(
+    base: Path,
+    size: int,
+    total_bytes: int,
+    min_files: int,
+    readers: Sequence[int],
+    repeat: int,
+    ranks: int,
+    temps: Sequence[str],
+    log: Any,
+    client: str,
+    epoch: str,
+    planned: bool,
+) -> tuple[list[Result], dict[Case, dict[str, Any]]]:
+    """Every case at one file size, in `base` (a new directory of the run's scratch)."""
+    results: list[Result] = []
+    extras: dict[Case, dict[str, Any]] = {}
+    count = max(min_files, total_bytes // size)
+    base.mkdir()
+    log(f"bench: {count} files of {size_label(size)}: generate, prepare, mount")
+    rels = make_dataset(base / "src", size, count, seed=size)
+    check("-q", "prepare", base / "src", base / "img", timeout=600)
+    plan = (readers, temps, repeat, log, client)
+    with serving(base / "img", base / "one", 1) as d:
+        results += _cases(size, "local", base / "src", d.mnts[0], rels, *plan)
+        if planned and "cold" in temps:
+            results += _cases(size, "planned", base / "src", d.mnts[0], rels, readers,
+                              ["cold"], repeat, log, client)  # fmt: skip
+    if ranks > 1:
+        catalog, _ = Catalog.load(base / "img")
+        owners = place(catalog.part_size, catalog.part_flags, ranks)
+        entries = {r: catalog.resolve(r.encode()) for r in rels}
+        remote = [r for r, e in entries.items()
+                  if e is not None and 0 not in owners[int(catalog.part[e])]]  # fmt: skip
+        with serving(base / "img", base / "many", ranks) as d:
+            results += _cases(size, "remote", base / "src", d.mnts[0], remote, *plan)
+            if epoch == "global":
+                part_of = [int(catalog.part[entries[r]]) for r in rels]
+                got, more = _epoch_cases(size, base / "src", d, rels, part_of, owners, *plan)
+                results += got
+                extras.update(more)
+                if planned and "cold" in temps:
+                    got, more = _epoch_cases(size, base / "src", d, rels, part_of, owners,
+                                             readers, ["cold"], repeat, log, client,
+                                             planned=True)  # fmt: skip
+                    results += got
+                    extras.update(more)
+    shutil.rmtree(base, ignore_errors=True)  # made here, inside the run's own scratch
+    return results, extras
 
 
 @contextlib.contextmanager

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -34,7 +33,7 @@ import numpy as np
 from fanfs import codec, datagen, projection
 from fanfs.bench import _read_files, drop_caches, make_dataset, read_all, serving
 from fanfs.bench import epoch as global_epoch
-from fanfs.bench.launch import check
+from fanfs.bench.launch import check, scratch
 from fanfs.catalog import Catalog
 from fanfs.placement import place
 
@@ -123,8 +122,14 @@ def _request_s(mountpoint: Path, rel: str) -> float:
         os.close(fd)
 
 
-def calibrate(workdir: Path, log: Callable[[str], None] = print) -> projection.Calibration:
-    shutil.rmtree(workdir, ignore_errors=True)
+def calibrate(parent: Path, log: Callable[[str], None] = print) -> projection.Calibration:
+    """Measure this node's costs, in a new directory of its own under `parent`."""
+    with scratch(parent, "fanfs-calibrate") as workdir:
+        got, cores = _measure(workdir, log)
+    return _calibration(got, cores)
+
+
+def _measure(workdir: Path, log: Callable[[str], None]) -> tuple[dict[str, float], int]:
     src = workdir / "src"
     sets = {size: make_dataset(src / str(size), size, count, seed=size)
             for size, count in ((SMALL, SMALL_FILES), (LARGE, LARGE_FILES))}  # fmt: skip
@@ -169,9 +174,13 @@ def calibrate(workdir: Path, log: Callable[[str], None] = print) -> projection.C
         request = _request_s(d.mnts[0], rels[SMALL][0])
     drop_caches()
     wall, nbytes, _ = read_all([str(src / r) for r in rels[LARGE]], 4)
-    disk = nbytes / wall
-    shutil.rmtree(workdir, ignore_errors=True)
+    got["disk"] = nbytes / wall
+    got["request"] = request
+    got["stage"] = stage
+    return got, cores
 
+
+def _calibration(got: dict[str, float], cores: int) -> projection.Calibration:
     def fit(key: str) -> tuple[float, float]:
         return _fit(got[f"{key}{SMALL}"], got[f"{key}{LARGE}"])
 
@@ -194,9 +203,9 @@ def calibrate(workdir: Path, log: Callable[[str], None] = print) -> projection.C
         warm_s=fit("warm")[0],
         warm_s_per_byte=fit("warm")[1],
         decode_s_per_byte=_decode_s_per_byte(),
-        disk_bytes_per_s=disk,
-        stage_bytes_per_s=stage,
-        request_s=request,
+        disk_bytes_per_s=got["disk"],
+        stage_bytes_per_s=got["stage"],
+        request_s=got["request"],
     )
 
 
@@ -230,13 +239,24 @@ def _local_split(part_of: Sequence[int], owners: Any, world: int, seed: int) -> 
 
 def validate(
     cal: projection.Calibration,
-    workdir: Path,
+    parent: Path,
     ranks: Sequence[int] = (1, 2, 4),
     repeat: int = 3,
     log: Callable[[str], None] = print,
 ) -> list[dict[str, Any]]:
-    """Measured and projected cold epochs at each daemon count, global and local shuffle."""
-    shutil.rmtree(workdir, ignore_errors=True)
+    """Measured and projected cold epochs at each daemon count, global and local shuffle, in a
+    new directory of its own under `parent`."""
+    with scratch(parent, "fanfs-validate") as workdir:
+        return _validate(cal, workdir, ranks, repeat, log)
+
+
+def _validate(
+    cal: projection.Calibration,
+    workdir: Path,
+    ranks: Sequence[int],
+    repeat: int,
+    log: Callable[[str], None],
+) -> list[dict[str, Any]]:
     src = workdir / "src"
     rels = make_dataset(src, VALIDATE_SIZE, VALIDATE_FILES, seed=7)
     check("-q", "prepare", src, workdir / "img", "--compress", "none", "--partitions", "32",
@@ -271,5 +291,4 @@ def validate(
                 log(f"validate: {n} daemons, {mode}: measured {measured:.2f} s, projected "
                     f"{projected:.2f} s ({bound}), error {row['error']:+.0%}")  # fmt: skip
                 rows.append(row)
-    shutil.rmtree(workdir, ignore_errors=True)
     return rows

@@ -5,6 +5,8 @@ stops them, shared by `fanfs bench`, the demo (tools/demo.py) and the tests.
 `fanfs mount`, or N under mpirun, waits until every mount serves, and on `stop` escalates until
 nothing is left: `fanfs umount` on every node at once, then SIGTERM, SIGKILL, and a lazy
 unmount of anything still mounted. Every step has a timeout: nothing here waits forever.
+`scratch` is where a run's generated data lives: a new directory of its own under the
+`--workdir` the user names, the only thing it ever removes.
 """
 
 from __future__ import annotations
@@ -12,17 +14,22 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
+import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from fanfs import mounts
-from fanfs.errors import FanfsError
+from fanfs.errors import FanfsError, UsageError
+
+log = logging.getLogger(__name__)
 
 # The installed command next to this interpreter, else the same code run as a module.
 _SCRIPT = Path(sys.executable).with_name("fanfs")
@@ -136,3 +143,31 @@ def mounted(*args: Any, **kwargs: Any) -> Iterator[Daemons]:
         yield d
     finally:
         d.stop()
+
+
+@contextlib.contextmanager
+def scratch(parent: str | os.PathLike[str], name: str, keep: bool = False) -> Iterator[Path]:
+    """A new, private directory `parent/NAME-XXXXXXXX` for one run's files, removed with all
+    it holds when the block ends (unless `keep`). `parent` is created if missing (and removed
+    again if it is empty then); nothing that was in it is touched, whatever its name: a
+    user's `--workdir` may hold their data. A directory with a mount still under it is left
+    in place with a warning (removing through a mount would delete what it shows)."""
+    parent = Path(os.path.abspath(parent))
+    made = not parent.exists()
+    try:
+        parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=parent))
+    except OSError as e:
+        raise UsageError(f"{parent}: cannot make a working directory there: {e.strerror}") from None
+    try:
+        yield path
+    finally:
+        if keep:
+            log.info("kept %s", path)
+        elif mounts.under(path):
+            log.warning("left %s in place: %s is still mounted", path, mounts.under(path)[0])
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+            if made:
+                with contextlib.suppress(OSError):
+                    parent.rmdir()

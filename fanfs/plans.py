@@ -1,0 +1,377 @@
+"""Planned epochs' state, in one owner: every share's order, the job's position in it, how far
+ahead the daemon has read, the budget, and the bytes read ahead that wait for their READ.
+
+A *share* is one training rank's plan on this node (fanfs/planner.py reads ahead of it,
+fanfs/plansocket.py takes it from the job). What this module decides:
+
+- **Where the job is.** The job's position moves with the READs and LOOKUPs of planned files
+  that reach the daemon and with progress messages. A file may appear several times in a plan
+  (samplers pad ranks by repeating samples, sampling with replacement repeats them) and in
+  several shares (ranks of one node share padding): an access is matched to its first
+  occurrence at or after the share's *window* behind the reads, so a repeat later in the plan
+  never moves the position there early; among several shares the one whose reads are nearest
+  takes it. Reads arrive out of order and behind what progress messages say (a DataLoader's
+  workers read what the sampler drew `workers x prefetch_factor x batch_size` samples ago):
+  the window is the largest such lag seen, doubled, at least MIN_WINDOW, and carries over to
+  the share's next plan.
+- **How far ahead.** The budget (`--prefetch-mb`) counts *decoded* bytes, the memory they take
+  in the page cache or here: each share reads ahead while its bytes from its position to its
+  read-ahead position stay within its part of the budget (the budget over the shares still
+  reading). A file is read ahead once per plan, at its first occurrence; a framed file only
+  up to PARTIAL_SHARE of the budget (its first frames), the job's READs fetch the rest.
+- **Bytes held.** Bytes the kernel could not take (it did not know the file's inode yet) wait
+  here until their READ, within the budget; those the job's READs passed by more than the
+  window are dropped and counted as dropped unread (progress messages alone drop nothing:
+  what was drawn may not have been read yet).
+
+Building a share's order (sorting a million entries) is `ShareOrder.build`, a pure function
+for a worker thread; installing it is O(size) numpy on the event loop.
+
+Concurrency: `Plans` runs in the trio thread only (no awaits inside: every method is atomic
+with respect to other tasks). `ShareOrder.build` and `read_ahead_bytes` are pure.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import trio
+
+from fanfs import catalog as cat
+from fanfs.status import PlanStatus
+
+MIN_WINDOW = 256  # positions behind the job's position that still count as in flight
+MAX_SHARES = 1024
+# A framed file is read ahead up to this share of the budget (its first frames): one huge
+# file must not take the whole budget, and the job's own READs fetch the rest in order.
+PARTIAL_SHARE = 8
+
+
+def default_budget() -> int:
+    """A tenth of the memory available now, between 64 MiB and 4 GiB."""
+    avail = 1 << 30
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return max(64 << 20, min(4 << 30, avail // 10))
+
+
+def read_ahead_bytes(catalog: cat.Catalog, entries: np.ndarray, budget: int,
+                     whole_limit: int) -> np.ndarray:  # fmt: skip
+    """Decoded bytes the planner reads ahead for each of `entries`: a whole file's size (raw
+    ones up to `whole_limit`, which are checked whole), a framed file's first frames up to
+    budget / PARTIAL_SHARE (at least one frame); 0 for what it does not read ahead
+    (directories, empty files, large raw files)."""
+    size = catalog.size[entries].astype(np.int64)
+    codec = catalog.codec[entries]
+    files = catalog.is_file[entries] & (size > 0)
+    raw_large = (codec == cat.CODEC_RAW) & (size > whole_limit)
+    framed = codec == cat.CODEC_FRAMED
+    partial = max(catalog.frame_size or 1, budget // PARTIAL_SHARE)
+    cost = np.where(framed, np.minimum(size, partial), size)
+    cost[~files | raw_large] = 0
+    return np.asarray(cost, dtype=np.int64)
+
+
+@dataclass
+class ShareOrder:
+    """One plan, indexed: what `Plans` needs to follow a job through it."""
+
+    order: np.ndarray  # entries in the job's order (int64)
+    cost: np.ndarray  # decoded bytes read ahead at each position (0 at repeats)
+    ends: np.ndarray  # ends[i] = cost[: i + 1].sum()
+    by_entry: np.ndarray  # positions sorted by entry, stable (so each entry's ascending)
+    sorted_entries: np.ndarray  # order[by_entry]
+    unique: np.ndarray  # distinct entries
+
+    @classmethod
+    def build(cls, order: np.ndarray, cost: np.ndarray) -> ShareOrder:
+        order = np.ascontiguousarray(order, dtype=np.int64)
+        by_entry = np.argsort(order, kind="stable")
+        sorted_entries = order[by_entry]
+        starts = np.flatnonzero(np.r_[True, sorted_entries[1:] != sorted_entries[:-1]]
+                                if len(order) else [])  # fmt: skip
+        first = np.zeros(len(order), dtype=bool)
+        first[by_entry[starts]] = True  # each entry's first position: the only one read ahead
+        cost = np.where(first, cost, 0).astype(np.int64)
+        return cls(order, cost, np.cumsum(cost), by_entry, sorted_entries,
+                   sorted_entries[starts])  # fmt: skip
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def upto(self, i: int) -> int:
+        """Bytes read ahead for positions [0, i)."""
+        return int(self.ends[i - 1]) if i > 0 else 0
+
+    def occurrence(self, entry: int, at_least: int) -> int | None:
+        """The first position of `entry` at or after `at_least`, or None."""
+        lo = int(np.searchsorted(self.sorted_entries, entry, "left"))
+        hi = int(np.searchsorted(self.sorted_entries, entry, "right"))
+        if lo == hi:
+            return None
+        positions = self.by_entry[lo:hi]
+        k = int(np.searchsorted(positions, at_least, "left"))
+        return int(positions[k]) if k < len(positions) else None
+
+
+@dataclass
+class Share:
+    plan: ShareOrder
+    position: int = 0  # the job has drawn or read plan positions [0, position)
+    read_at: int = 0  # ... and READ or LOOKUP reached the daemon from [0, read_at)
+    next: int = 0  # the next position to read ahead
+    lag: int = 0  # the largest distance behind `position` a READ or LOOKUP has come from
+    held: dict[int, int] = field(default_factory=dict)  # position -> entry whose bytes wait
+    held_order: list[int] = field(default_factory=list)  # a heap of held positions
+    held_bytes: int = 0
+
+    @property
+    def window(self) -> int:
+        return max(MIN_WINDOW, 2 * self.lag)
+
+    @property
+    def floor(self) -> int:
+        """Positions before this are behind the job: not read ahead any more."""
+        return max(0, self.position - self.window)
+
+    @property
+    def read_floor(self) -> int:
+        """Bytes held for positions before this were passed by the job's reads: dropped.
+        (Held bytes are files whose READ must reach the daemon, so READs tell.)"""
+        return max(0, self.read_at - self.window)
+
+    def ahead_bytes(self) -> int:
+        """Decoded bytes read ahead beyond the job's position (what the budget bounds)."""
+        return self.plan.upto(self.next) - self.plan.upto(min(self.position, self.next))
+
+
+@dataclass
+class Held:
+    data: bytes
+    share: int
+    position: int
+
+
+class Plans:
+    def __init__(self, catalog: cat.Catalog, budget: int):
+        self.catalog = catalog
+        self.budget = budget
+        self.shares: dict[int, Share] = {}
+        n = catalog.n_entries
+        self._share_of = np.full(n, -1, dtype=np.int32)  # the latest share naming each entry
+        self._naming = np.zeros(n, dtype=np.uint16)  # how many shares name it
+        self._held: dict[int, Held] = {}  # entry -> bytes read ahead, waiting for its READ
+        self.held_bytes = 0
+        self.planned = 0
+        self.missing = 0
+        self.hits = 0
+        self.misses = 0
+        self.dropped_unread_bytes = 0
+        self.refused = 0
+        self._changed = trio.Event()  # set when a plan or a position moves
+
+    async def changed(self) -> None:
+        """Return once a plan was installed or a position moved since the last call."""
+        await self._changed.wait()
+        self._changed = trio.Event()
+
+    # -- plans and progress ------------------------------------------------------------------
+
+    def install(self, share: int, plan: ShareOrder) -> None:
+        """Replace `share`'s plan (a new epoch); the job's lag carries over."""
+        old = self.shares.pop(share, None)
+        lag = 0
+        if old is not None:
+            lag = old.lag
+            self._drop(share, old, len(old.plan) + 1)
+            self._naming[old.plan.unique] -= 1
+        self.shares[share] = Share(plan, lag=lag)
+        self._share_of[plan.unique] = share
+        self._naming[plan.unique] += 1
+        self.planned += len(plan)
+        self._rebalance()
+        self._changed.set()
+
+    def _rebalance(self) -> None:
+        """Shares that read ahead past their part of the budget while fewer shares had plans
+        (ranks publish a few milliseconds apart) give back the held bytes furthest ahead, to
+        be read again in turn: otherwise the first plan keeps the whole budget and every
+        other rank's first reads miss."""
+        per_share = self.budget // max(1, self.active())
+        for s in self.shares.values():
+            ahead = sorted((p for p in s.held if p >= s.position), reverse=True)
+            used = self._outstanding(s)
+            for pos in ahead:
+                if used <= per_share:
+                    break
+                held = self._release(s.held[pos])
+                if held is not None:
+                    used -= len(held.data)
+                    s.next = min(s.next, pos)
+
+    def progress(self, share: int, position: int) -> None:
+        """The job of `share` has read (or drawn) its plan up to `position`."""
+        s = self.shares.get(share)
+        if s is not None and position > s.position:
+            s.position = min(position, len(s.plan))
+            self._changed.set()
+
+    def accessed(self, entry: int, hit: bool | None) -> None:
+        """A LOOKUP (`hit` None) or a READ of `entry` reached the daemon, answered from bytes
+        read ahead (`hit`) or not: the job is there in its plan."""
+        naming = int(self._naming[entry])
+        if naming == 0:
+            return
+        candidates = [int(self._share_of[entry])] if naming == 1 else list(self.shares)
+        best: tuple[int, int, int] | None = None  # (distance ahead, share, position)
+        for share in candidates:
+            s = self.shares.get(share)
+            if s is None:
+                continue
+            pos = s.plan.occurrence(entry, s.read_floor)
+            if pos is not None and (best is None or max(0, pos - s.read_at) < best[0]):
+                best = (max(0, pos - s.read_at), share, pos)
+        if best is None:
+            return
+        _, share, pos = best
+        s = self.shares[share]
+        self.misses += hit is False
+        if pos < s.position:
+            s.lag = max(s.lag, s.position - pos)
+        if pos >= s.read_at:
+            s.read_at = pos + 1
+            self._drop(share, s, s.read_floor)
+        self.progress(share, pos + 1)
+
+    # -- what to read ahead ------------------------------------------------------------------
+
+    def active(self) -> int:
+        """Shares whose job has not read its whole plan (they split the budget)."""
+        return sum(1 for s in self.shares.values() if s.position < len(s.plan))
+
+    def due(self, limit: int) -> list[tuple[int, Share, int, int, int]]:
+        """Up to `limit` positions to read ahead now, within the budget: (share, its Share,
+        position, entry, decoded bytes). Each is taken (`next` moves past it). A share takes
+        what fits in its part of the budget (at least one file at a time); the bytes held
+        for all shares never pass the budget."""
+        out: list[tuple[int, Share, int, int, int]] = []
+        per_share = self.budget // max(1, self.active())
+        free = self.budget - self.held_bytes
+        for share, s in list(self.shares.items()):
+            s.next = max(s.next, s.floor)
+            used = self._outstanding(s)
+            while len(out) < limit and s.next < len(s.plan):
+                cost = int(s.plan.cost[s.next])
+                if (used and used + cost > per_share) or (self.held_bytes and cost > free):
+                    break
+                if cost:
+                    out.append((share, s, s.next, int(s.plan.order[s.next]), cost))
+                    used += cost
+                    free -= cost
+                s.next += 1
+        return out
+
+    def _outstanding(self, s: Share) -> int:
+        """Decoded bytes read ahead for `s` that its job has not read: those beyond its
+        position, and those held for positions it drew but has not read yet."""
+        behind = sum(len(self._held[e].data) for p, e in s.held.items() if p < s.position)
+        return s.ahead_bytes() + behind
+
+    def current(self, share: int, s: Share, pos: int) -> bool:
+        """Whether a read-ahead of `pos` is still wanted (its plan not replaced, the job not
+        past it). Safe from any thread: two reads of plain attributes, a stale answer only
+        costs one read-ahead."""
+        return self.shares.get(share) is s and pos >= s.floor
+
+    # -- bytes held until their READ --------------------------------------------------------
+
+    def hold(self, share: int, s: Share, pos: int, entry: int, data: bytes) -> bool:
+        """Keep a whole file's bytes until its READ, within the budget and the share's part
+        of it. Read-aheads finish out of order: when the share is full, bytes held for
+        positions further ahead give way to these (they are read again in turn); when nothing
+        further ahead is held, False, and this position is read ahead again once there is
+        room."""
+        if not self.current(share, s, pos) or entry in self._held:
+            return False
+        per_share = self.budget // max(1, self.active())
+
+        def full() -> bool:
+            return bool((self.held_bytes and self.held_bytes + len(data) > self.budget) or
+                        (s.held_bytes and s.held_bytes + len(data) > per_share))  # fmt: skip
+
+        while full():
+            further = max((p for p in s.held if p > pos), default=None)
+            if further is None:
+                s.next = min(s.next, pos)
+                return False
+            self._release(s.held[further])
+            s.next = min(s.next, further)
+        self._held[entry] = Held(data, share, pos)
+        s.held[pos] = entry
+        s.held_bytes += len(data)
+        heapq.heappush(s.held_order, pos)
+        self.held_bytes += len(data)
+        return True
+
+    def has(self, entry: int) -> bool:
+        return entry in self._held
+
+    def read(self, entry: int, offset: int, size: int) -> memoryview | None:
+        """A READ of `entry` reached the daemon: the bytes held for it, or None. Either way
+        the job is there in its plan. The held bytes go once the READ reaches their end
+        (the kernel keeps the file from then on)."""
+        held = self._held.get(entry)
+        if self.shares:
+            self.accessed(entry, held is not None)
+        if held is None:
+            return None
+        self.hits += 1
+        if offset + size >= len(held.data):
+            self._release(entry)
+        return memoryview(held.data)[offset : offset + size]
+
+    def _release(self, entry: int) -> Held | None:
+        held = self._held.pop(entry, None)
+        if held is not None:
+            self.held_bytes -= len(held.data)
+            self._changed.set()  # room in the budget again
+            s = self.shares.get(held.share)
+            if s is not None and s.held.pop(held.position, None) is not None:
+                s.held_bytes -= len(held.data)
+        return held
+
+    def _drop(self, share: int, s: Share, before: int) -> None:
+        """Drop what is held for positions before `before`, oldest first (positions whose
+        bytes their READ took are skipped as they come up)."""
+        while s.held_order and s.held_order[0] < before:
+            entry = s.held.get(heapq.heappop(s.held_order))
+            held = self._release(entry) if entry is not None else None
+            if held is not None:
+                self.dropped_unread_bytes += len(held.data)
+
+    def statistics(self, prefetched: int, pushed: int, prefetched_bytes: int, failed: int
+                   ) -> PlanStatus:  # fmt: skip
+        shares = list(self.shares.values())
+        return PlanStatus(
+            shares=len(shares),
+            planned=self.planned,
+            missing=self.missing,
+            position=sum(s.position for s in shares),
+            prefetched=prefetched,
+            pushed_to_kernel=pushed,
+            prefetched_bytes=prefetched_bytes,
+            held_bytes=self.held_bytes,
+            hits=self.hits,
+            misses=self.misses,
+            dropped_unread_bytes=self.dropped_unread_bytes,
+            failed=failed,
+            refused=self.refused,
+            budget_bytes=self.budget,
+        )
