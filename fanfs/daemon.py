@@ -81,7 +81,13 @@ def expand(template: str, rank: int, node: str) -> str:
     return template.replace("{rank}", str(rank)).replace("{node}", node)
 
 
-def check_mountpoint(mountpoint: Path, nonempty: bool = False) -> None:
+def check_mountpoint(mountpoint: Path, nonempty: bool = False, image: Path | None = None) -> None:
+    if image is not None:
+        img = image.resolve()
+        if mountpoint == img or mountpoint in img.parents:
+            raise MountpointError(f"{mountpoint}: mounting there would hide the image {image}")
+        if img in mountpoint.parents:
+            raise MountpointError(f"{mountpoint}: the mount point is inside the image {image}")
     if mounts.find(mountpoint) is not None:
         raise MountpointError(f"{mountpoint}: already mounted")
     if not mountpoint.exists():
@@ -304,7 +310,7 @@ class Daemon:
         with contextlib.ExitStack() as stack:
             error = None
             try:
-                check_mountpoint(self.mountpoint, cfg.nonempty)
+                check_mountpoint(self.mountpoint, cfg.nonempty, cfg.image)
                 store = PartitionStore(cfg.image, catalog, local, owned, cfg.keep_local)
                 stack.callback(store.close)
                 self.store = store

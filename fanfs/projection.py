@@ -97,6 +97,13 @@ class Calibration:
                 raise ValueError(f"not a fanfs calibration: {name} is {value!r}")
         if not isinstance(d["host"], str) or d["cores"] < 1:
             raise ValueError("not a fanfs calibration: host or cores")
+        # Rates divide and a read must cost something: zeros would project nonsense.
+        for name in ("disk_bytes_per_s", "stage_bytes_per_s"):
+            if d[name] <= 0:
+                raise ValueError(f"not a fanfs calibration: {name} is {d[name]!r}, not > 0")
+        for a, b in (("local_s", "local_s_per_byte"), ("warm_s", "warm_s_per_byte")):
+            if d[a] + d[b] <= 0:
+                raise ValueError(f"not a fanfs calibration: {a} and {b} are both 0")
         return cls(**{k: d[k] for k in names})
 
 

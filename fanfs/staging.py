@@ -111,7 +111,7 @@ class StagingDir:
             with contextlib.suppress(OSError):
                 sweep(self._parent_fd)
             self.path = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=parent))
-            self._fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         except OSError as e:
             os.close(self._parent_fd)
             raise StagingError(f"{parent}: cannot create a staging directory: {e}") from None
@@ -122,16 +122,16 @@ class StagingDir:
         no name (or loses it at once) unless `publish` gives it one."""
         if self._tmpfile:
             try:
-                return os.open(".", os.O_RDWR | _TMPFILE | os.O_CLOEXEC, 0o600, dir_fd=self._fd)
+                return os.open(".", os.O_RDWR | _TMPFILE | os.O_CLOEXEC, 0o600, dir_fd=self.fd)
             except OSError as e:
                 if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
                     raise
                 self._tmpfile = False  # this file system cannot: named files from now on
         partial = f"{name}.partial"
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(partial, flags, 0o600, dir_fd=self._fd)
+        fd = os.open(partial, flags, 0o600, dir_fd=self.fd)
         if not self.keep:
-            os.unlink(partial, dir_fd=self._fd)
+            os.unlink(partial, dir_fd=self.fd)
         return fd
 
     def publish(self, fd: int, name: str) -> None:
@@ -139,19 +139,19 @@ class StagingDir:
         if not self.keep:
             return
         if self._tmpfile:
-            os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=self._fd, follow_symlinks=True)
+            os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=self.fd, follow_symlinks=True)
         else:
-            os.rename(f"{name}.partial", name, src_dir_fd=self._fd, dst_dir_fd=self._fd)
+            os.rename(f"{name}.partial", name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
 
     def discard(self, name: str) -> None:
         """An incomplete file's name, if it has one (no O_TMPFILE and --keep-local)."""
         if self.keep and not self._tmpfile:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(f"{name}.partial", dir_fd=self._fd)
+                os.unlink(f"{name}.partial", dir_fd=self.fd)
 
     def close(self) -> None:
         """Remove the staging directory unless partitions were kept in it."""
-        os.close(self._fd)
+        os.close(self.fd)
         try:
             if self.keep:
                 log.info("staged partitions kept in %s", self.path)

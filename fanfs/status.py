@@ -48,6 +48,7 @@ class StoreStatus:
     staging_done: bool
     staging_seconds: float
     image_reads: int
+    staging_stopped: str = ""  # why staging stopped early ("" if it did not): reads go to the image
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +192,12 @@ def render(s: Status) -> str:
         f"catalog:  {s.catalog.files} files, {human_bytes(s.catalog.memory_bytes)} in memory",
         f"staging:  {st.partitions_staged}/{st.partitions_owned} partitions, "
         f"{human_bytes(st.bytes_staged)}/{human_bytes(st.bytes_to_stage)} "
-        f"to {st.local_dir}{' (done)' if st.staging_done else ''}",
+        f"to {st.local_dir}{' (done)' if st.staging_done else ''}"
+        + (
+            f"; stopped: {st.staging_stopped} (the rest is read from the image)"
+            if st.staging_stopped
+            else ""
+        ),
         f"reads:    {rd.reads} requests, {rd.local_fetches} local fetches, "
         f"{rd.cache_hits} cache hits, {human_bytes(rd.bytes_served)} served, "
         f"{rd.bad_files} bad files",

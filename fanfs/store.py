@@ -27,6 +27,10 @@ from fanfs.status import StoreStatus
 log = logging.getLogger(__name__)
 
 COPY_CHUNK = 64 << 20  # per sendfile call: large enough to stream, small enough to stop quickly
+# Staging leaves this share of the local disk free (the job's own files, other jobs' data),
+# at most RESERVE_MAX: a partition that would not leave it is read from the image instead.
+RESERVE_SHARE = 20
+RESERVE_MAX = 4 << 30
 PROGRESS_INTERVAL_S = 10.0
 
 
@@ -81,6 +85,7 @@ class PartitionStore:
         self.stage_total = sum(int(catalog.part_size[p]) for p in self.owned)
         self.stage_seconds = 0.0
         self.stage_done = not self.owned
+        self.stage_stopped = ""  # why staging stopped before the end
         self._staged_set = [False] * catalog.n_partitions
         self._nowait = hasattr(os, "RWF_NOWAIT")
 
@@ -143,6 +148,7 @@ class PartitionStore:
             for p in self.owned:
                 if self._stop.is_set():
                     return
+                self._check_room(p)
                 try:
                     self._stage_one(p)
                 except OSError as e:
@@ -160,9 +166,22 @@ class PartitionStore:
             log.info("staged: %s", self._stage_text(self.stage_seconds))
         except OSError as e:
             # The image stays the source for every partition not staged: reads keep working.
-            log.error("staging stopped, reading the rest from the image: %s", e)
-        except Exception:
+            self.stage_stopped = e.strerror or str(e)
+            log.error("staging stopped, reading the rest from the image: %s", self.stage_stopped)
+        except Exception as e:
+            self.stage_stopped = f"{type(e).__name__}: {e}"
             log.exception("staging failed, reading the rest from the image")
+
+    def _check_room(self, p: int) -> None:
+        """ENOSPC if staging partition `p` would leave less than the reserve free."""
+        st = os.fstatvfs(self.staging.fd)
+        free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+        reserve = min(RESERVE_MAX, total // RESERVE_SHARE)
+        size = int(self.catalog.part_size[p])
+        if free - size < reserve:
+            raise OSError(errno.ENOSPC, f"No space left: partition {p} ({human_bytes(size)}) "
+                          f"would leave less than {human_bytes(reserve)} free in "
+                          f"{self.staging.path}")  # fmt: skip
 
     def _stage_text(self, seconds: float) -> str:
         rate = self.staged_bytes / max(seconds, 1e-9) / 1e6
@@ -211,6 +230,7 @@ class PartitionStore:
             staging_done=self.stage_done,
             staging_seconds=round(self.stage_seconds, 3),
             image_reads=self.image_reads,
+            staging_stopped=self.stage_stopped,
         )
 
     def close(self) -> None:

@@ -38,6 +38,7 @@ TIERS = {
     "test_layers": "unit",
     "test_projection": "unit",
     "test_plans": "unit",
+    "test_usage": "mount",
     "test_read_pieces": "adapter",
     "test_hostile": "adapter",
     "test_fuse_ops": "adapter",

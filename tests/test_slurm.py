@@ -13,13 +13,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from conftest import User, prepare
 
-from fanfs import datagen
+from fanfs import datagen, mounts
 
 REPO = Path(__file__).resolve().parent.parent
 CLUSTER = REPO / "tools" / "slurm_cluster.sh"
@@ -61,97 +61,128 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return base / "src", prepare(base / "src", base / "img", "--compress", "zstd")
 
 
-def leftovers() -> list[str]:
-    """The jobs' mounts, staged and mount directories, and daemons (other tests' are not ours)."""
-    left = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()
-            if " fuse.fanfs " in line and " /tmp/fanfs-" in line]  # fmt: skip
-    for pattern in ("fanfs-mnt-*", "fanfs-stage-*"):  # the template's mounts, fanfs's staging
-        left += [str(p) for p in Path("/tmp").glob(pattern)]
-    daemons = subprocess.run(["pgrep", "-f", "fanfs mount .*/tmp/fanfs-mnt-"],
-                             capture_output=True, text=True, check=False)  # fmt: skip
-    left += [f"pid {pid}" for pid in daemons.stdout.split()]
-    return left
+def staging_dirs() -> set[str]:
+    return {str(p) for p in Path("/tmp").glob("fanfs-stage-*")}
 
 
-def nothing_left(timeout: float = 60) -> list[str]:
-    deadline = time.monotonic() + timeout
-    while (left := leftovers()) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return left
+class Job:
+    """One sbatch job of the template, and what it may leave: only its own mounts, mount
+    directories, daemons and the staging directories that appeared while it ran count (other
+    users' fanfs on this machine are none of the test's business, and are never touched)."""
 
+    def __init__(self, env: dict[str, str], image: Path, out: Path, *command: str,
+                 wait: bool = True):  # fmt: skip
+        args = ["sbatch", "--parsable", "-N", str(NODES), "-o", str(out)]
+        args += ["--wait"] if wait else []
+        self.watch(out, lambda: subprocess.run([*args, str(JOB), *command],
+                                               env={**env, "FANFS_IMAGE": str(image)},
+                                               capture_output=True, text=True, timeout=300,
+                                               check=False))  # fmt: skip
 
-def submit(env: dict[str, str], image: Path, out: Path, *command: str, wait: bool = True
-           ) -> subprocess.CompletedProcess[str]:  # fmt: skip
-    args = ["sbatch", "--parsable", "-N", str(NODES), "-o", str(out)]
-    args += ["--wait"] if wait else []
-    return subprocess.run([*args, str(JOB), *command], env={**env, "FANFS_IMAGE": str(image)},
-                          capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    def watch(self, out: Path, submit: Callable[[], subprocess.CompletedProcess[str]]) -> None:
+        self.before = staging_dirs()
+        self.done = submit()
+        self.id = self.done.stdout.strip().split(";")[0]
+        self.out = out
+
+    @classmethod
+    def of(cls, out: Path, submit: Callable[[], subprocess.CompletedProcess[str]]) -> Job:
+        """A job submitted some other way (as another user)."""
+        job = cls.__new__(cls)
+        job.watch(out, submit)
+        return job
+
+    @property
+    def output(self) -> str:
+        return self.out.read_text() if self.out.exists() else self.done.stderr
+
+    def leftovers(self) -> list[str]:
+        prefix = f"/tmp/fanfs-mnt-{self.id}-"
+        left = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()
+                if " fuse.fanfs " in line and line.split()[1].startswith(prefix)]  # fmt: skip
+        left += [str(p) for p in Path("/tmp").glob(f"fanfs-mnt-{self.id}-*")]
+        left += sorted(staging_dirs() - self.before)
+        daemons = subprocess.run(["pgrep", "-f", f"fanfs mount .*{prefix}"],
+                                 capture_output=True, text=True, check=False)  # fmt: skip
+        left += [f"pid {pid}" for pid in daemons.stdout.split()]
+        return left
+
+    def nothing_left(self, timeout: float = 60) -> list[str]:
+        deadline = time.monotonic() + timeout
+        while (left := self.leftovers()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        return left
 
 
 def test_job_reads_every_file_on_every_node(slurm: dict[str, str], dataset: tuple[Path, Path],
                                             tmp_path: Path) -> None:  # fmt: skip
     src, image = dataset
     check = [sys.executable, str(REPO / "tools" / "read_check.py"), str(src)]
-    done = submit(slurm, image, tmp_path / "job.out", *check)
-    output = (tmp_path / "job.out").read_text()
-    assert done.returncode == 0, output
+    job = Job(slurm, image, tmp_path / "job.out", *check)
+    output = job.output
+    assert job.done.returncode == 0, output
     ok = sorted(re.findall(r"^(n\d): OK (\d+) files$", output, re.M))
     assert ok == [(f"n{i}", "160") for i in range(1, NODES + 1)], output
     assert "command exited with 0" in output
-    assert nothing_left() == []
+    assert job.nothing_left() == []
 
 
 def test_failing_command_leaves_nothing(slurm: dict[str, str], dataset: tuple[Path, Path],
                                         tmp_path: Path) -> None:  # fmt: skip
     _, image = dataset
-    done = submit(slurm, image, tmp_path / "job.out", "bash", "-c", "ls $FANFS_MOUNTPOINT; exit 3")
-    output = (tmp_path / "job.out").read_text()
-    assert done.returncode == 3, output
+    job = Job(slurm, image, tmp_path / "job.out", "bash", "-c", "ls $FANFS_MOUNTPOINT; exit 3")
+    output = job.output
+    assert job.done.returncode == 3, output
     assert "command exited with 3" in output
     assert output.count("train") >= NODES  # the command did see the dataset on every node
-    assert nothing_left() == []
+    assert job.nothing_left() == []
 
 
 def test_daemon_failure_fails_fast(slurm: dict[str, str], tmp_path: Path) -> None:
     started = time.monotonic()
-    done = submit(slurm, tmp_path / "no-such-image", tmp_path / "job.out", "true")
-    output = (tmp_path / "job.out").read_text()
-    assert done.returncode != 0
+    job = Job(slurm, tmp_path / "no-such-image", tmp_path / "job.out", "true")
+    output = job.output
+    assert job.done.returncode != 0
     assert "not a fanfs image" in output
     assert "daemons exited before every mount served" in output
     assert time.monotonic() - started < 60
-    assert nothing_left() == []
+    assert job.nothing_left() == []
 
 
 def test_scancel_mid_job_leaves_nothing(slurm: dict[str, str], dataset: tuple[Path, Path],
                                         tmp_path: Path) -> None:  # fmt: skip
     _, image = dataset
     out = tmp_path / "job.out"
-    job = submit(slurm, image, out, "sleep", "600", wait=False).stdout.strip()
+    job = Job(slurm, image, out, "sleep", "600", wait=False)
     deadline = time.monotonic() + 120
     while "every node serves" not in (out.read_text() if out.exists() else ""):
         assert time.monotonic() < deadline, out.read_text() if out.exists() else "no output"
         time.sleep(0.3)
-    mounted = {m for m in leftovers() if m.startswith("/tmp/fanfs-mnt-")}
+    mounted = {m for m in job.leftovers() if m.startswith("/tmp/fanfs-mnt-")
+               and mounts.find(m) is not None}  # fmt: skip
     assert len(mounted) == NODES, mounted
-    subprocess.run(["scancel", job], env=slurm, timeout=30, check=True)
-    while subprocess.run(["squeue", "-h", "-j", job], env=slurm, capture_output=True, text=True,
-                         timeout=30, check=False).stdout.strip():  # fmt: skip
+    subprocess.run(["scancel", job.id], env=slurm, timeout=30, check=True)
+    while subprocess.run(["squeue", "-h", "-j", job.id], env=slurm, capture_output=True,
+                         text=True, timeout=30, check=False).stdout.strip():  # fmt: skip
         assert time.monotonic() < deadline + 120
         time.sleep(0.5)
-    assert nothing_left() == []
+    assert job.nothing_left() == []
 
 
 def test_epilog_cleans_up_after_killed_daemons(slurm: dict[str, str], dataset: tuple[Path, Path],
                                                tmp_path: Path) -> None:  # fmt: skip
     _, image = dataset
-    # Task 0 SIGKILLs every daemon: their mounts go stale and their staged data stays behind,
-    # which nothing but the node epilog removes.
-    kill = 'if [ "$SLURM_PROCID" = 0 ]; then pkill -9 -f "fanfs [m]ount"; fi; sleep 2'
-    done = submit(slurm, image, tmp_path / "job.out", "bash", "-c", kill)
-    output = (tmp_path / "job.out").read_text()
-    assert done.returncode == 0, output
-    assert nothing_left() == []
+    # Every node's task SIGKILLs its own node's daemon (and no other process on the machine):
+    # the mounts go stale and the staging directories stay behind, which nothing but the
+    # node epilog removes.
+    kill = ('pid=$("$FANFS_BIN" status "$FANFS_MOUNTPOINT" --json | python3 -c '
+            '"import json, sys; print(json.load(sys.stdin)[\'pid\'])") && '
+            'echo "killing daemon $pid" && kill -9 "$pid"; sleep 2')  # fmt: skip
+    job = Job(slurm, image, tmp_path / "job.out", "bash", "-c", kill)
+    output = job.output
+    assert job.done.returncode == 0, output
+    assert len(re.findall(r"^killing daemon \d+$", output, re.M)) == NODES, output
+    assert job.nothing_left() == []
 
 
 def test_job_of_an_unprivileged_user(slurm: dict[str, str], user: User) -> None:
@@ -166,11 +197,12 @@ def test_job_of_an_unprivileged_user(slurm: dict[str, str], user: User) -> None:
     keep = {k: slurm[k] for k in ("SLURM_CONF", "OMPI_MCA_btl")}
     check = [sys.executable, str(REPO / "tools" / "read_check.py"), str(work / "src")]
     out = work / "job.out"
-    done = user.run("sbatch", "--parsable", "-N", str(NODES), "-o", out, "--wait", JOB, *check,
-                    timeout=300, FANFS_IMAGE=str(work / "img"), **keep)  # fmt: skip
-    output = out.read_text() if out.exists() else done.stderr
-    assert done.returncode == 0, output
+    job = Job.of(out, lambda: user.run("sbatch", "--parsable", "-N", str(NODES), "-o", out,
+                                       "--wait", JOB, *check, timeout=300,
+                                       FANFS_IMAGE=str(work / "img"), **keep))  # fmt: skip
+    output = job.output
+    assert job.done.returncode == 0, output
     ok = sorted(re.findall(r"^(n\d): OK (\d+) files$", output, re.M))
     assert ok == [(f"n{i}", "80") for i in range(1, NODES + 1)], output
-    assert nothing_left() == []
+    assert job.nothing_left() == []
     assert list((user.home / "tmp").iterdir()) == []  # the user's default staging parent

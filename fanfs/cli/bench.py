@@ -116,6 +116,9 @@ def cmd_project(args: argparse.Namespace) -> int:
         ratios = [1.0]
     if args.ratio:
         ratios = args.ratio
+    if max(args.nodes) > files:
+        raise UsageError(f"project: {max(args.nodes)} nodes for {files} files: each node needs "
+                         "one file at least")  # fmt: skip
     curves, report = {}, []
     for r in ratios:
         for q in args.q:

@@ -40,7 +40,7 @@ def projection_text(job: Any, rows: list[Any], stop: int | None, why: str, host:
         f"{'staging s':>9} {'effic.':>6}  bound",
     ]
     for r in rows:
-        lines.append(f"{r.nodes:>6} {r.remote_share:6.0%} {r.epoch_s:9.3f} "
+        lines.append(f"{r.nodes:>6} {r.remote_share:6.0%} {r.epoch_s:9.4g} "
                      f"{r.files_per_s_per_node:12.0f} {r.mb_per_s_per_node:9.0f} "
                      f"{r.staging_s:9.1f} {r.efficiency:6.0%}  {r.bound}")  # fmt: skip
     lines.append(f"stops scaling at {stop} nodes ({why})" if stop
