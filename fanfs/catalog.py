@@ -8,7 +8,9 @@ Invariants (checked by `Catalog.from_bytes`, documented in docs/format.md):
   and only directories have children (so the tree has no cycle and no hidden entry).
 - Names are 1 to 255 bytes without `/` or NUL, never `.` or `..`, unique within a directory.
 - Every entry is a directory, a regular file or a symlink. A raw file's stored length is its
-  size; a file compressed whole is at most WHOLE_DECODE_MAX bytes decoded.
+  size; a file compressed whole is at most WHOLE_DECODE_MAX bytes decoded, and framed files use
+  the one frame size prepare writes (FRAME_SIZE): what one decode may cost in memory is bounded
+  by what prepare writes, not by what a hostile catalog claims.
 - Regular files point into a partition (`part`, `data_off`, `stored_len`) that lies within the
   partition's recorded size; symlinks keep their target in the string table.
 The catalog is immutable after load: it needs no locks and is shared by every task and thread.
@@ -17,8 +19,10 @@ Memory: 69 bytes per entry in the columns plus the names, no Python object per e
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
 import stat
 import struct
 from collections.abc import Callable, Iterator
@@ -51,13 +55,15 @@ CODEC_NAMES = {CODEC_RAW: "raw", CODEC_ZSTD: "zstd", CODEC_ZSTD_DICT: "zstd-dict
 FRAME_ENTRY = 8
 FRAME_FILTER_SHIFT = 28
 FRAME_LEN_MASK = (1 << FRAME_FILTER_SHIFT) - 1
-FRAME_SIZE_MAX = FRAME_LEN_MASK  # a frame's stored length must fit those 28 bits
 
 S_IFMT = 0o170000  # the file-type bits of st_mode (stat.S_IFMT is a function)
 NAME_MAX = 255  # bytes in one name, as in every Linux file system (FUSE refuses longer ones)
 # A file compressed whole is decoded whole in memory. prepare frames every compressed file over
-# 4 MiB, so a catalog that claims a far larger whole-compressed file is hostile.
-WHOLE_DECODE_MAX = 64 << 20
+# 4 MiB, so a catalog that claims a larger whole-compressed file is hostile.
+WHOLE_DECODE_MAX = 4 << 20
+# The decoded bytes per frame of a framed file: prepare writes this one size. Another (up to
+# 256 MiB would fit the table's 28 bits) could make every decode cost a GiB: refused.
+FRAME_SIZE = 1 << 20
 _WORD = 8  # bytes of a name compared at a time when checking the order of names
 _CHUNK = 1 << 18  # name pairs compared per numpy pass (bounds the check's memory)
 
@@ -102,6 +108,20 @@ def extension(name: bytes) -> bytes:
     return name[dot:].lower() if dot > 0 else b""
 
 
+def open_regular(path: Path | str) -> int:
+    """An fd of `path` for reading, if it is a regular file; OSError otherwise. Opened without
+    blocking: a FIFO put in an image's place would block an open (and the daemon) for ever."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, f"{path}: not a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def partition_name(part: int) -> str:
     return f"part-{part:05d}.pack"
 
@@ -111,8 +131,9 @@ def _padded(n: int) -> int:
 
 
 def n_frames(size: Any, frame_size: int) -> Any:
-    """Frames of a framed file of `size` bytes (works on numpy columns too)."""
-    return (size + frame_size - 1) // frame_size
+    """Frames of a framed file of `size` bytes (works on numpy columns too; never wraps
+    around, even for a size near 2**64)."""
+    return size // frame_size + (size % frame_size != 0)
 
 
 def _body_layout(
@@ -186,9 +207,14 @@ class Catalog:
             what = "not a directory" if image.exists() else "no such directory"
             raise ImageError(f"{image}: not a fanfs image ({what})")
         try:
-            data = path.read_bytes()
+            fd = open_regular(path)
         except FileNotFoundError:
             raise ImageError(f"{image}: not a fanfs image (no {CATALOG_NAME})") from None
+        except OSError as e:
+            raise ImageError(f"{path}: cannot read catalog: {e.strerror}") from None
+        try:
+            with open(fd, "rb") as f:
+                data = f.read()
         except OSError as e:
             raise ImageError(f"{path}: cannot read catalog: {e.strerror}") from None
         return cls.from_bytes(data, str(path)), data
@@ -270,8 +296,9 @@ class Catalog:
             raise bad("dictionary codec without dictionaries")
         framed = files & (self.codec == CODEC_FRAMED)
         if np.any(framed):
-            if not 0 < self.frame_size <= FRAME_SIZE_MAX:
-                raise bad(f"framed files with a frame size of {self.frame_size}")
+            if self.frame_size != FRAME_SIZE:
+                raise bad(f"framed files with a frame size of {self.frame_size}, not "
+                          f"{FRAME_SIZE} as prepare writes")  # fmt: skip
             tables = n_frames(self.size[framed], self.frame_size) * FRAME_ENTRY
             if np.any(self.stored_len[framed] < tables):
                 raise bad("framed file shorter than its frame table")

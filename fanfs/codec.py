@@ -37,7 +37,7 @@ from fanfs import filters
 from fanfs.checksum import crc32
 from fanfs.errors import CorruptFile
 
-FRAME_SIZE = 1 << 20  # decoded bytes per frame of a framed file
+FRAME_SIZE = cat.FRAME_SIZE  # decoded bytes per frame of a framed file (the catalog's rule)
 FRAMED_MIN = 4 * FRAME_SIZE  # files larger than this are framed (zstd and auto)
 DICT_MAX_FILE = 64 << 10  # files up to this use their group's dictionary, if there is one
 AUTO_MIN_SAVING = 8  # auto keeps compression only if stored <= size - size / 8
@@ -319,6 +319,12 @@ class FrameTable:
 
     def __len__(self) -> int:
         return len(self.crcs)
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the parsed table holds."""
+        return int(self.lengths.nbytes + self.filters.nbytes + self.crcs.nbytes
+                   + self.offsets.nbytes)  # fmt: skip
 
     def stored(self, i: int) -> tuple[int, int]:
         """(offset, length) of frame i within the stored bytes."""

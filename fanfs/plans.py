@@ -34,6 +34,7 @@ with respect to other tasks). `ShareOrder.build` and `read_ahead_bytes` are pure
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +45,7 @@ from fanfs import catalog as cat
 from fanfs.status import PlanStatus
 
 MIN_WINDOW = 256  # positions behind the job's position that still count as in flight
+MISSED_KEPT = 4096  # recent READs that found nothing read ahead (their late bytes are not held)
 MAX_SHARES = 1024
 # A framed file is read ahead up to this share of the budget (its first frames): one huge
 # file must not take the whole budget, and the job's own READs fetch the rest in order.
@@ -168,6 +170,9 @@ class Plans:
         self._share_of = np.full(n, -1, dtype=np.int32)  # the latest share naming each entry
         self._naming = np.zeros(n, dtype=np.uint16)  # how many shares name it
         self._held: dict[int, Held] = {}  # entry -> bytes read ahead, waiting for its READ
+        # Files whose READ came before their read-ahead finished: bytes arriving for them now
+        # would wait for a READ that has been (the kernel has the file): not held.
+        self._missed: OrderedDict[int, None] = OrderedDict()
         self.held_bytes = 0
         self.planned = 0
         self.missing = 0
@@ -298,7 +303,7 @@ class Plans:
         positions further ahead give way to these (they are read again in turn); when nothing
         further ahead is held, False, and this position is read ahead again once there is
         room."""
-        if not self.current(share, s, pos) or entry in self._held:
+        if not self.current(share, s, pos) or entry in self._held or entry in self._missed:
             return False
         per_share = self.budget // max(1, self.active())
 
@@ -331,6 +336,10 @@ class Plans:
         if self.shares:
             self.accessed(entry, held is not None)
         if held is None:
+            if self.shares:
+                self._missed[entry] = None
+                if len(self._missed) > MISSED_KEPT:
+                    self._missed.popitem(last=False)
             return None
         self.hits += 1
         if offset + size >= len(held.data):

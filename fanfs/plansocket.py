@@ -46,8 +46,11 @@ from fanfs.plans import MAX_SHARES, Plans, ShareOrder, read_ahead_bytes
 MAGIC = b"FANFS-PLAN 1"
 HEADER_MAX = 200
 CONNECTIONS = 8  # requests read at once; each may hold a plan's body
-MAX_PATHS_PER_FILE = 64  # repeats are normal (padding, sampling with replacement), not 10**9
-MAX_PATHS_MIN = 1 << 20  # ... and any image may take a plan of a million paths
+# Positions all plans of a node may hold at once (about 40 bytes of memory each): repeats are
+# normal (padding, sampling with replacement, several ranks), eight times the files is ample;
+# and any image may take a million.
+MAX_PATHS_PER_FILE = 8
+MAX_PATHS_MIN = 1 << 20
 REQUEST_TIMEOUT_S = 120.0  # a client that stops sending mid-plan is dropped
 PATH_MAX = 4096  # bytes of a path (Linux's limit)
 DRAIN_S = 5.0  # after a refusal, how long the rest of a request is read and thrown away
@@ -177,6 +180,12 @@ class PlanServer:
         most = max(MAX_PATHS_MIN, MAX_PATHS_PER_FILE * self._files)
         if n > most:
             raise PlanError(f"{n} paths: more than this image takes in one plan ({most})")
+        held = sum(len(s.plan) for k, s in self.plans.shares.items() if k != share)
+        if held + n > most:
+            raise PlanError(
+                f"{n} paths: with the {held} of the other plans, more than this "
+                f"image takes at once ({most}); fewer shares, or shorter plans"
+            )
         if len(self.plans.shares) >= MAX_SHARES and share not in self.plans.shares:
             raise PlanError(f"at most {MAX_SHARES} shares")
         if self._longest is None:

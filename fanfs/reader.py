@@ -58,7 +58,8 @@ log = logging.getLogger(__name__)
 
 WHOLE_FILE_LIMIT = 16 << 20  # raw files up to this are fetched whole and checked at once
 INLINE_LIMIT = 256 << 10  # below this, decoding runs inline (cheaper than a thread hand-off)
-TABLES_KEPT = 4096  # parsed frame tables of framed files kept (LRU)
+TABLES_KEPT = 4096  # parsed frame tables of framed files kept (LRU) ...
+TABLES_BYTES = 32 << 20  # ... within this many bytes (a 1 TiB file's table alone is 24 MiB)
 FRAMES_AHEAD = 2  # frames the native pool decodes ahead of a framed file read in order
 
 
@@ -80,6 +81,7 @@ class Reader:
         # Decoded whole files (key: entry) and frames of framed files (key: (entry, frame)).
         self._cache = ByteLRU(cache_bytes)
         self._tables: OrderedDict[int, codec.FrameTable] = OrderedDict()
+        self._tables_bytes = 0
         self._flights = SingleFlight()
         self._verified: set[int] = set()
         self._bad: set[int] = set()
@@ -326,8 +328,10 @@ class Reader:
             raw, checked = await self.sources.stored(entry, off, n, crc)
             table = codec.FrameTable(raw, size, stored_len, c.frame_size, None if checked else crc)
             self._tables[entry] = table
-            while len(self._tables) > TABLES_KEPT:
-                self._tables.popitem(last=False)
+            self._tables_bytes += table.nbytes
+            while len(self._tables) > 1 and (len(self._tables) > TABLES_KEPT
+                                             or self._tables_bytes > TABLES_BYTES):  # fmt: skip
+                self._tables_bytes -= self._tables.popitem(last=False)[1].nbytes
             return table
 
         table: codec.FrameTable = await self._once(("table", entry), entry, lookup, produce)

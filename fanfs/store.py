@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 import threading
 import time
 from collections.abc import Sequence
@@ -47,9 +48,12 @@ def check_partitions(image: Path, catalog: cat.Catalog, parts: Sequence[int]) ->
     for p in parts:
         path = image / cat.partition_name(p)
         try:
-            size = path.stat().st_size
+            st = path.stat()
         except OSError as e:
             raise MissingPartition(f"{path}: partition missing ({e.strerror})") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise MissingPartition(f"{path}: partition is not a regular file")
+        size = st.st_size
         if size != int(catalog.part_size[p]):
             raise MissingPartition(
                 f"{path}: partition truncated or wrong ({size} bytes, expected "
@@ -96,10 +100,8 @@ class PartitionStore:
         if fd < 0:
             with self._open_lock:
                 fd = self._fds[part]
-                if fd < 0:
-                    fd = self._fds[part] = os.open(
-                        self.image / cat.partition_name(part), os.O_RDONLY
-                    )
+                if fd < 0:  # a regular file only (a FIFO swapped in would block for ever)
+                    fd = self._fds[part] = cat.open_regular(self.image / cat.partition_name(part))
         return fd
 
     def pread_cached(self, part: int, offset: int, length: int) -> bytearray | None:

@@ -2,8 +2,9 @@
 
 Tiers (markers, by what a test needs; `pytest -m "not slurm"`, `-m "unit or adapter"`):
 unit (pure code), adapter (handlers, reader and transports called directly under trio),
-mount (real FUSE mounts), mpi (real ranks under mpirun), slurm (the local Slurm cluster),
-clients (real clients and the benchmark through a mount). Each test file has one tier below;
+mount (real FUSE mounts), memory (a real daemon's peak memory against its budgets), mpi (real
+ranks under mpirun), slurm (the local Slurm cluster), clients (real clients and the benchmark
+through a mount). Each test file has one tier below;
 a test that also needs mpirun carries `@pytest.mark.mpi` itself.
 
 A mount is a real `fanfs mount` daemon in a subprocess. Teardown escalates: `fanfs umount`,
@@ -51,6 +52,7 @@ TIERS = {
     "test_unprivileged": "mount",
     "test_plan": "mount",
     "test_signals": "mount",
+    "test_memory": "memory",
     "test_mpi": "mpi",
     "test_slurm": "slurm",
     "test_clients": "clients",

@@ -7,6 +7,7 @@ read comes from that image."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -20,7 +21,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from catalogs import rewrite
+from catalogs import columns_of, encode, rewrite
 from conftest import fanfs, mounted, prepare, teardown, wait_until
 from test_errors import assert_one_line_error
 from test_mpi import mpi_mounted
@@ -241,3 +242,92 @@ def test_bad_payload_and_silent_peer_are_routed_around(src: Path, tmp_path: Path
             assert m.status(0)["reader"]["dead_peers"] == [1]
         finally:
             os.kill(pid, signal.SIGCONT)
+
+
+@pytest.mark.parametrize("frame_size", [256 << 20, 4096, 0])
+def test_a_frame_size_prepare_does_not_write_is_refused(tmp_path: Path, frame_size: int) -> None:
+    """A hostile frame size (up to 256 MiB fits the format) would make every decode cost up
+    to a GiB in the native pool's buffers: refused at load, as every hostile catalog is."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "framed.bin").write_bytes(bytes(5 << 20))
+    image = prepare(src, tmp_path / "img", "--compress", "zstd")
+    path = image / cat.CATALOG_NAME
+    columns, strings, meta, _ = columns_of(path.read_bytes())
+    path.write_bytes(encode(columns, strings, meta, frame_size))
+    for command in (("verify", image), ("info", image)):
+        assert_one_line_error(fanfs(*command), ExitCode.IMAGE, "frame size")
+    (tmp_path / "mnt").mkdir()
+    done = fanfs("mount", image, tmp_path / "mnt", "--local", tmp_path / "l", timeout=30)
+    assert_one_line_error(done, ExitCode.IMAGE, "frame size")
+    assert mounts.find(tmp_path / "mnt") is None
+
+
+def test_a_fifo_in_place_of_a_partition_is_an_error_not_a_hang(tmp_path: Path) -> None:
+    """Someone who can write the image directory swaps a partition for a FIFO after the
+    mount checked it: opening it would block the daemon for ever. Its files get EIO. (A
+    small --local disk keeps the partition unstaged, so its files are read from the image.)"""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(20):
+        (src / f"f{i:02d}.bin").write_bytes(os.urandom(6000))
+    image = prepare(src, tmp_path / "img", "--compress", "none", "--partitions", "2")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=0755", "fanfs-test", disk],
+                   check=True, timeout=30)  # fmt: skip
+    try:
+        with mounted(image, tmp_path / "mnt", disk) as m:
+            assert wait_until(lambda: m.status()["store"]["staging_stopped"], 30)
+            part = image / cat.partition_name(1)
+            part.unlink()
+            os.mkfifo(part)
+            c, _ = cat.Catalog.load(image)
+            victims = [os.fsdecode(c.path(int(e))) for e in c.files_in_partition(1)]
+            started = time.monotonic()
+            for rel in victims[:3]:
+                with pytest.raises(OSError) as err:
+                    (m.mountpoint / rel).read_bytes()
+                assert err.value.errno == errno.EIO
+            assert time.monotonic() - started < 10
+            assert m.status()["serving"]
+    finally:
+        subprocess.run(["umount", "-l", disk], check=False, timeout=30)
+    assert_one_line_error(fanfs("info", image), ExitCode.IMAGE, "not a regular file")
+
+
+def test_two_codecs_over_the_same_stored_bytes_decode_apart(tmp_path: Path) -> None:
+    """A hostile catalog points two files at the same stored bytes (same offset, length and
+    CRC): one as a zstd frame, one as the delta4 filter's zstd frame. Each must decode as its
+    own codec says; the native pool's cache of decoded pieces left the codec out of its key,
+    so the second file read got the first one's decoding."""
+    from fanfs import codec
+
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = np.random.default_rng(6)
+    data = rng.integers(0, 7, 3 << 20, dtype=np.uint8).tobytes()  # compressible, 3 MiB
+    (src / "a.bin").write_bytes(data)
+    (src / "b.bin").write_bytes(data[::-1])
+    image = prepare(src, tmp_path / "img", "--compress", "zstd")
+    c, _ = cat.Catalog.load(image)
+    a, b = c.resolve(b"a.bin"), c.resolve(b"b.bin")
+    assert a is not None and b is not None and int(c.codec[a]) == cat.CODEC_ZSTD
+
+    def alias(columns: dict[str, np.ndarray], strings: bytes) -> None:
+        for col in ("part", "data_off", "stored_len", "crc"):
+            columns[col][b] = columns[col][a]
+        columns["codec"][b] = cat.CODEC_ZSTD_DELTA4
+
+    rewrite(image, alias)
+    want_b = codec.undelta4(data)  # what b's codec makes of a's stored bytes
+    with mounted(image, tmp_path / "mnt", tmp_path / "local") as m:
+        m.wait_staged()
+        at = 2 << 20
+        with open(m.mountpoint / "a.bin", "rb") as f:  # in parts: the piece is kept
+            assert f.read(4096) == data[:4096]
+            f.seek(at)
+            assert f.read(4096) == data[at : at + 4096]
+        with open(m.mountpoint / "b.bin", "rb") as f:
+            f.seek(at)
+            assert f.read(4096) == want_b[at : at + 4096]

@@ -1,10 +1,12 @@
 """The MPI transport: remote reads in one round trip, over the `World` of transport/world.py.
 
 Protocol (point-to-point on a duplicate of COMM_WORLD, buffer API, no pickle on the data path):
-- request, tag 1: four int64 `(entry, offset, length, reply_tag)`, 32 bytes;
+- request, tag 1: four int64 `(entry, offset, length, reply_tag)`, 32 bytes; `length` at most
+  MAX_REQUEST (what the largest legitimate read asks), else refused;
 - reply, tag `reply_tag`: the stored bytes (still compressed) in chunks under 2 GiB, or one
-  empty message when the owner cannot serve them. The requester knows `length` from its own
-  catalog, so it posts the receive before asking: no size message, no probe;
+  empty message when the owner cannot serve them (refused, or too busy: more than
+  REPLY_BYTES in replies not yet taken by their requesters). The requester knows `length`
+  from its own catalog;
 - bye, tag 2: "I have unmounted". A daemon stops serving only when every peer said bye or is
   found dead, so no peer loses its source while it still reads.
 Reply tags cycle through [16, TAG_UB) and are never reused while a fetch is outstanding.
@@ -23,6 +25,14 @@ read the rest from the disk, and both put the reply on the command queue. Other 
 (refusals, large raw files not checked yet) go to `serve_fn` in the event loop.
 After start-up no collective operation is used, so a dead rank can only cost its own
 requests a peer timeout, after which it is routed around.
+
+Every message is taken by a matched probe (MPI_Improbe), its size checked, and only then
+received into a buffer of exactly that size: a receive posted in advance would let a peer's
+longer message run past its buffer (Open MPI's shared-memory transport writes the whole
+message before it reports the truncation; tested). A message of the wrong size is counted as
+malformed and, if small, received and dropped (if large, left where it is: never allocated
+for). A fetch that timed out keeps its reply tag quarantined until its reply is drained, so a
+late reply can never be taken for a later fetch's.
 """
 
 from __future__ import annotations
@@ -65,6 +75,18 @@ INLINE_READ_LIMIT = 1 << 20
 PR_SET_TIMERSLACK = 29  # linux/prctl.h
 TIMER_SLACK_NS = 1000
 SERVER_THREADS = 4
+# The most stored bytes a peer may ask for at once: a raw file read whole (the reader's
+# WHOLE_FILE_LIMIT), a frame, a frame table of a file up to 2 TiB. Larger: refused.
+MAX_REQUEST = 16 << 20
+# Bytes of replies that may wait for their requesters at once (a requester that gave up never
+# takes its reply, which then stays in the sender's memory): beyond, new requests are refused.
+REPLY_BYTES = 64 << 20
+# A message that is not what was asked (a late reply, a bad one) is received and dropped up to
+# this size; a larger one is left unreceived rather than allocated for.
+DISCARD_MAX = MAX_REQUEST
+# A quarantined reply tag is released after this many peer timeouts even if its reply never
+# came (a dead peer): tags cycle through millions, so this only bounds the bookkeeping.
+QUARANTINE_TIMEOUTS = 10
 
 
 def _precise_timeouts() -> None:
@@ -87,6 +109,19 @@ def parse_request(header: Any, tag_ub: int) -> tuple[int, int, int, int] | None:
     if not FIRST_REPLY_TAG <= tag < tag_ub or offset < 0 or length < 0 or entry < -1:
         return None
     return entry, offset, length, tag
+
+
+@dataclass
+class _Incoming:
+    """A reply being taken: the bytes matched so far and their receives."""
+
+    peer: int
+    job: _Fetch | None  # None: quarantined (the fetch gave up; drain, then free the tag)
+    expect: int  # the bytes asked for
+    got: int = 0
+    replied: bool = False  # an empty reply came (a refusal, a ping's answer)
+    reqs: list[Any] = field(default_factory=list)
+    until: float = 0.0  # quarantine: release the tag after this (monotonic)
 
 
 @dataclass
@@ -126,6 +161,7 @@ class _Reply:
     data: bytes | bytearray | memoryview | None
     entry: int
     direct: bool = False  # read by the transport's threads, not through the event loop
+    reserved: int = 0  # reply bytes `_request` reserved for it, released once sent
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +198,8 @@ class MpiTransport(PeerTransport):
         self._cmds: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._tag_ub = int(self.comm.Get_attr(self.MPI.TAG_UB) or 32767)
         self._next_tag = FIRST_REPLY_TAG
-        self._outstanding: dict[int, _Fetch] = {}
+        self._outstanding: dict[int, _Fetch | None] = {}  # reply tags in use (None: quarantined)
+        self._reply_bytes = 0  # bytes of replies not yet sent (the MPI thread's)
         self._lock = threading.Lock()  # reply tags and counters: the event loop and threads
         self._thread: threading.Thread | None = None
         self._token: trio.lowlevel.TrioToken | None = None
@@ -201,19 +238,23 @@ class MpiTransport(PeerTransport):
         return tag
 
     def _forget(self, tag: int, done: bool) -> None:
+        """A fetch is over: the MPI thread frees its tag once its reply is taken (or drained,
+        when the fetch gave up first)."""
         if not done:
             self._cmds.put(_Cancel(tag))
+
+    def _release(self, tag: int) -> None:
         with self._lock:
-            del self._outstanding[tag]
+            self._outstanding.pop(tag, None)
 
     def _result(self, peer: int, job: _Fetch, done: bool, began: float) -> bytes | None:
         if not done:
             raise self._timed_out(peer)
-        if job.count < 0:
+        if job.count == -1:
             self._mark_dead(peer, "cannot be reached")
             raise PeerTimeout(f"rank {peer} cannot be reached")
         if job.count != job.length:
-            return None
+            return None  # a refusal, or a reply of the wrong size: another source
         with self._lock:
             self._fetched(began, job.length, time.perf_counter())
         return bytes(job.buf) if job.length <= CHUNK else job.buf  # type: ignore[return-value]
@@ -264,7 +305,7 @@ class MpiTransport(PeerTransport):
 
     async def _answer(self, peer: int, entry: int, offset: int, length: int, tag: int) -> None:
         data = await self._serve_request(peer, entry, offset, length)
-        self._cmds.put(_Reply(peer, tag, data, entry))
+        self._cmds.put(_Reply(peer, tag, data, entry, reserved=length))
 
     def _say_bye(self) -> None:
         self._cmds.put(_Bye())
@@ -292,7 +333,7 @@ class MpiTransport(PeerTransport):
                 log.warning("cannot serve entry %d to rank %d: %s", entry, peer, e)
             except Exception:
                 log.exception("serving entry %d to rank %d failed", entry, peer)
-            self._cmds.put(_Reply(peer, tag, data, entry, direct=True))
+            self._cmds.put(_Reply(peer, tag, data, entry, direct=True, reserved=length))
 
     # -- the MPI thread --------------------------------------------------------------------
 
@@ -311,15 +352,12 @@ class MpiTransport(PeerTransport):
             log.exception("the MPI thread failed: remote reads now go to the image")
 
     def _serve(self) -> None:
-        MPI, comm = self.MPI, self.comm
+        MPI = self.MPI
         header = np.empty(4, dtype=np.int64)
         bye = np.empty(1, dtype=np.int64)
         status = MPI.Status()
-        incoming = comm.Irecv(header, MPI.ANY_SOURCE, TAG_REQUEST)
-        byes = comm.Irecv(bye, MPI.ANY_SOURCE, TAG_BYE)
-        receiving: dict[int, list[Any]] = {}  # reply tag -> [requests, fetch, first count]
-        sending: list[tuple[Any, Any]] = []  # (request, buffer kept alive until sent)
-        cancelled: list[Any] = []
+        receiving: dict[int, _Incoming] = {}  # reply tag -> the reply being taken
+        sending: list[tuple[Any, Any, int]] = []  # (request, buffer kept alive, bytes reserved)
         idle = POLL_MIN_S
         hot_until = moved = 0.0
         while True:
@@ -333,50 +371,36 @@ class MpiTransport(PeerTransport):
             while cmd is not None:
                 busy = True
                 if isinstance(cmd, _Stop):
-                    for req in (incoming, byes, *cancelled):
-                        req.Cancel()
                     return
-                self._command(cmd, receiving, sending, cancelled)
+                self._command(cmd, receiving, sending)
                 try:
                     cmd = self._cmds.get_nowait()
                 except queue.Empty:
                     cmd = None
-            while (got := self._arrived(incoming, status, "request")) is not False:
+            while (size := self._probe(MPI.ANY_SOURCE, TAG_REQUEST, status, header)) is not None:
                 busy = True
-                request = parse_request(header, self._tag_ub) if got else None
+                peer = status.Get_source()
+                request = parse_request(header, self._tag_ub) if size == header.nbytes else None
                 if request is not None:
-                    self._request(status.Get_source(), *request)
-                elif got:
+                    self._request(peer, *request)
+                else:
                     self.malformed += 1
-                    log.warning("malformed request from rank %d ignored", status.Get_source())
-                incoming = comm.Irecv(header, MPI.ANY_SOURCE, TAG_REQUEST)
-            while (got := self._arrived(byes, status, "bye")) is not False:
+                    log.warning("malformed request (%d bytes) from rank %d ignored", size, peer)
+            while (size := self._probe(MPI.ANY_SOURCE, TAG_BYE, status, bye)) is not None:
                 busy = True
-                if got:
+                if size == bye.nbytes:
                     self._byes.add(status.Get_source())
-                byes = comm.Irecv(bye, MPI.ANY_SOURCE, TAG_BYE)
+                else:
+                    self.malformed += 1
             for tag, rec in list(receiving.items()):
-                reqs, job, first = rec
-                try:
-                    if first is None:
-                        if not reqs[0].Test(status):
-                            continue
-                        first = rec[2] = status.Get_count(MPI.BYTE)
-                    if first < min(job.length, CHUNK):  # a short first message: a refusal
-                        for req in reqs[1:]:
-                            req.Cancel()
-                            cancelled.append(req)
-                    elif not MPI.Request.Testall(reqs[1:]):
-                        continue
-                    count = job.length if first >= min(job.length, CHUNK) else first
-                except MPI.Exception as e:  # e.g. a reply longer than asked for: not this peer
-                    log.warning("bad reply from rank %d: %s", job.peer, e)
-                    count = -1
-                busy = True
-                del receiving[tag]
-                self._delivered(job, count)
-            sending = [(req, buf) for req, buf in sending if not self._done(req)]
-            cancelled = [req for req in cancelled if not self._done(req)]
+                busy |= self._take(tag, rec, receiving, status)
+            kept = []
+            for req, buf, reserved in sending:
+                if self._done(req):
+                    self._reply_bytes -= reserved
+                else:
+                    kept.append((req, buf, reserved))
+            sending = kept
             now = time.monotonic()
             if busy or receiving:
                 hot_until = now + HOT_S
@@ -384,10 +408,96 @@ class MpiTransport(PeerTransport):
                 moved = now
             # A reader waits for one of our fetches (not only the planner's threads, which
             # want throughput and can wait a poll): no sleep at all.
-            if now - moved < SPIN_S and any(r[1].waiter is None for r in receiving.values()):
+            if now - moved < SPIN_S and any(r.job is not None and r.job.waiter is None
+                                            for r in receiving.values()):  # fmt: skip
                 idle = 0.0
             else:
                 idle = POLL_MIN_S if now < hot_until else min(max(idle, POLL_MIN_S) * 2, POLL_MAX_S)
+
+    def _probe(self, source: int, tag: int, status: Any, buf: np.ndarray) -> int | None:
+        """The size of the next message from `source` with `tag`, taken into `buf` if it is
+        exactly `buf`'s size (else dropped, or left unreceived if large); None if none."""
+        try:
+            msg = self.comm.Improbe(source, tag, status)
+            if msg is None:
+                return None
+            size = int(status.Get_count(self.MPI.BYTE))
+            if size == buf.nbytes:
+                msg.Recv(buf)
+            else:
+                self._discard(msg, size)
+            return size
+        except self.MPI.Exception as e:
+            self.malformed += 1
+            log.warning("a message with tag %d could not be taken: %s", tag, e)
+            return -1
+
+    def _discard(self, msg: Any, size: int) -> None:
+        """Take a message that is not what was asked for and drop it, if it is small enough to
+        take; a larger one stays where it is (its sender holds it)."""
+        if 0 <= size <= DISCARD_MAX:
+            msg.Recv([bytearray(max(size, 1)), size, self.MPI.BYTE])
+
+    def _take(self, tag: int, rec: _Incoming, receiving: dict[int, _Incoming],
+              status: Any) -> bool:  # fmt: skip
+        """Take what arrived of one reply; deliver it once complete. True if anything moved."""
+        MPI, job = self.MPI, rec.job
+        moved = False
+        try:
+            while job is None or rec.got < job.length or (job.length == 0 and not rec.replied):
+                msg = self.comm.Improbe(rec.peer, tag, status)
+                if msg is None:
+                    break
+                moved = True
+                size = int(status.Get_count(MPI.BYTE))
+                if job is None:  # quarantined: a late reply, dropped
+                    self._discard(msg, size)
+                    rec.got += size
+                    rec.replied |= size == 0
+                    continue
+                want = min(CHUNK, job.length - rec.got)
+                if size == 0 and rec.got == 0:  # a refusal (or a ping's answer)
+                    msg.Recv([bytearray(1), 0, MPI.BYTE])
+                    rec.replied = True
+                    del receiving[tag]
+                    self._release(tag)
+                    self._delivered(job, 0)
+                    return True
+                if size != want:  # not what was asked: not this peer's bytes
+                    self._discard(msg, size)
+                    self.malformed += 1
+                    log.warning("a reply of %d bytes from rank %d, %d asked", size, rec.peer,
+                                want)  # fmt: skip
+                    self._quarantine(tag, rec)
+                    self._delivered(job, -2)
+                    return True
+                view = memoryview(job.buf)[rec.got : rec.got + size]
+                rec.reqs.append(msg.Irecv(view))
+                rec.got += size
+            done = bool(MPI.Request.Testall(rec.reqs)) if rec.reqs else True
+        except MPI.Exception as e:
+            log.warning("bad reply from rank %d: %s", rec.peer, e)
+            if job is not None:
+                self._quarantine(tag, rec)
+                self._delivered(job, -1)
+            return True
+        if job is None:  # drained, or its peer is quiet too long: the tag is free again
+            if (done and (rec.replied or rec.got >= rec.expect)) or time.monotonic() > rec.until:
+                del receiving[tag]
+                self._release(tag)
+            return moved
+        if done and rec.got == job.length and job.length > 0:
+            del receiving[tag]
+            self._release(tag)
+            self._delivered(job, job.length)
+            return True
+        return moved
+
+    def _quarantine(self, tag: int, rec: _Incoming) -> None:
+        """The fetch of `tag` is over but its peer may still send: drain what comes, then
+        free the tag (or after QUARANTINE_TIMEOUTS peer timeouts)."""
+        rec.job = None
+        rec.until = time.monotonic() + QUARANTINE_TIMEOUTS * self.peer_timeout
 
     def _request(self, peer: int, entry: int, offset: int, length: int, tag: int) -> None:
         """Answer a peer's request: a ping at once; a plain read from the page cache here,
@@ -397,6 +507,12 @@ class MpiTransport(PeerTransport):
         if entry == -1 and length == 0:
             self._cmds.put(_Reply(peer, tag, None, entry))
             return
+        if length > MAX_REQUEST or self._reply_bytes + length > REPLY_BYTES:
+            # Too much at once: refused (the requester tries another source); the bytes are
+            # reserved until the reply has been sent, which a requester that gave up never takes.
+            self._cmds.put(_Reply(peer, tag, None, entry))
+            return
+        self._reply_bytes += length
         located = None
         try:
             if self.direct is not None:
@@ -405,7 +521,7 @@ class MpiTransport(PeerTransport):
                 assert self.direct is not None
                 data = self.direct.pread_cached(*located, length)
                 if data is not None:
-                    self._cmds.put(_Reply(peer, tag, data, entry, direct=True))
+                    self._cmds.put(_Reply(peer, tag, data, entry, direct=True, reserved=length))
                     return
         except Exception as e:  # a disk error: the server thread tries again and reports it
             log.debug("inline read for rank %d failed: %s", peer, e)
@@ -413,17 +529,6 @@ class MpiTransport(PeerTransport):
             self._reads.put((peer, tag, entry, *located, length))
         else:
             self._call_trio(self._on_request, peer, entry, offset, length, tag)
-
-    def _arrived(self, req: Any, status: Any, what: str) -> bool | None:
-        """Whether a posted receive of requests or byes completed: True, False, or None when
-        it completed with an error (a peer sent a message of the wrong size), which is
-        counted as malformed and dropped. The caller posts a new receive unless False."""
-        try:
-            return bool(req.Test(status))
-        except self.MPI.Exception as e:
-            self.malformed += 1
-            log.warning("malformed %s from a peer dropped: %s", what, e)
-            return None
 
     def _done(self, req: Any) -> bool:
         try:
@@ -435,45 +540,45 @@ class MpiTransport(PeerTransport):
     def _command(
         self,
         cmd: _Command,
-        receiving: dict[int, list[Any]],
-        sending: list[tuple[Any, Any]],
-        cancelled: list[Any],
+        receiving: dict[int, _Incoming],
+        sending: list[tuple[Any, Any, int]],
     ) -> None:
         comm = self.comm
         try:
             if isinstance(cmd, _Send):
-                job = cmd.job
-                if job.length == 0:  # a ping: the empty reply needs a receive all the same
-                    reqs = [comm.Irecv(bytearray(1), cmd.peer, cmd.tag)]
-                else:
-                    view = memoryview(job.buf)
-                    reqs = [comm.Irecv(view[off : off + CHUNK], cmd.peer, cmd.tag)
-                            for off in range(0, job.length, CHUNK)]  # fmt: skip
-                receiving[cmd.tag] = [reqs, job, None]
-                sending.append((comm.Isend(cmd.header, cmd.peer, TAG_REQUEST), cmd.header))
+                receiving[cmd.tag] = _Incoming(cmd.peer, cmd.job, cmd.job.length)
+                sending.append((comm.Isend(cmd.header, cmd.peer, TAG_REQUEST), cmd.header, 0))
             elif isinstance(cmd, _Cancel):
-                entry = receiving.pop(cmd.tag, None)
-                if entry is not None:
-                    for req in entry[0]:
-                        req.Cancel()
-                        cancelled.append(req)
+                rec = receiving.get(cmd.tag)
+                if rec is None:
+                    self._release(cmd.tag)
+                else:
+                    self._quarantine(cmd.tag, rec)
             elif isinstance(cmd, _Reply):
                 self._count_reply(cmd.entry, cmd.data, cmd.direct)
+                # What `_request` reserved for it (a refusal of a request it took: all of it).
+                reserved = int(cmd.reserved)
                 if cmd.data is None:
-                    sending.append((comm.Isend([b"", self.MPI.BYTE], cmd.peer, cmd.tag), None))
+                    sending.append((comm.Isend([b"", self.MPI.BYTE], cmd.peer, cmd.tag), None,
+                                    reserved))  # fmt: skip
                 else:
                     view = memoryview(cmd.data)
                     for off in range(0, len(view), CHUNK):
                         part = view[off : off + CHUNK]
-                        sending.append((comm.Isend(part, cmd.peer, cmd.tag), cmd.data))
+                        last = off + CHUNK >= len(view)
+                        sending.append((comm.Isend(part, cmd.peer, cmd.tag), cmd.data,
+                                        reserved if last else 0))  # fmt: skip
             elif isinstance(cmd, _Bye):
                 me = np.array([self.rank], dtype=np.int64)
                 for peer in range(self.size):
                     if peer != self.rank and peer not in self._dead:
-                        sending.append((comm.Isend(me, peer, TAG_BYE), me))
+                        sending.append((comm.Isend(me, peer, TAG_BYE), me, 0))
         except self.MPI.Exception as e:
             peer = cmd.peer if isinstance(cmd, (_Send, _Reply)) else -1
             log.warning("MPI %s to rank %d failed: %s", type(cmd).__name__[1:], peer, e)
             if isinstance(cmd, _Send):
                 receiving.pop(cmd.tag, None)
+                self._release(cmd.tag)
                 self._delivered(cmd.job, -1)
+            elif isinstance(cmd, _Reply):
+                self._reply_bytes -= int(cmd.reserved)

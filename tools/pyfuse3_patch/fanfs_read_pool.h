@@ -43,6 +43,11 @@
 #define FANFS_POOL_MAX_THREADS 64
 #define FANFS_MAX_PIECES 4   /* frames one job may span */
 #define FANFS_MAX_DICTS 1024
+/* Queued read-aheads at most (beyond, the oldest is dropped: the reader has moved past it). */
+#define FANFS_AHEAD_MAX 64
+/* The largest piece a job may name, stored or decoded: raw files read whole up to the reader's
+ * WHOLE_FILE_LIMIT; compressed pieces are at most 4 MiB (the catalog refuses more). */
+#define FANFS_PIECE_MAX (16u << 20)
 
 typedef unsigned long (*fanfs_zlib_crc32_fn)(unsigned long, const unsigned char *, unsigned int);
 typedef uint32_t (*fanfs_isal_crc32_fn)(uint32_t, const unsigned char *, uint64_t);
@@ -105,6 +110,7 @@ static struct {
     pthread_cond_t cond;
     struct fanfs_job *head, *tail;
     struct fanfs_job *ahead_head, *ahead_tail; /* read-aheads: taken when no READ waits */
+    int nahead;                                /* queued read-aheads, at most FANFS_AHEAD_MAX */
     pthread_t threads[FANFS_POOL_MAX_THREADS];
     int nthreads;
     int stopping;
@@ -169,6 +175,7 @@ struct fanfs_frame {
     int fd;
     int64_t off;
     uint32_t len, crc, size;
+    uint8_t kind; /* part of the key: the same stored bytes decode differently per kind */
     char *data; /* NULL: empty slot, or one being decoded (pending) */
     uint32_t cap; /* bytes data can hold */
     int refs;
@@ -237,7 +244,7 @@ static void fanfs_piece_free(char *data, uint32_t cap, int locked) {
 
 static int fanfs_frame_match(const struct fanfs_frame *f, int fd, const struct fanfs_piece *p) {
     return (f->data != NULL || f->pending) && f->fd == fd && f->off == p->off && f->len == p->len &&
-           f->crc == p->crc && f->size == p->size;
+           f->crc == p->crc && f->size == p->size && f->kind == p->kind;
 }
 
 /* The slot holding this piece's decoded bytes (a reference taken), or -1. */
@@ -265,28 +272,32 @@ static int fanfs_frame_get(int fd, const struct fanfs_piece *p) {
     return found;
 }
 
-/* A slot for `size` more bytes, under the lock: one that no reply uses and no read-ahead fills,
- * least recently used first, evicting until FANFS_FRAMES_BYTES allows; -1 if none. */
+/* A slot for `size` more bytes, under the lock. Settled pieces (no reply uses them, no
+ * read-ahead fills them) are evicted least recently used first until the cache's bytes allow
+ * `size` more and a slot is free; -1 only when every piece is in use (or `size` alone is more
+ * than the cache holds). An empty slot is taken only once the bytes fit: the cache never stops
+ * taking pieces because the ones it holds fill its bytes while a slot is free. */
 static int fanfs_frame_room(uint32_t size) {
-    int i, victim;
+    int i, empty, victim;
     struct fanfs_frame *f;
     for (;;) {
-        victim = -1;
+        empty = victim = -1;
         for (i = 0; i < FANFS_FRAMES; i++) {
             f = &fanfs_frames.slot[i];
-            if (f->refs == 0 && !f->pending &&
-                (victim < 0 || f->data == NULL ||
-                 (fanfs_frames.slot[victim].data != NULL &&
-                  f->used < fanfs_frames.slot[victim].used)))
+            if (f->refs != 0 || f->pending)
+                continue;
+            if (f->data == NULL) {
+                if (empty < 0)
+                    empty = i;
+            } else if (victim < 0 || f->used < fanfs_frames.slot[victim].used) {
                 victim = i;
+            }
         }
+        if (empty >= 0 && fanfs_frames.bytes + size <= FANFS_FRAMES_BYTES)
+            return empty;
         if (victim < 0)
             return -1;
         f = &fanfs_frames.slot[victim];
-        if (f->data == NULL && fanfs_frames.bytes + size <= FANFS_FRAMES_BYTES)
-            return victim;
-        if (f->data == NULL) /* no room by bytes and nothing left to evict */
-            return -1;
         fanfs_frames.bytes -= f->size;
         fanfs_piece_free(f->data, f->cap, 1);
         f->data = NULL;
@@ -299,6 +310,7 @@ static void fanfs_frame_key(struct fanfs_frame *f, int fd, const struct fanfs_pi
     f->len = p->len;
     f->crc = p->crc;
     f->size = p->size;
+    f->kind = p->kind;
     f->used = ++fanfs_frames.clock;
 }
 
@@ -602,14 +614,15 @@ struct fanfs_decoded {
     uint32_t cap; /* which < 0: the capacity of data, from fanfs_piece_alloc */
 };
 
-/* Piece `index` of a job of `npieces`: only the first may use the thread's buffers. */
-static int fanfs_piece_get(int fd, const struct fanfs_piece *p, int index,
+/* A piece of a job: only the piece of a one-piece job may use the thread's buffers (a second
+ * piece would be read into the same buffer as the first, still to be sent). */
+static int fanfs_piece_get(int fd, const struct fanfs_piece *p, int single,
                            struct fanfs_decoded *d) {
     int err;
     char *stored, *out;
 
     d->slot = -1;
-    d->which = p->cache || index > 0 ? -1 : FANFS_BUF_OUT;
+    d->which = p->cache || !single ? -1 : FANFS_BUF_OUT;
     if (p->cache && (d->slot = fanfs_frame_get(fd, p)) >= 0) {
         d->data = fanfs_frames.slot[d->slot].data;
         return 0;
@@ -692,7 +705,7 @@ static void fanfs_readahead_run(struct fanfs_job *j) {
 static void fanfs_job_run(struct fanfs_job *j) {
     struct fanfs_decoded got[FANFS_MAX_PIECES];
     struct iovec iov[FANFS_MAX_PIECES];
-    int err = 0, i, n = 0, niov = 0;
+    int err = 0, i, niov = 0, held[FANFS_MAX_PIECES] = {0};
     uint64_t at = 0, lo = j->skip, hi = (uint64_t)j->skip + j->count;
 
     if (j->req == NULL) {
@@ -701,25 +714,25 @@ static void fanfs_job_run(struct fanfs_job *j) {
     }
     for (i = 0; i < j->npieces && err == 0; i++) {
         const struct fanfs_piece *p = &j->pieces[i];
-        uint64_t a, b;
-        err = fanfs_piece_get(j->fd, p, i, &got[i]);
-        if (err != 0)
-            break;
-        n++;
-        /* This piece covers decoded bytes [at, at + size) of the job. */
-        a = lo > at ? lo - at : 0;
-        b = hi < at + p->size ? hi - at : p->size;
-        if (b > a) {
+        uint64_t end = at + p->size;
+        /* Only the pieces that hold some of [lo, hi) are read: this one's [at, end). */
+        if (end > lo && at < hi) {
+            uint64_t a = lo > at ? lo - at : 0, b = (hi < end ? hi : end) - at;
+            err = fanfs_piece_get(j->fd, p, j->npieces == 1, &got[i]);
+            if (err != 0)
+                break;
+            held[i] = 1;
             iov[niov].iov_base = got[i].data + a;
             iov[niov].iov_len = b - a;
             niov++;
         }
-        at += p->size;
+        at = end;
     }
     if (err == 0)
         fuse_reply_iov(j->req, iov, niov);
-    for (i = 0; i < n; i++)
-        fanfs_piece_done(&got[i]);
+    for (i = 0; i < j->npieces; i++)
+        if (held[i])
+            fanfs_piece_done(&got[i]);
     if (err != 0) {
         /* A full pipe loses the record; the file is still answered EIO on every read. */
         struct fanfs_error_record rec = {j->entry, err, 0};
@@ -738,8 +751,10 @@ static struct fanfs_job *fanfs_next_job(void) {
             fanfs_pool.ahead_head = j->next;
             free(j);
         }
-    if (fanfs_pool.stopping)
+    if (fanfs_pool.stopping) {
         fanfs_pool.ahead_tail = NULL;
+        fanfs_pool.nahead = 0;
+    }
     if (*head == NULL) {
         head = &fanfs_pool.ahead_head;
         tail = &fanfs_pool.ahead_tail;
@@ -749,6 +764,8 @@ static struct fanfs_job *fanfs_next_job(void) {
         *head = j->next;
         if (*head == NULL)
             *tail = NULL;
+        if (j->req == NULL)
+            fanfs_pool.nahead--;
     }
     return j;
 }
@@ -883,11 +900,21 @@ static int fanfs_pool_submit(struct fanfs_job *proto) {
     head = j->req == NULL ? &fanfs_pool.ahead_head : &fanfs_pool.head; /* read-aheads apart */
     tail = j->req == NULL ? &fanfs_pool.ahead_tail : &fanfs_pool.tail;
     pthread_mutex_lock(&fanfs_pool.lock);
+    if (j->req == NULL && fanfs_pool.nahead >= FANFS_AHEAD_MAX) {
+        struct fanfs_job *old = fanfs_pool.ahead_head; /* the stalest: drop it */
+        fanfs_pool.ahead_head = old->next;
+        if (fanfs_pool.ahead_head == NULL)
+            fanfs_pool.ahead_tail = NULL;
+        fanfs_pool.nahead--;
+        free(old);
+    }
     if (*tail != NULL)
         (*tail)->next = j;
     else
         *head = j;
     *tail = j;
+    if (j->req == NULL)
+        fanfs_pool.nahead++;
     pthread_cond_signal(&fanfs_pool.cond);
     pthread_mutex_unlock(&fanfs_pool.lock);
     return 0;

@@ -9,6 +9,7 @@ from libc.stdlib cimport malloc, free
 
 cdef extern from "fanfs_read_pool.h" nogil:
     enum: FANFS_MAX_PIECES
+    enum: FANFS_PIECE_MAX
     struct fanfs_piece:
         int64_t off
         uint32_t len
@@ -38,9 +39,12 @@ FANFS_PATCH = @PATCH_LEVEL@  # fanfs/native.py's PATCH_LEVEL, written in by inst
 
 
 cdef int _fanfs_job_from(tuple job, fanfs_job *j):
-    """Fill `j` from a job tuple; 0, or -1 if it is malformed. Never raises."""
+    """Fill `j` from a job tuple; 0, or -1 if it is malformed: more pieces than a job holds, a
+    piece over FANFS_PIECE_MAX (stored or decoded) or empty, a range outside the pieces, or a
+    piece that holds none of the range (a read job names only the pieces it needs). Never
+    raises."""
     cdef int i, b
-    cdef uint64_t total = 0
+    cdef uint64_t total = 0, first = 0, last = 0
     cdef int n = (len(job) - 4) // 6
     if n < 1 or n > FANFS_MAX_PIECES or len(job) != 4 + 6 * n:
         return -1
@@ -55,10 +59,17 @@ cdef int _fanfs_job_from(tuple job, fanfs_job *j):
             j.pieces[i].kind = job[b + 3]
             j.pieces[i].size = job[b + 4]
             j.pieces[i].cache = job[b + 5]
+            if (j.pieces[i].size == 0 or j.pieces[i].size > FANFS_PIECE_MAX
+                    or j.pieces[i].len > FANFS_PIECE_MAX):
+                return -1
             total += j.pieces[i].size
     except (TypeError, OverflowError):
         return -1
     if j.skip > total or j.count > total - j.skip:
+        return -1
+    first = j.pieces[0].size  # the range must start in the first piece, end in the last
+    last = total - j.pieces[n - 1].size
+    if n > 1 and j.count and (j.skip >= first or j.skip + j.count <= last):
         return -1
     return 0
 

@@ -1,0 +1,77 @@
+"""A hostile MPI rank for tests/test_memory.py: it joins a fanfs job's start-up like a daemon,
+then asks rank 0 for more than any read asks and for replies it never takes.
+
+    mpirun -np 1 fanfs mount IMAGE MNT ... : -np 1 python hostile_peer.py BASE
+
+Steps, each waiting for a file the test writes in BASE: `go` (the test has measured rank 0's
+memory), then one request for a whole large raw file (over the daemon's MAX_REQUEST) and
+REQUESTS requests of MAX_REQUEST bytes whose replies it does not take; it writes what came
+back (each reply's size, from a probe) to BASE/result.json; `done` (the test has measured
+again): it takes the pending replies, says bye, and leaves the job cleanly.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from fanfs import catalog as cat
+from fanfs import placement
+from fanfs.transport import world as mpi
+from fanfs.transport.mpi import FIRST_REPLY_TAG, MAX_REQUEST, TAG_BYE, TAG_REQUEST
+
+REQUESTS = 10
+
+
+def wait_for(path: Path) -> None:
+    while not path.exists():
+        time.sleep(0.05)
+
+
+def main() -> int:
+    base = Path(sys.argv[1])
+    world = mpi.World()
+    # The daemon's start-up collectives, in its order (fanfs/daemon.py).
+    world.bcast(None)
+    c = cat.Catalog.from_bytes(world.bcast_bytes(None))
+    world.allgather(None)  # store created
+    world.allgather(None)  # mounted
+    owners = placement.place(c.part_size, c.part_flags, world.size, 1)
+    big = [e for e in range(c.n_entries) if c.is_file[e] and c.codec[e] == cat.CODEC_RAW
+           and int(c.stored_len[e]) > 4 * MAX_REQUEST and 0 in owners[int(c.part[e])]]  # fmt: skip
+    if not big:
+        print("hostile_peer: rank 0 holds no large raw file", file=sys.stderr)
+        return 3
+    entry, size = big[0], int(c.stored_len[big[0]])
+    comm, MPI = world.comm, world.MPI
+    wait_for(base / "go")
+    tags = list(range(FIRST_REPLY_TAG, FIRST_REPLY_TAG + 1 + REQUESTS))
+    asks = [(entry, 0, size)] + [(entry, k * MAX_REQUEST, MAX_REQUEST) for k in range(REQUESTS)]
+    for (e, off, n), tag in zip(asks, tags, strict=True):
+        comm.Send(np.array([e, off, n, tag], dtype=np.int64), 0, TAG_REQUEST)
+    sizes: dict[int, int] = {}
+    status = MPI.Status()
+    deadline = time.monotonic() + 60
+    while len(sizes) < len(tags) and time.monotonic() < deadline:
+        for tag in tags:
+            if tag not in sizes and comm.Iprobe(0, tag, status):
+                sizes[tag] = status.Get_count(MPI.BYTE)
+        time.sleep(0.05)
+    (base / "result.json").write_text(
+        json.dumps({"whole": sizes.get(tags[0]), "chunks": [sizes.get(t) for t in tags[1:]]})
+    )
+    wait_for(base / "done")
+    for tag in tags:  # take every reply, so that rank 0's sends complete
+        if comm.Iprobe(0, tag, status):
+            comm.Recv(bytearray(max(1, status.Get_count(MPI.BYTE))), 0, tag)
+    comm.Send(np.array([world.rank], dtype=np.int64), 0, TAG_BYE)
+    world.finalize()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

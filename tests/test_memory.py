@@ -1,0 +1,141 @@
+"""Memory tier: a real daemon under what could make it take unbounded memory, its peak resident
+memory (VmHWM) checked against its budgets plus a stated constant (docs/security.md, "Memory").
+
+BASELINE is what an idle daemon holds (the interpreter, numpy, trio, pyfuse3: about 80 MiB
+here) plus the native pool's fixed parts (per-thread buffers, its 64 MiB cache of decoded
+pieces) and the read-ahead threads' pieces in flight: whatever a plan, an image or a peer asks,
+the daemon stays within its budgets plus this."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import FANFS, fanfs, mounted, prepare, wait_until
+
+from fanfs import mounts, plan
+from fanfs.bench import launch
+
+MIB = 1 << 20
+BASELINE = 300 * MIB  # the stated constant: see the module docstring
+
+
+def peak_rss(pid: int) -> int:
+    """The process's peak resident memory so far (VmHWM), bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmHWM for {pid}")
+
+
+def test_a_plan_of_a_huge_compressible_file_stays_within_its_budget(tmp_path: Path) -> None:
+    """4 GiB of zeros stores in a few hundred KiB; planned with --prefetch-mb 64, the daemon
+    used to decode it whole (about 8 GiB). Read ahead frame by frame up to the budget's share,
+    then read back exactly, the daemon's peak stays under 64 MiB + BASELINE."""
+    src = tmp_path / "src"
+    src.mkdir()
+    with open(src / "zeros.bin", "wb") as f:
+        f.truncate(4 << 30)
+    image = prepare(src, tmp_path / "img", "--compress", "zstd")
+    with mounted(image, tmp_path / "mnt", tmp_path / "local", "--prefetch-mb", "64") as m:
+        m.wait_staged()
+        os.listdir(m.mountpoint)  # the kernel learns the inode: read-ahead goes to its cache
+        assert plan.publish(m.mountpoint, ["zeros.bin"]).planned == 1
+        assert wait_until(lambda: m.status()["plan"]["prefetched"] >= 1, 60), m.status()["plan"]
+        assert m.status()["plan"]["prefetched_bytes"] <= 64 * MIB
+        block = np.zeros(64 * MIB, dtype=np.uint8)
+        with open(m.mountpoint / "zeros.bin", "rb", buffering=0) as f:
+            total = 0
+            while n := f.readinto(block):
+                assert not block[:n].any(), total
+                total += n
+        assert total == 4 << 30
+        print(f"peak {peak_rss(m.proc.pid) / MIB:.0f} MiB")
+        assert peak_rss(m.proc.pid) < 64 * MIB + BASELINE, peak_rss(m.proc.pid) / MIB
+
+
+def test_the_piece_cache_keeps_taking_pieces(tmp_path: Path) -> None:
+    """Files of 3 MiB read in parts keep their decoded piece in the native pool's cache for
+    the next part. Once the pieces held filled its bytes while a slot was free, it used to
+    refuse every new piece for good: then no part found its file there. 100 files read in
+    parts, then another part of the last fifteen: each finds its piece."""
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = np.random.default_rng(1)
+    for i in range(100):
+        (src / f"f{i:03d}.bin").write_bytes(rng.bytes(3 * MIB))
+    image = prepare(src, tmp_path / "img", "--compress", "none")
+    with mounted(image, tmp_path / "mnt", tmp_path / "local") as m:
+        m.wait_staged()
+        names = sorted(p.name for p in src.iterdir())
+        for name in names:
+            with open(m.mountpoint / name, "rb") as f:
+                assert f.read(4096) == (src / name).read_bytes()[:4096]
+        before = m.status()["native_frame_hits"]
+        for name in reversed(names[-15:]):
+            with open(m.mountpoint / name, "rb") as f:
+                f.seek(2 * MIB)
+                assert f.read(4096) == (src / name).read_bytes()[2 * MIB : 2 * MIB + 4096]
+        hits = m.status()["native_frame_hits"] - before
+        assert hits >= 15, hits
+        print(f"peak {peak_rss(m.proc.pid) / MIB:.0f} MiB")
+        assert peak_rss(m.proc.pid) < BASELINE, peak_rss(m.proc.pid) / MIB
+
+
+@pytest.mark.mpi
+def test_a_peer_asking_too_much_gets_refusals_and_no_memory(tmp_path: Path) -> None:
+    """A hostile rank asks rank 0 for a whole 200 MiB file (it used to read it into memory)
+    and for ten 16 MiB ranges whose replies it never takes (they used to stay in memory until
+    exit). Refused beyond MAX_REQUEST and beyond REPLY_BYTES of replies not taken: rank 0's
+    peak grows by at most REPLY_BYTES."""
+    from fanfs.transport.mpi import MAX_REQUEST, REPLY_BYTES
+
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = np.random.default_rng(2)
+    (src / "big.bin").write_bytes(rng.bytes(200 * MIB))
+    for i in range(8):
+        (src / f"small{i}.bin").write_bytes(rng.bytes(100_000))
+    image = prepare(src, tmp_path / "img", "--compress", "none", "--partitions", "4")
+    base = tmp_path / "hostile"
+    base.mkdir()
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    cmd = ["mpirun", "--oversubscribe", "-np", "1", *FANFS, "mount", str(image), str(mnt),
+           "--local", str(tmp_path / "local"), "--linger", "30", ":", "-np", "1",
+           sys.executable, str(Path(__file__).with_name("hostile_peer.py")), str(base)]  # fmt: skip
+    with open(tmp_path / "mpirun.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, **launch.MPI_ENV})  # fmt: skip
+    try:
+        done = fanfs("wait", mnt, "--timeout", "60", timeout=90)
+        assert done.returncode == 0, done.stderr + (tmp_path / "mpirun.log").read_text()
+        pid = json.loads(fanfs("status", mnt, "--json").stdout)["pid"]
+        before = peak_rss(pid)
+        (base / "go").touch()
+        assert wait_until(lambda: (base / "result.json").exists(), 90)
+        time.sleep(1)
+        result = json.loads((base / "result.json").read_text())
+        assert result["whole"] == 0  # refused
+        taken = [n for n in result["chunks"] if n == MAX_REQUEST]
+        assert len(taken) == REPLY_BYTES // MAX_REQUEST, result
+        assert all(n in (0, MAX_REQUEST) for n in result["chunks"]), result
+        grown = peak_rss(pid) - before
+        print(f"before {before / MIB:.0f} MiB, grown {grown / MIB:.0f} MiB")
+        assert grown < REPLY_BYTES + 32 * MIB, grown / MIB
+        s = json.loads(fanfs("status", mnt, "--json").stdout)["reader"]
+        assert s["refused_to_peers"] >= 1 + 10 - len(taken), s
+        (base / "done").touch()
+        done = fanfs("umount", mnt, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert proc.wait(60) == 0, (tmp_path / "mpirun.log").read_text()
+    finally:
+        (base / "done").touch()
+        launch.stop_process(proc, [mnt])  # type: ignore[arg-type]
+        assert mounts.find(mnt) is None
