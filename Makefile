@@ -19,8 +19,8 @@ setup: system $(STAMP)
 system:
 	@PYTHON=$(PYTHON) bash tools/setup_system.sh
 
-# fanfs/native.py holds the pyfuse3 patch level: a new level rebuilds pyfuse3.
-$(STAMP): pyproject.toml tools/install_pyfuse3.py fanfs/native.py $(wildcard tools/pyfuse3_patch/*)
+# fanfs/node/native.py holds the pyfuse3 patch level: a new level rebuilds pyfuse3.
+$(STAMP): pyproject.toml tools/install_pyfuse3.py fanfs/node/native.py $(wildcard tools/pyfuse3_patch/*)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel
 	$(BIN)/python tools/install_pyfuse3.py

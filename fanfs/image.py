@@ -17,8 +17,8 @@ import numpy as np
 from fanfs import catalog as cat
 from fanfs import codec, placement
 from fanfs.errors import CorruptFile
+from fanfs.node.store import check_partitions, pread_exact
 from fanfs.progress import Progress, human_bytes
-from fanfs.store import check_partitions, pread_exact
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from fanfs import catalog as cat
 from fanfs.errors import ImageExists, SourceError
-from fanfs.staging import pid_alive
+from fanfs.node.staging import pid_alive
 
 log = logging.getLogger(__name__)
 

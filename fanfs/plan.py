@@ -8,7 +8,7 @@ ones, which mean what `open()` makes of them: relative to the working directory 
 inside the mount (a job that runs in its dataset's directory), else relative to the mount.
 `publish` returns once the daemon has taken the plan (a new plan for a share replaces that
 share's previous one; it stays in force after this process exits), and the daemon starts
-reading ahead at once (fanfs/planner.py). Several processes on one node (training
+reading ahead at once (fanfs/node/planner.py). Several processes on one node (training
 ranks) each publish their own share. `progress` tells the daemon how far a share's job has
 read, which lets it read further ahead when the job's reads do not reach it (files already in
 the page cache); `fanfs.torch.PlannedSampler` does both for PyTorch.

@@ -64,7 +64,7 @@ class ReaderStatus:
     fallbacks: int
     bad_payloads: int
     native_jobs: int
-    lookup_fetches: int  # remote files fetched at their LOOKUP (fanfs/lookahead.py)
+    lookup_fetches: int  # remote files fetched at their LOOKUP (fanfs/node/lookahead.py)
     lookup_fetches_read: int
     lookup_fetches_unread: int
     fetch_ms: Percentiles
@@ -87,7 +87,7 @@ class PeerStatus:
 
 @dataclass(frozen=True, slots=True)
 class PlanStatus:
-    """Planned epochs (fanfs/planner.py)."""
+    """Planned epochs (fanfs/node/planner.py)."""
 
     shares: int  # plans in force
     planned: int  # files named by plans taken so far

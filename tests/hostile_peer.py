@@ -21,8 +21,8 @@ import numpy as np
 
 from fanfs import catalog as cat
 from fanfs import placement
-from fanfs.transport import world as mpi
-from fanfs.transport.mpi import FIRST_REPLY_TAG, MAX_REQUEST, TAG_BYE, TAG_REQUEST
+from fanfs import world as mpi
+from fanfs.node.transport.mpi import FIRST_REPLY_TAG, MAX_REQUEST, TAG_BYE, TAG_REQUEST
 
 REQUESTS = 10
 
@@ -35,7 +35,7 @@ def wait_for(path: Path) -> None:
 def main() -> int:
     base = Path(sys.argv[1])
     world = mpi.World()
-    # The daemon's start-up collectives, in its order (fanfs/daemon.py).
+    # The daemon's start-up collectives, in its order (fanfs/node/daemon.py).
     world.bcast(None)
     c = cat.Catalog.from_bytes(world.bcast_bytes(None))
     world.allgather(None)  # store created

@@ -20,9 +20,10 @@ from conftest import fanfs, mounted, prepare
 from PIL import Image
 
 from fanfs import catalog as cat
-from fanfs import codec, datagen, filters, native
+from fanfs import codec, datagen, filters
 from fanfs.errors import CorruptFile, ExitCode
 from fanfs.image import nodes_needed
+from fanfs.node import native
 
 AUTO = codec.Encoder(codec.Policy("auto"))
 ZSTD = codec.Encoder(codec.Policy("zstd"))

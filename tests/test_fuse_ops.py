@@ -8,13 +8,13 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
+import parts
 import pyfuse3
 import pytest
 
 from fanfs import catalog as cat
-from fanfs.fuse_ops import ROOT, FanfsOperations
-from fanfs.reader import Reader
-from fanfs.store import PartitionStore
+from fanfs.node.fuse_ops import ROOT, FanfsOperations
+from fanfs.node.store import PartitionStore
 
 
 @pytest.fixture
@@ -22,7 +22,7 @@ def ops(awkward_image: Path, tmp_path: Path) -> Iterator[FanfsOperations]:
     c, _ = cat.Catalog.load(awkward_image)
     store = PartitionStore(awkward_image, c, tmp_path / "local", range(c.n_partitions))
     try:
-        yield FanfsOperations(c, Reader(c, store, 1 << 20), lambda: {"serving": True})
+        yield FanfsOperations(c, parts.reader(c, store), lambda: {"serving": True})
     finally:
         store.close()
 

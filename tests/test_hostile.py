@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import parts
 import pyfuse3
 import pytest
 import trio
@@ -22,11 +23,12 @@ from hypothesis import strategies as st
 
 from fanfs import catalog as cat
 from fanfs.errors import ImageError
-from fanfs.fuse_ops import ROOT, STATUS_XATTR, FanfsOperations
-from fanfs.reader import Reader
-from fanfs.store import PartitionStore
-from fanfs.transport import PeerTimeout
-from fanfs.transport.mpi import FIRST_REPLY_TAG, parse_request
+from fanfs.node.fuse_ops import ROOT, STATUS_XATTR, FanfsOperations
+from fanfs.node.peers import PeerServer
+from fanfs.node.reader import Reader
+from fanfs.node.store import PartitionStore
+from fanfs.node.transport import PeerTimeout
+from fanfs.node.transport.inbox import FIRST_REPLY_TAG, parse_request
 
 SETTINGS = settings(max_examples=300, deadline=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
@@ -180,7 +182,7 @@ def test_peer_request_parser(header: list[int]) -> None:
 def adapter(awkward_image: Path, tmp_path: Path) -> Iterator[tuple[FanfsOperations, Reader]]:
     c, _ = cat.Catalog.load(awkward_image)
     store = PartitionStore(awkward_image, c, tmp_path / "local", range(c.n_partitions))
-    reader = Reader(c, store, 1 << 20)
+    reader = parts.reader(c, store)
     try:
         yield FanfsOperations(c, reader, lambda: {"serving": True}), reader
     finally:
@@ -199,16 +201,17 @@ def test_serving_any_peer_request(
     transport's threads may read it alone (`locate`), they read exactly those bytes."""
     _, reader = adapter
     c = reader.catalog
-    got = trio.run(reader.serve, entry, offset, length)
+    server = PeerServer(c, reader.local)
+    got = trio.run(server.serve, entry, offset, length)
     if got is not None:
         assert 0 <= entry < c.n_entries and c.is_file[entry] and len(got) == length
-        assert bytes(got) == bytes(trio.run(reader.sources.local, entry, offset, length))
-    located = reader.locate(entry, offset, length)
+        assert bytes(got) == bytes(trio.run(reader.local.read, entry, offset, length))
+    located = server.locate(entry, offset, length)
     if located is not None:
         assert got is not None
         part, start = located
         assert start + length <= int(c.part_size[part])
-        assert reader.pread(part, start, length) == bytes(got)
+        assert server.pread(part, start, length) == bytes(got)
 
 
 async def fuse_call(ops: FanfsOperations, call: str, *args: object) -> object:
@@ -256,6 +259,7 @@ class HostilePeer:
     right ones, other ones of the right length, a wrong length, nothing, or silence."""
 
     rank, size = 0, 2
+    blocking_fetch = False
 
     def __init__(self, replies: st.DataObject, right: Path):
         self.replies = replies
@@ -293,7 +297,7 @@ def test_hostile_replies_never_reach_the_reader(
     c, _ = cat.Catalog.load(awkward_image)
     store = PartitionStore(awkward_image, c, tmp_path / "local", [])
     owners = [(1,)] * c.n_partitions
-    reader = Reader(c, store, 1 << 20, owners, HostilePeer(replies, awkward_image))
+    reader = parts.reader(c, store, owners=owners, transport=HostilePeer(replies, awkward_image))
     files = [e for e, _ in c.walk() if c.is_file[e] and 0 < c.size[e] <= 1 << 20]
     try:
         for e in replies.draw(st.lists(st.sampled_from(files), min_size=1, max_size=4)):

@@ -12,20 +12,24 @@ PACKAGE = Path(__file__).resolve().parents[1] / "fanfs"
 
 # Lower numbers are lower layers; a module may import only its own layer or lower ones.
 LAYERS = {
-    "errors": 0, "progress": 0, "status": 0, "native": 0, "logs": 0, "checksum": 0,
-    "latency": 1, "lookahead": 0, "catalog": 1, "placement": 1, "mounts": 1, "pagecache": 1,
-    "plan": 2, "torch": 3, "paths": 2, "plans": 3, "planner": 5, "plansocket": 4,
-    "filters": 1, "codec": 2, "compare": 2, "datagen": 2, "staging": 2, "imagedir": 2,
-    "transport.world": 2, "transport": 2, "transport.mpi": 3, "transport.inproc": 3,
-    "store": 3, "image": 4, "cache": 2, "sources": 4, "reader": 5,
+    "errors": 0, "progress": 0, "status": 0, "logs": 0, "checksum": 0, "projection": 0,
+    "catalog": 1, "placement": 1, "mounts": 1, "pagecache": 1, "filters": 1,
+    "plan": 2, "paths": 2, "codec": 2, "compare": 2, "datagen": 2, "imagedir": 2, "world": 2,
+    "torch": 3, "image": 4,
     "prepare.interrupt": 2, "prepare.source": 3, "prepare.dicts": 3, "prepare.pack": 3,
     "prepare.fanout": 4, "prepare.publish": 4, "prepare": 5,
-    "fuse_ops": 6, "daemon": 7, "bench.launch": 7, "bench.epoch": 7, "bench": 8,
-    "bench.calibrate": 8, "projection": 0,
-    "cli": 9, "cli.__main__": 10, "cli.options": 8, "cli.image": 9, "cli.mount": 9,
-    "cli.bench": 9, "cli.report": 8,
+    # the daemon's wing: everything that runs inside `fanfs mount`
+    "node": 2, "node.bad": 2, "node.latency": 2, "node.lookahead": 2, "node.cache": 2,
+    "node.staging": 2, "node.native": 3, "node.store": 3, "node.plans": 3,
+    "node.transport": 3, "node.transport.inbox": 3, "node.transport.mpi": 4,
+    "node.transport.inproc": 4, "node.sources": 4, "node.plansocket": 4, "node.peers": 5,
+    "node.reader": 5, "node.planner": 5, "node.fuse_ops": 6, "node.assemble": 7,
+    "node.daemon": 8,
+    "bench.launch": 8, "bench.epoch": 8, "bench": 9, "bench.calibrate": 9,
+    "cli": 10, "cli.__main__": 11, "cli.options": 9, "cli.image": 10, "cli.mount": 10,
+    "cli.bench": 10, "cli.report": 9,
 }  # fmt: skip
-ONE_IMPORTER = {"mpi4py": "transport.world", "pyfuse3": "fuse_ops", "zstandard": "codec",
+ONE_IMPORTER = {"mpi4py": "world", "pyfuse3": "node.fuse_ops", "zstandard": "codec",
                 "isal": "checksum"}  # fmt: skip
 
 
@@ -95,3 +99,65 @@ def test_mpi_fuse_and_zstd_each_have_one_importer() -> None:
     graph = imports()
     for package, owner in ONE_IMPORTER.items():
         assert sorted(m for m, ts in graph.items() if f"ext:{package}" in ts) == [owner]
+
+
+def _attribute_writes(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, target) of every assignment to an attribute of another object than `self` (or
+    through `self` into another: `self.other.attr = ...`), unless the same function created
+    the object (a local name bound to a class's call: a capitalised name)."""
+    found = []
+    for func in ast.walk(tree):
+        if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        made = {t.id for node in ast.walk(func) if isinstance(node, ast.Assign)
+                and isinstance(node.value, ast.Call) and _constructor(node.value)
+                for t in node.targets if isinstance(t, ast.Name)}  # fmt: skip
+        for node in ast.walk(func):
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            else:
+                continue
+            for t in targets:
+                while isinstance(t, ast.Subscript):  # x[i] = ...: the container x is written
+                    t = t.value
+                if not isinstance(t, ast.Attribute):
+                    continue
+                chain = []
+                base: ast.expr = t
+                while isinstance(base, (ast.Attribute, ast.Subscript)):
+                    if isinstance(base, ast.Attribute):
+                        chain.append(base.attr)
+                    base = base.value
+                owner = base.id if isinstance(base, ast.Name) else "?"
+                through_self = owner == "self" and len(chain) > 1  # self.other.attr = ...
+                if through_self or (owner != "self" and owner not in made):
+                    found.append((node.lineno, ast.unparse(t)))
+    return found
+
+
+def _constructor(call: ast.Call) -> bool:
+    f = call.func
+    name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+    return name[:1].isupper()
+
+
+# A library's own configuration object, which it documents as set before use.
+CONFIGURED = {"fanfs/world.py": {"mpi4py.rc.thread_level", "mpi4py.rc.finalize"}}
+
+
+def test_no_object_is_wired_from_outside() -> None:
+    """The daemon's object graph is built in one place (fanfs/node/assemble.py), each object
+    handed what it uses: no module sets an attribute on another object after it was built (an
+    arrow no import shows). A method may set its own object's attributes (records included:
+    they change through their own methods), and a function those of an object it has just
+    made."""
+    wired = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = f"fanfs/{path.relative_to(PACKAGE)}"
+        found = [(line, target) for line, target in _attribute_writes(ast.parse(path.read_text()))
+                 if target not in CONFIGURED.get(name, set())]  # fmt: skip
+        if found:
+            wired[name] = found
+    assert wired == {}

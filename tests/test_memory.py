@@ -94,7 +94,7 @@ def test_a_peer_asking_too_much_gets_refusals_and_no_memory(tmp_path: Path) -> N
     and for ten 16 MiB ranges whose replies it never takes (they used to stay in memory until
     exit). Refused beyond MAX_REQUEST and beyond REPLY_BYTES of replies not taken: rank 0's
     peak grows by at most REPLY_BYTES."""
-    from fanfs.transport.mpi import MAX_REQUEST, REPLY_BYTES
+    from fanfs.node.transport.mpi import MAX_REQUEST, REPLY_BYTES
 
     src = tmp_path / "src"
     src.mkdir()

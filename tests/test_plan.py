@@ -24,8 +24,8 @@ import pytest
 from conftest import FANFS, Mount, fanfs, mounted, prepare, wait_until
 
 from fanfs import mounts, plan
+from fanfs.node.plans import MIN_WINDOW as SLACK
 from fanfs.plan import PlanRefused
-from fanfs.plans import MIN_WINDOW as SLACK
 
 N_FILES = 400
 

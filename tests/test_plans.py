@@ -1,6 +1,7 @@
-"""Unit tier: planned epochs' state (fanfs/plans.py) and the paths it is given (fanfs/paths.py),
-without a mount: where the job is in a plan with repeats, in several shares, with reads that
-lag behind what the sampler drew; what is due within a budget of decoded bytes."""
+"""Unit tier: planned epochs' state (fanfs/node/plans.py) and the paths it is given
+(fanfs/paths.py), without a mount: where the job is in a plan with repeats, in several shares,
+with reads that lag behind what the sampler drew; what is due within a budget of decoded
+bytes."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fanfs import catalog as cat
-from fanfs import paths, plansocket
-from fanfs.plans import MIN_WINDOW, PARTIAL_SHARE, Plans, ShareOrder, read_ahead_bytes
+from fanfs import paths
+from fanfs.node import plansocket
+from fanfs.node.plans import MIN_WINDOW, PARTIAL_SHARE, Plans, ShareOrder, read_ahead_bytes
 
 N = 1000  # entries of the fake catalog
 KIB = 1 << 10

@@ -8,15 +8,17 @@ import zlib
 from pathlib import Path
 
 import numpy as np
+import parts
 import pytest
 import trio
 
 from fanfs import catalog as cat
 from fanfs import placement
-from fanfs.cache import ENTRY_OVERHEAD, ByteLRU, SingleFlight
-from fanfs.sources import Sources
-from fanfs.store import PartitionStore
-from fanfs.transport.inproc import Cluster
+from fanfs.node.cache import ENTRY_OVERHEAD, ByteLRU, SingleFlight
+from fanfs.node.peers import PeerServer
+from fanfs.node.sources import Sources
+from fanfs.node.store import PartitionStore
+from fanfs.node.transport.inproc import Cluster
 
 
 def test_lru_evicts_least_recent_and_keeps_the_newest() -> None:
@@ -104,15 +106,11 @@ async def test_sources_choose_local_peer_or_image_and_say_what_is_checked(
 ) -> None:
     c, _ = cat.Catalog.load(image)
     owners = [(p % 2,) for p in range(c.n_partitions)]  # any placement will do
-    cluster = Cluster(2, 0.2)
     stores = [CountingStore(image, c, tmp_path / f"l{r}", placement.owned_by(owners, r))
               for r in range(2)]  # fmt: skip
-    sources = [Sources(c, s, owners, t) for s, t in zip(stores, cluster.ranks, strict=True)]
-
-    async def serve(entry: int, offset: int, length: int) -> bytes:
-        return await sources[1].local(entry, offset, length)
-
-    cluster.ranks[1].serve_fn = serve
+    locals_ = [parts.local(c, s, r, owners) for r, s in enumerate(stores)]
+    cluster = Cluster([PeerServer(c, loc) for loc in locals_], 0.2)
+    sources = [Sources(c, loc, owners, t) for loc, t in zip(locals_, cluster.ranks, strict=True)]
     try:
         files = [e for e, _ in c.walk()
                  if c.is_file[e] and c.size[e] and c.codec[e] != cat.CODEC_FRAMED]  # fmt: skip
@@ -168,8 +166,8 @@ def test_status_round_trips_and_refuses_an_unknown_layout() -> None:
 
 
 def test_lookahead_fetches_while_reads_follow_lookups() -> None:
-    from fanfs import lookahead
-    from fanfs.lookahead import LookAhead
+    from fanfs.node import lookahead
+    from fanfs.node.lookahead import LookAhead
 
     ahead = LookAhead()
     for entry in range(500):  # a training epoch: every lookup is read

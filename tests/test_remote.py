@@ -11,14 +11,16 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import parts
 import pytest
 import trio
 
 from fanfs import catalog as cat
 from fanfs import placement
-from fanfs.reader import Reader
-from fanfs.store import PartitionStore
-from fanfs.transport.inproc import Cluster
+from fanfs.node.peers import PeerServer
+from fanfs.node.reader import Reader
+from fanfs.node.store import PartitionStore
+from fanfs.node.transport.inproc import Cluster
 
 TIMEOUT = 0.3  # the simulated peer timeout: short, the tests wait for it
 
@@ -28,13 +30,12 @@ class Job:
         self.catalog, _ = cat.Catalog.load(image)
         c = self.catalog
         self.owners = placement.place(c.part_size, c.part_flags, n, replicas)
-        self.cluster = Cluster(n, TIMEOUT)
         owned = [placement.owned_by(self.owners, r) for r in range(n)]
         self.stores = [PartitionStore(image, c, base / f"local-{r}", owned[r]) for r in range(n)]
-        self.readers = [Reader(c, s, 1 << 20, self.owners, t)
-                        for s, t in zip(self.stores, self.cluster.ranks, strict=True)]  # fmt: skip
-        for reader, transport in zip(self.readers, self.cluster.ranks, strict=True):
-            transport.serve_fn = reader.serve
+        locals_ = [parts.local(c, s, r, self.owners) for r, s in enumerate(self.stores)]
+        self.cluster = Cluster([PeerServer(c, loc) for loc in locals_], TIMEOUT)
+        self.readers = [parts.reader(c, loc, owners=self.owners, transport=t)
+                        for loc, t in zip(locals_, self.cluster.ranks, strict=True)]  # fmt: skip
 
     def files(self, owned_by: int | None = None) -> list[tuple[int, str]]:
         c = self.catalog

@@ -1,6 +1,6 @@
 """Stop signals at every moment of a daemon's life: a defined exit code, and nothing left.
 
-SIGTERM, SIGINT and SIGHUP mean "stop" whenever they come (fanfs/daemon.py): during start-up
+SIGTERM, SIGINT and SIGHUP mean "stop" whenever they come (fanfs/node/daemon.py): during start-up
 the daemon fails with exit 130 after cleaning up; while serving it unmounts and exits 0; after
 its FUSE session has ended (an external unmount) it finishes cleaning up and exits 0. Never a
 segfault (pyfuse3 frees its session in `close`; a late `terminate` used to dereference it),

@@ -28,7 +28,7 @@ PROBE_TIMEOUT_S = 2.0  # a daemon that cannot answer a getxattr in 2 s is treate
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
-    from fanfs.daemon import Daemon, MountConfig
+    from fanfs.node.daemon import Daemon, MountConfig
 
     cfg = MountConfig(
         image=Path(args.image).absolute(),

@@ -117,7 +117,7 @@ def prepare(
 
 def _world() -> Any:
     """The MPI world when launched with several ranks, else None (no MPI initialised)."""
-    from fanfs.transport import world as mpi
+    from fanfs import world as mpi
 
     return mpi.World() if mpi.launched_size(dict(os.environ)) > 1 else None
 

@@ -24,8 +24,9 @@ def write_catalog(tmp: Path, tree: Tree, packer: Packer, encoder: codec.Encoder,
     for i, name in enumerate(tree.names):
         name_off[i] = len(strings)
         strings += name
+    data_off = packer.data_off.copy()  # symlinks point into the strings instead
     for entry, target in tree.links.items():
-        packer.data_off[entry] = len(strings)
+        data_off[entry] = len(strings)
         strings += target
     dict_off = np.zeros(len(encoder.dicts), dtype=np.uint64)
     for i, d in enumerate(encoder.dicts):
@@ -41,7 +42,7 @@ def write_catalog(tmp: Path, tree: Tree, packer: Packer, encoder: codec.Encoder,
         "child_start": tree.child_start,
         "child_count": tree.child_count,
         "part": packer.part,
-        "data_off": packer.data_off,
+        "data_off": data_off,
         "stored_len": packer.stored_len,
         "crc": packer.crc,
         "codec": packer.codec,

@@ -52,7 +52,7 @@
 typedef unsigned long (*fanfs_zlib_crc32_fn)(unsigned long, const unsigned char *, unsigned int);
 typedef uint32_t (*fanfs_isal_crc32_fn)(uint32_t, const unsigned char *, uint64_t);
 
-/* What a piece's stored bytes are (the Python side's fanfs/native.py names the same numbers). */
+/* What a piece's stored bytes are (the Python side's fanfs/node/native.py names the same numbers). */
 enum {
     FANFS_KIND_RAW = 0,      /* the bytes themselves */
     FANFS_KIND_ZSTD = 1,     /* one zstd frame; its header names its dictionary, if any */

@@ -1,7 +1,7 @@
 # fanfs's native read pool (fanfs_read_pool.h), included in pyfuse3's __init__.pyx by
 # tools/install_pyfuse3.py. A read handler that returns a tuple instead of bytes,
 # (fd, entry, skip, count) followed by (offset, length, crc, kind, size, cache) per stored piece
-# (fanfs/native.py), hands the request to the pool, which reads, checks, decodes and answers it
+# (fanfs/node/native.py), hands the request to the pool, which reads, checks, decodes and answers it
 # without the GIL (see fuse_read_async).
 
 from libc.stdint cimport int64_t, uint8_t, uint64_t
@@ -35,7 +35,7 @@ cdef extern from "fanfs_read_pool.h" nogil:
     int64_t fanfs_now_ns()
     int fanfs_spin_receive(fuse_session *se, fuse_buf *buf, int64_t chunk_ns, int64_t until)
 
-FANFS_PATCH = @PATCH_LEVEL@  # fanfs/native.py's PATCH_LEVEL, written in by install_pyfuse3
+FANFS_PATCH = @PATCH_LEVEL@  # fanfs/node/native.py's PATCH_LEVEL, written in by install_pyfuse3
 
 
 cdef int _fanfs_job_from(tuple job, fanfs_job *j):

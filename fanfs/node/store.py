@@ -1,7 +1,7 @@
 """The partition store: where a partition's bytes come from, the staged local copy or the image.
 
 Staging copies the partitions this daemon serves from the image into its private staging
-directory (fanfs/staging.py: anonymous 0600 files that cannot outlive the daemon) with large
+directory (fanfs/node/staging.py: anonymous 0600 files that cannot outlive the daemon) with large
 kernel-side copies (sendfile) in one background thread. Until a partition has landed, its
 reads go to the image, so the mount serves at once. Swapping a partition's fd is one list-item
 assignment, atomic under the GIL, and old fds stay open until `close`, so a reader that picked
@@ -21,8 +21,8 @@ from pathlib import Path
 
 from fanfs import catalog as cat
 from fanfs.errors import MissingPartition, StagingError
+from fanfs.node.staging import StagingDir
 from fanfs.progress import human_bytes
-from fanfs.staging import StagingDir
 from fanfs.status import StoreStatus
 
 log = logging.getLogger(__name__)

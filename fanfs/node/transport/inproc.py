@@ -2,9 +2,10 @@
 
 Real code, not a test double (as dask's `inproc`): everything above the transport (remote reads,
 replicas, routing around a dead peer, lingering) runs here with no mpirun, in one process, so
-it can be tested alone and fast. `Cluster(n, peer_timeout)` holds n `InprocTransport`s, one per
-simulated daemon. A fetch awaits the peer's `serve_fn` directly and copies its reply (a peer's
-buffer is never shared, as over MPI), all bounded by the peer timeout. `Cluster.silence(rank)`
+it can be tested alone and fast. `Cluster(servers, peer_timeout)` holds one `InprocTransport`
+per simulated daemon, each handed its daemon's peer server. A fetch awaits the peer's server
+directly and copies its reply (a peer's buffer is never shared, as over MPI), all bounded by
+the peer timeout. `Cluster.silence(rank)`
 makes a rank stop answering, as a killed or stopped daemon does: fetches to it wait for the peer
 timeout, raise PeerTimeout, and the rank is routed around from then on.
 
@@ -15,18 +16,20 @@ reader in a task of its own, so a slow peer delays only the fetches waiting for 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import trio
 
-from fanfs.transport import PeerTimeout, PeerTransport
+from fanfs.node.transport import PeerTimeout, PeerTransport, Served
 
 
 class Cluster:
     """The simulated ranks of one job."""
 
-    def __init__(self, size: int, peer_timeout: float):
-        self.ranks = [InprocTransport(self, r, size, peer_timeout) for r in range(size)]
+    def __init__(self, servers: Sequence[Served], peer_timeout: float):
+        n = len(servers)
+        self.ranks = [InprocTransport(self, r, n, peer_timeout, s) for r, s in enumerate(servers)]
         self.silent: set[int] = set()
 
     def silence(self, rank: int) -> None:
@@ -35,8 +38,9 @@ class Cluster:
 
 
 class InprocTransport(PeerTransport):
-    def __init__(self, cluster: Cluster, rank: int, size: int, peer_timeout: float):
-        super().__init__(rank, size, peer_timeout)
+    def __init__(self, cluster: Cluster, rank: int, size: int, peer_timeout: float,
+                 server: Served):  # fmt: skip
+        super().__init__(rank, size, peer_timeout, server)
         self.cluster = cluster
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

@@ -1,8 +1,8 @@
 """Planned epochs' state, in one owner: every share's order, the job's position in it, how far
 ahead the daemon has read, the budget, and the bytes read ahead that wait for their READ.
 
-A *share* is one training rank's plan on this node (fanfs/planner.py reads ahead of it,
-fanfs/plansocket.py takes it from the job). What this module decides:
+A *share* is one training rank's plan on this node (fanfs/node/planner.py reads ahead of it,
+fanfs/node/plansocket.py takes it from the job). What this module decides:
 
 - **Where the job is.** The job's position moves with the READs and LOOKUPs of planned files
   that reach the daemon and with progress messages. A file may appear several times in a plan
@@ -153,6 +153,45 @@ class Share:
         """Decoded bytes read ahead beyond the job's position (what the budget bounds)."""
         return self.plan.upto(self.next) - self.plan.upto(min(self.position, self.next))
 
+    # The share's own changes, which `Plans` (its owner) asks for.
+
+    def advance(self, position: int) -> bool:
+        """The job has drawn or read up to `position`: True if that moved it."""
+        if position <= self.position:
+            return False
+        self.position = min(position, len(self.plan))
+        return True
+
+    def accessed(self, pos: int) -> bool:
+        """A READ or LOOKUP of position `pos` reached the daemon: learn how far behind the
+        drawn position reads come; True if it moved the reads on."""
+        if pos < self.position:
+            self.lag = max(self.lag, self.position - pos)
+        if pos < self.read_at:
+            return False
+        self.read_at = pos + 1
+        return True
+
+    def rewind(self, pos: int) -> None:
+        """Read `pos` ahead again (its bytes were not kept)."""
+        self.next = min(self.next, pos)
+
+    def take(self) -> int:
+        """The next position to read ahead, skipping what the job has passed."""
+        self.next = max(self.next, self.floor)
+        pos = self.next
+        self.next += 1
+        return pos
+
+    def keep(self, pos: int, entry: int, nbytes: int) -> None:
+        self.held[pos] = entry
+        self.held_bytes += nbytes
+        heapq.heappush(self.held_order, pos)
+
+    def let_go(self, pos: int, nbytes: int) -> None:
+        if self.held.pop(pos, None) is not None:
+            self.held_bytes -= nbytes
+
 
 @dataclass
 class Held:
@@ -189,8 +228,13 @@ class Plans:
 
     # -- plans and progress ------------------------------------------------------------------
 
-    def install(self, share: int, plan: ShareOrder) -> None:
-        """Replace `share`'s plan (a new epoch); the job's lag carries over."""
+    def refuse(self) -> None:
+        """A plan request was refused (counted in the status)."""
+        self.refused += 1
+
+    def install(self, share: int, plan: ShareOrder, missing: int = 0) -> None:
+        """Replace `share`'s plan (a new epoch; `missing`: its paths that named no file); the
+        job's lag carries over."""
         old = self.shares.pop(share, None)
         lag = 0
         if old is not None:
@@ -201,6 +245,7 @@ class Plans:
         self._share_of[plan.unique] = share
         self._naming[plan.unique] += 1
         self.planned += len(plan)
+        self.missing += missing
         self._rebalance()
         self._changed.set()
 
@@ -219,13 +264,12 @@ class Plans:
                 held = self._release(s.held[pos])
                 if held is not None:
                     used -= len(held.data)
-                    s.next = min(s.next, pos)
+                    s.rewind(pos)
 
     def progress(self, share: int, position: int) -> None:
         """The job of `share` has read (or drawn) its plan up to `position`."""
         s = self.shares.get(share)
-        if s is not None and position > s.position:
-            s.position = min(position, len(s.plan))
+        if s is not None and s.advance(position):
             self._changed.set()
 
     def accessed(self, entry: int, hit: bool | None) -> None:
@@ -248,10 +292,7 @@ class Plans:
         _, share, pos = best
         s = self.shares[share]
         self.misses += hit is False
-        if pos < s.position:
-            s.lag = max(s.lag, s.position - pos)
-        if pos >= s.read_at:
-            s.read_at = pos + 1
+        if s.accessed(pos):
             self._drop(share, s, s.read_floor)
         self.progress(share, pos + 1)
 
@@ -270,17 +311,16 @@ class Plans:
         per_share = self.budget // max(1, self.active())
         free = self.budget - self.held_bytes
         for share, s in list(self.shares.items()):
-            s.next = max(s.next, s.floor)
             used = self._outstanding(s)
-            while len(out) < limit and s.next < len(s.plan):
-                cost = int(s.plan.cost[s.next])
+            while len(out) < limit and max(s.next, s.floor) < len(s.plan):
+                cost = int(s.plan.cost[max(s.next, s.floor)])
                 if (used and used + cost > per_share) or (self.held_bytes and cost > free):
                     break
+                pos = s.take()
                 if cost:
-                    out.append((share, s, s.next, int(s.plan.order[s.next]), cost))
+                    out.append((share, s, pos, int(s.plan.order[pos]), cost))
                     used += cost
                     free -= cost
-                s.next += 1
         return out
 
     def _outstanding(self, s: Share) -> int:
@@ -314,14 +354,12 @@ class Plans:
         while full():
             further = max((p for p in s.held if p > pos), default=None)
             if further is None:
-                s.next = min(s.next, pos)
+                s.rewind(pos)
                 return False
             self._release(s.held[further])
-            s.next = min(s.next, further)
+            s.rewind(further)
         self._held[entry] = Held(data, share, pos)
-        s.held[pos] = entry
-        s.held_bytes += len(data)
-        heapq.heappush(s.held_order, pos)
+        s.keep(pos, entry, len(data))
         self.held_bytes += len(data)
         return True
 
@@ -352,8 +390,8 @@ class Plans:
             self.held_bytes -= len(held.data)
             self._changed.set()  # room in the budget again
             s = self.shares.get(held.share)
-            if s is not None and s.held.pop(held.position, None) is not None:
-                s.held_bytes -= len(held.data)
+            if s is not None:
+                s.let_go(held.position, len(held.data))
         return held
 
     def _drop(self, share: int, s: Share, before: int) -> None:

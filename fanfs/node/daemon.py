@@ -33,19 +33,13 @@ from typing import Any
 
 import trio
 
-from fanfs import fuse_ops, logs, mounts, placement
+from fanfs import logs, mounts, placement
 from fanfs.catalog import Catalog
 from fanfs.errors import ExitCode, FanfsError, Interrupted, MountFailed, MountpointError
-from fanfs.fuse_ops import NATIVE_POOL, PATCHED, FanfsOperations
-from fanfs.native import NativePool
-from fanfs.planner import ReadAhead
-from fanfs.plans import Plans, default_budget
-from fanfs.plansocket import PlanServer
-from fanfs.reader import WHOLE_FILE_LIMIT, Reader
-from fanfs.staging import default_parent
-from fanfs.status import NO_PLAN, CatalogStatus, PlanStatus, Status
-from fanfs.store import PartitionStore, check_partitions
-from fanfs.transport import PeerTransport
+from fanfs.node import assemble, fuse_ops
+from fanfs.node.staging import default_parent
+from fanfs.node.store import PartitionStore, check_partitions
+from fanfs.status import Status
 
 log = logging.getLogger(__name__)
 
@@ -108,12 +102,6 @@ def check_mountpoint(mountpoint: Path, nonempty: bool = False, image: Path | Non
             )
 
 
-def native_decoding() -> bool:
-    """FANFS_NATIVE_DECODE=0 leaves compressed files to Python (for comparison, or should the
-    C decoder ever be suspected); anything else lets the native pool decode them."""
-    return os.environ.get("FANFS_NATIVE_DECODE", "1").strip() != "0"
-
-
 def spin_us() -> int:
     """FANFS_SPIN_US: how long after a request the session loop polls for the next one before
     it sleeps (default SPIN_US; 0: never poll, for nodes where a core must never be busy)."""
@@ -149,71 +137,27 @@ class Daemon:
         self.rank = 0
         self.size = 1
         self.world: Any = None
-        self.transport: PeerTransport | None = None
-        self.catalog: Catalog | None = None
-        self.store: PartitionStore | None = None
-        self.reader: Reader | None = None
-        self.plans: Plans | None = None
-        self.read_ahead: ReadAhead | None = None
-        self.plan_server: PlanServer | None = None
+        self.node: assemble.Node | None = None  # every part of the daemon, once built
         self.plan_socket = ""
         self.mountpoint = Path(cfg.mountpoint)
         self._mounted = False
         self.phase = "starting"  # starting, serving, lingering, closing
         self.stop_signal = 0  # the first stop signal received
         self._linger_scope = trio.CancelScope()
-        self.native = NativePool(
-            fuse_ops.native_pool_start,
-            fuse_ops.native_pool_stop,
-            self._native_failed,
-            fuse_ops.native_pool_dictionaries,
-        )
 
     def status(self) -> Status:
-        assert self.catalog is not None and self.store is not None and self.reader is not None
-        spins, frames = fuse_ops.spin_counts(), fuse_ops.native_frame_stats()
-        return Status(
-            pid=os.getpid(),
-            image=str(self.cfg.image),
-            mountpoint=str(self.mountpoint),
-            rank=self.rank,
-            size=self.size,
-            replicas=max(1, min(self.cfg.replicas, self.size)),
-            host=os.uname().nodename,
-            node=node_name(self.rank),
-            serving=self.serving,
-            no_open=PATCHED,
-            native_read_pool=self.reader.native,
-            native_crc32=self.native.crc32,
-            native_decodes=self.reader.native_decodes,
-            native_frame_hits=frames[0],
-            native_frame_misses=frames[1],
-            spin_caught=spins[0],
-            spin_empty=spins[1],
-            spin_yielded=spins[2],
-            uptime_s=round(time.time() - self.started, 3),
-            catalog=CatalogStatus(
-                entries=self.catalog.n_entries,
-                files=int(self.catalog.is_file.sum()),
-                memory_bytes=self.catalog.memory_bytes(),
-            ),
-            store=self.store.statistics(),
-            reader=self.reader.statistics(),
-            peers=self.transport.statistics() if self.transport is not None else None,
-            plan=self._plan_status(),
+        assert self.node is not None
+        return assemble.report(
+            self.node, image=str(self.cfg.image), mountpoint=str(self.mountpoint),
+            rank=self.rank, size=self.size, replicas=self.cfg.replicas,
+            node_name=node_name(self.rank), serving=self.serving, started=self.started,
             plan_socket=self.plan_socket,
-        )
-
-    def _plan_status(self) -> PlanStatus:
-        if self.plans is None or self.read_ahead is None:
-            return NO_PLAN
-        r = self.read_ahead
-        return self.plans.statistics(r.prefetched, r.pushed, r.prefetched_bytes, r.failed)
+        )  # fmt: skip
 
     # -- start-up --------------------------------------------------------------------------
 
     def _start_world(self) -> None:
-        from fanfs.transport import world as mpi
+        from fanfs import world as mpi
 
         if mpi.launched_size(dict(os.environ)) <= 1:
             return
@@ -290,11 +234,10 @@ class Daemon:
         finally:
             self.phase = "closing"
             if self.world is not None:
-                if self.transport is not None and self.transport.dead:
+                transport = self.node.transport if self.node is not None else None
+                if transport is not None and transport.dead:
                     # A dead peer can make MPI_Finalize wait forever: leave without it.
-                    log.warning(
-                        "not finalizing MPI: ranks %s are gone", sorted(self.transport.dead)
-                    )
+                    log.warning("not finalizing MPI: ranks %s are gone", sorted(transport.dead))
                 else:
                     self.world.finalize()
 
@@ -304,8 +247,7 @@ class Daemon:
         self.mountpoint = Path(mounts.canonical(expand(cfg.mountpoint, self.rank, node)))
         local = Path(os.path.abspath(expand(cfg.local or default_parent(), self.rank, node)))
         catalog = self._load_catalog()
-        self.catalog = catalog
-        owners = placement.place(catalog.part_size, catalog.part_flags, self.size, cfg.replicas)
+        owners = assemble.owners_of(catalog, self.size, cfg.replicas)
         owned = placement.owned_by(owners, self.rank)
         with contextlib.ExitStack() as stack:
             error = None
@@ -313,37 +255,20 @@ class Daemon:
                 check_mountpoint(self.mountpoint, cfg.nonempty, cfg.image)
                 store = PartitionStore(cfg.image, catalog, local, owned, cfg.keep_local)
                 stack.callback(store.close)
-                self.store = store
             except FanfsError as e:
                 error = e
             self._agree(error)  # every rank fails together, or none
-            if self.world is not None:
-                from fanfs.transport.mpi import MpiTransport
-
-                self.transport = MpiTransport(self.world, cfg.peer_timeout)
-            budget = cfg.prefetch_bytes if cfg.prefetch_bytes is not None else default_budget()
-            self.plans = Plans(catalog, budget)
-            self.reader = Reader(catalog, store, cfg.cache_bytes, owners, self.transport,
-                                 self.plans)  # fmt: skip
-            if self.transport is not None:
-                self.transport.serve_fn = self.reader.serve
-                self.transport.direct = self.reader
-            self.read_ahead = ReadAhead(catalog, self.plans, self.reader.sources,
-                                        fuse_ops.push_to_kernel, self.reader.cached)  # fmt: skip
-            self.plan_server = PlanServer(catalog, self.plans, WHOLE_FILE_LIMIT)
-            ops = FanfsOperations(catalog, self.reader, lambda: self.status().to_json())
+            self.node = assemble.build(catalog, store, owners, self.rank, self.world, cfg,
+                                       lambda: self.status().to_json())  # fmt: skip
             error = None
             try:
-                fuse_ops.mount(ops, str(self.mountpoint))
+                fuse_ops.mount(self.node.ops, str(self.mountpoint))
                 self._mounted = True
                 stack.callback(self._unmount)
             except RuntimeError as e:
                 error = MountFailed(f"{self.mountpoint}: cannot mount: {e}")
             self._agree(error)
-            if NATIVE_POOL and self.native.start(stack, catalog.dicts):
-                self.reader.native = True
-                self.reader.native_decodes = self.native.decodes and native_decoding()
-                self.reader.native_ahead = fuse_ops.native_read_ahead
+            self.node.pool.start(stack)  # stopped before the unmount (the stack is LIFO)
             fuse_ops.set_spin_us(spin_us())
             log.info(
                 "rank %d/%d: %d of %d partitions here (%d bytes), mount %s, local %s",
@@ -352,53 +277,47 @@ class Daemon:
             )  # fmt: skip
             trio.run(self._serve)
 
-    def _native_failed(self, entry: int, err: int) -> None:
-        assert self.reader is not None
-        self.reader.native_failed(entry, err)
-
     def _unmount(self) -> None:
         if self._mounted:
             self._mounted = False
             log.info("unmounting %s", self.mountpoint)
-            if self.reader is not None:
-                self.reader.native = self.reader.native_decodes = False
-                self.reader.native_ahead = None
-            self.native.stop()  # it answers what is queued while the session still exists
+            if self.node is not None:
+                self.node.pool.stop()  # it answers what is queued while the session exists
             fuse_ops.unmount()
 
     async def _serve(self) -> None:
-        assert self.store is not None
+        assert self.node is not None
+        n = self.node
         async with trio.open_nursery() as nursery:
             await nursery.start(self._watch_signals)
-            if self.transport is not None:
-                await nursery.start(self.transport.run)
+            if n.transport is not None:
+                await nursery.start(n.transport.run)
             nursery.start_soon(self._tune_readahead_after_init)
-            if self.native.running:
-                nursery.start_soon(self.native.errors)
-            if self.read_ahead is not None and self.plan_server is not None:
-                nursery.start_soon(self.read_ahead.run)
-                self.plan_socket = str(await nursery.start(self.plan_server.serve))
-            self.store.start_staging()
+            if n.pool.running:
+                nursery.start_soon(n.pool.errors)
+            nursery.start_soon(n.read_ahead.run)
+            self.plan_socket = str(await nursery.start(n.plan_server.serve))
+            n.store.start_staging()
             self.serving = True
             if self.phase == "starting":
                 self.phase = "serving"
             log.info("serving %s at %s (%s)", self.cfg.image, self.mountpoint,
-                     "no_open" if PATCHED else "keep_cache opens")  # fmt: skip
+                     "no_open" if fuse_ops.PATCHED else "keep_cache opens")  # fmt: skip
             await fuse_ops.serve()
             self.serving = False
             await self._stop_reading_ahead()  # before the session goes (pushers use it)
             self.phase = "lingering"
             self._unmount()
-            if self.transport is not None:
+            if n.transport is not None:
                 with self._linger_scope:
-                    await self.transport.linger(self.cfg.linger)
-                self.transport.stop()
+                    await n.transport.linger(self.cfg.linger)
+                n.transport.stop()
             self.phase = "closing"
             nursery.cancel_scope.cancel()
 
     async def _stop_reading_ahead(self) -> None:
-        if self.read_ahead is not None:
-            await self.read_ahead.stop()
+        if self.node is not None:
+            await self.node.read_ahead.stop()
 
     async def _tune_readahead_after_init(self) -> None:
         # The kernel sets the mount's readahead from FUSE INIT, which fuse_ops.serve answers

@@ -27,8 +27,8 @@ import pyfuse3
 from fanfs import catalog as cat
 from fanfs import mounts
 from fanfs.errors import CorruptFile
-from fanfs.native import POOL_LEVEL, NativeJob
-from fanfs.reader import Reader
+from fanfs.node.native import POOL_LEVEL, Hooks, NativeJob
+from fanfs.node.reader import Reader
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ class FanfsOperations(pyfuse3.Operations):
     async def read(  # type: ignore[override]
         self, fh: int, off: int, size: int
     ) -> bytes | memoryview | NativeJob:
-        # A NativeJob tuple is answered by pyfuse3's native read pool (see fanfs.reader).
+        # A NativeJob tuple is answered by pyfuse3's native read pool (see fanfs.node.reader).
         return await self.reader.read(self._entry(fh), off, size)
 
     @_edge
@@ -282,14 +282,14 @@ def push_to_kernel(entry: int, offset: int, data: bytes) -> bool:
         return False
 
 
-def native_pool_start(threads: int, error_fd: int) -> str | None:
+def _pool_start(threads: int, error_fd: int) -> str | None:
     """Start pyfuse3's native read pool (OSError if it cannot); the library its CRC-32 comes
     from ("isa-l", "zlib", or None from older builds). Failures are posted on `error_fd`."""
     crc: str | None = pyfuse3.native_read_start(threads, error_fd)  # type: ignore[attr-defined]
     return crc
 
 
-def native_pool_dictionaries(dicts: Sequence[bytes]) -> bool:
+def _pool_dictionaries(dicts: Sequence[bytes]) -> bool:
     """Give the running pool the image's zstd dictionaries; False when it cannot decode
     (no libzstd), OSError when it cannot take them."""
     if not pyfuse3.native_read_decodes():  # type: ignore[attr-defined]
@@ -298,20 +298,30 @@ def native_pool_dictionaries(dicts: Sequence[bytes]) -> bool:
     return True
 
 
-def native_read_ahead(job: NativeJob) -> bool:
-    """Queue a read-ahead job (no request): the native pool decodes its pieces into the frame
-    cache. False if it was not queued."""
+def _pool_read_ahead(job: NativeJob) -> bool:
+    """Queue a read-ahead job (no request): the pool decodes its pieces into its cache."""
     queued: bool = pyfuse3.native_read_ahead(job)  # type: ignore[attr-defined]
     return queued
 
 
-def native_frame_stats() -> tuple[int, int]:
-    """(hits, misses) of the native pool's cache of decoded frames; zeros without a pool."""
-    stats = getattr(pyfuse3, "native_read_frame_stats", None)
-    if stats is None:
-        return 0, 0
-    hits, misses = stats()
+def _pool_frame_stats() -> tuple[int, int]:
+    """(hits, misses) of the pool's cache of decoded pieces."""
+    hits, misses = pyfuse3.native_read_frame_stats()  # type: ignore[attr-defined]
     return int(hits), int(misses)
+
+
+def _pool_stop() -> None:
+    """Answer what is queued, then stop the pool's threads (while the session still exists)."""
+    pyfuse3.native_read_stop()  # type: ignore[attr-defined]
+
+
+# The native read pool's pyfuse3 side (fanfs/node/native.py holds the contract); None when this
+# pyfuse3 has no pool.
+POOL_HOOKS = (
+    Hooks(_pool_start, _pool_stop, _pool_dictionaries, _pool_read_ahead, _pool_frame_stats)
+    if NATIVE_POOL
+    else None
+)
 
 
 def set_spin_us(us: int) -> None:
@@ -327,8 +337,3 @@ def spin_counts() -> tuple[int, int, int]:
     trio); zeros on a build without it."""
     caught, empty, yielded = getattr(pyfuse3, "fanfs_spins", (0, 0, 0))
     return int(caught), int(empty), int(yielded)
-
-
-def native_pool_stop() -> None:
-    """Answer what is queued, then stop the pool's threads (while the session still exists)."""
-    pyfuse3.native_read_stop()  # type: ignore[attr-defined]

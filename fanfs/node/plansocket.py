@@ -41,7 +41,7 @@ import trio
 
 from fanfs import catalog as cat
 from fanfs import paths as paths_mod
-from fanfs.plans import MAX_SHARES, Plans, ShareOrder, read_ahead_bytes
+from fanfs.node.plans import MAX_SHARES, Plans, ShareOrder, read_ahead_bytes
 
 MAGIC = b"FANFS-PLAN 1"
 HEADER_MAX = 200
@@ -142,10 +142,10 @@ class PlanServer:
             with trio.fail_after(REQUEST_TIMEOUT_S):
                 reply = await self._request(stream)
         except PlanError as e:
-            self.plans.refused += 1
+            self.plans.refuse()
             reply = {"error": str(e)}
         except trio.TooSlowError:
-            self.plans.refused += 1
+            self.plans.refuse()
             reply = {"error": f"request not complete after {REQUEST_TIMEOUT_S:.0f} s"}
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             return
@@ -204,8 +204,7 @@ class PlanServer:
         order, missing, first = await trio.to_thread.run_sync(
             _resolve, self.catalog, bytes(body), n, self.plans.budget, self.whole_limit
         )
-        self.plans.install(share, order)
-        self.plans.missing += missing
+        self.plans.install(share, order, missing)
         return {"planned": len(order), "missing": missing, "first_missing": first}
 
 

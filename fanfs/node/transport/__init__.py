@@ -5,40 +5,38 @@ run with the same protocol, for tests of everything above the transport without 
 a single daemon nothing is remote and no transport exists.
 
 `PeerTransport` holds what both share: who is dead and who said bye, the counters behind
-`fanfs status`, serving one request (the reader's `serve`, which checks it against the
-catalog), pings and the linger that keeps a daemon serving until its peers are done. Its
-methods run in the trio thread; subclasses provide `fetch`, `_say_bye` and a nursery.
+`fanfs status`, serving one request (through the `Served` it is handed: fanfs/node/peers.py,
+which checks it against the catalog and answers from the store), pings and the linger that
+keeps a daemon serving until its peers are done. Its methods run in the trio thread;
+subclasses provide `fetch`, `_say_bye` and a nursery.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import trio
 
-from fanfs.latency import Latencies
+from fanfs.node.latency import Latencies
 from fanfs.status import PeerStatus
 
 log = logging.getLogger(__name__)
 
-# Serves a peer's request: (entry, offset, length) -> the stored bytes, or None if this daemon
-# cannot (the requester then tries another source).
-ServeFn = Callable[[int, int, int], Awaitable[bytes | memoryview | None]]
 
+class Served(Protocol):
+    """What a peer may ask of this daemon (fanfs/node/peers.py's PeerServer)."""
 
-class DirectReads(Protocol):
-    """Stored bytes a transport may read for a peer without the event loop, from any thread
-    (the reader's; see `Reader.locate`). Requests it cannot place go to `ServeFn`."""
+    async def serve(self, entry: int, offset: int, length: int) -> bytes | None:
+        """The stored bytes asked for, or None if this daemon cannot serve them."""
 
     def locate(self, entry: int, offset: int, length: int) -> tuple[int, int] | None:
-        """(partition, start) of a request a plain read answers, or None."""
+        """(partition, start) of a request a plain read answers (from any thread), or None."""
 
-    def pread_cached(self, part: int, offset: int, length: int) -> bytearray | None:
+    def cached(self, part: int, start: int, length: int) -> bytearray | None:
         """The bytes if the page cache holds them all (never waits for the disk), else None."""
 
-    def pread(self, part: int, offset: int, length: int) -> bytes:
+    def pread(self, part: int, start: int, length: int) -> bytes:
         """Exactly the bytes (may wait for the disk; OSError on failure)."""
 
 
@@ -49,14 +47,11 @@ class PeerTimeout(Exception):
 class PeerTransport:
     blocking_fetch = False  # whether `fetch_blocking` works (threads of its own serve it)
 
-    def __init__(self, rank: int, size: int, peer_timeout: float):
+    def __init__(self, rank: int, size: int, peer_timeout: float, server: Served):
         self.rank = rank
         self.size = size
         self.peer_timeout = peer_timeout
-        self.serve_fn: ServeFn | None = None  # set before `run`: the reader's `serve`
-        # Set before `run` too: what a transport with threads of its own may read for peers
-        # without the event loop (the MPI one does; in-process ranks share the event loop).
-        self.direct: DirectReads | None = None
+        self.server = server
         self._dead: set[int] = set()
         self._byes: set[int] = set()
         self._nursery: trio.Nursery | None = None
@@ -128,8 +123,7 @@ class PeerTransport:
         data: bytes | memoryview | None = None
         if entry >= 0 and length > 0:
             try:
-                assert self.serve_fn is not None
-                data = await self.serve_fn(entry, offset, length)
+                data = await self.server.serve(entry, offset, length)
             except Exception:
                 log.exception("serving entry %d to rank %d failed", entry, peer)
             if data is not None and len(data) != length:

@@ -1,8 +1,8 @@
 """Planned epochs, the read-ahead engine: the files of every plan read ahead of the job.
 
-`Plans` (fanfs/plans.py) says what is due, within the budget; this engine reads it. One trio
+`Plans` (fanfs/node/plans.py) says what is due, within the budget; this engine reads it. One trio
 task takes what is due and hands it to PUSH_THREADS threads, which fetch the stored bytes
-(fanfs/sources.py's blocking side: the staged partition, a peer, or the image), check them,
+(fanfs/node/sources.py's blocking side: the staged partition, a peer, or the image), check them,
 decode them and store them straight into the kernel's page cache (`push`, notify_store), so
 the job's READ never reaches the daemon. A whole file the kernel cannot take yet (it has not
 looked up its inode) goes back to the event loop to wait in `Plans` for its READ. A framed
@@ -32,8 +32,8 @@ import trio
 
 from fanfs import catalog as cat
 from fanfs import codec
-from fanfs.plans import Plans, Share
-from fanfs.sources import Sources
+from fanfs.node.plans import Plans, Share
+from fanfs.node.sources import Sources
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class ReadAhead:
                     due = self.plans.due(DUE_PER_TURN)
                     for job in due:
                         if not self.plans.has(job[3]) and not self.cached(job[3]):
-                            self.sources.advise(job[3])  # the disk starts on it now
+                            self.sources.local.advise(job[3])  # the disk starts on it now
                             self._jobs.put(job)
                     if due:
                         await trio.lowlevel.checkpoint()  # let READs in between

@@ -1,0 +1,258 @@
+"""Where a file's stored bytes come from: this daemon's store, a peer, or the image, chosen here.
+
+`Local` is every read of this daemon's own stored bytes: its store (the staged copy, or the
+image until staged), inline when the page cache holds them (preadv2(RWF_NOWAIT) answers from
+the page cache or fails at once) and in a worker thread when they would wait for the disk (a
+hand-off costs 60 to 140 us, more than copying a small file from the page cache); the check
+of a large raw file, once, as a whole; the counters of local fetches. The peer server
+(fanfs/node/peers.py) and `Sources` both read through it.
+
+`Sources.stored()` is the one source choice: a file this daemon holds is read locally; any
+other file is asked of its holders in turn (live ones only, rotated per file to spread load
+over replicas) and, when none can answer, read from the image on shared storage. A peer's
+reply is checked against the CRC the caller gives, so a bad copy sends the reader to the next
+source; the caller is told that the bytes are checked and does not check them again.
+`stored_blocking` is the same choice for threads of the daemon's own (the read-ahead engine's):
+it blocks, asking peers through the transport's blocking fetch where it has one, else through
+the event loop.
+
+Concurrency: the async methods run in the trio thread, their blocking reads in worker threads
+under one limiter; the blocking ones in any other thread. Counters change under a lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import trio
+
+from fanfs import catalog as cat
+from fanfs import codec
+from fanfs.checksum import crc32
+from fanfs.errors import CorruptFile
+from fanfs.node.cache import SingleFlight
+from fanfs.node.latency import Latencies
+from fanfs.node.store import PartitionStore
+from fanfs.node.transport import PeerTimeout, PeerTransport
+
+log = logging.getLogger(__name__)
+
+# Reads of up to this many bytes that the page cache holds run inline; disk reads go to threads.
+NOWAIT_LIMIT = 1 << 20
+WORKER_THREADS = 4  # concurrent big reads/decodes; more would only contend for 2 cores here
+# Raw files up to this are fetched whole and checked at once; larger ones are checked once as a
+# whole (streamed), then served range by range.
+WHOLE_FILE_LIMIT = 16 << 20
+
+
+class Local:
+    def __init__(self, catalog: cat.Catalog, store: PartitionStore, mine: np.ndarray):
+        """`mine[p]`: whether this daemon holds partition p."""
+        self.catalog = catalog
+        self.store = store
+        self._mine = mine
+        self._limiter = trio.CapacityLimiter(WORKER_THREADS)
+        self._verified: set[int] = set()  # large raw files checked whole (only grows)
+        self._checking = SingleFlight()
+        self.latency = Latencies()  # of local fetches in Python
+        self._count = threading.Lock()
+        self.bytes_fetched = 0
+        self.native_reads = 0  # local fetches the native pool did (not in `latency`)
+
+    def mine(self, entry: int) -> bool:
+        """Whether this daemon holds `entry`'s partition."""
+        return bool(self._mine[int(self.catalog.part[entry])])
+
+    def where(self, entry: int, offset: int = 0) -> tuple[int, int]:
+        """(partition, offset in it) of `entry`'s stored byte `offset`."""
+        return int(self.catalog.part[entry]), int(self.catalog.data_off[entry]) + offset
+
+    def large(self, entry: int) -> bool:
+        """A raw file checked once as a whole, then served by range."""
+        c = self.catalog
+        return int(c.codec[entry]) == cat.CODEC_RAW and int(c.stored_len[entry]) > WHOLE_FILE_LIMIT
+
+    async def in_thread(self, fn: Any, *args: Any) -> Any:
+        return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+
+    async def read(self, entry: int, offset: int, length: int, count: bool = True) -> bytes:
+        """Stored bytes from the store: inline from the page cache, else in a thread.
+        `count`: a fetch of this daemon's own (not a peer's)."""
+        part, start = self.where(entry, offset)
+        began = time.perf_counter()
+        data = self.cached(part, start, length) if length <= NOWAIT_LIMIT else None
+        if data is None:
+            data = await self.in_thread(self.store.pread, part, start, length)
+        if count:
+            self.record(began, length)
+        return data  # type: ignore[return-value]
+
+    def read_blocking(self, entry: int, offset: int, length: int) -> bytes:
+        part, start = self.where(entry, offset)
+        began = time.perf_counter()
+        data = self.store.pread(part, start, length)
+        self.record(began, length)
+        return data
+
+    def cached(self, part: int, start: int, length: int) -> bytearray | None:
+        """The bytes if the page cache holds them all (never waits for the disk), else None."""
+        return self.store.pread_cached(part, start, length)
+
+    def pread(self, part: int, start: int, length: int) -> bytes:
+        """Exactly the bytes (may wait for the disk; OSError on failure)."""
+        return self.store.pread(part, start, length)
+
+    def fd(self, part: int) -> int:
+        return self.store.fd(part)
+
+    def advise(self, entry: int) -> None:
+        """Ask the kernel to start reading a file this daemon holds (never waits for it)."""
+        if self.mine(entry):
+            part, start = self.where(entry)
+            with contextlib.suppress(OSError):
+                os.posix_fadvise(self.store.fd(part), start, int(self.catalog.stored_len[entry]),
+                                 os.POSIX_FADV_WILLNEED)  # fmt: skip
+
+    def is_verified(self, entry: int) -> bool:
+        """Whether a large raw file passed its check (safe from any thread: only grows)."""
+        return entry in self._verified
+
+    async def verify(self, entry: int) -> None:
+        """Check a large raw file's CRC once, as a whole (streamed in a thread); CorruptFile
+        if it fails. Concurrent callers share one check."""
+
+        async def check() -> bool:
+            began = time.perf_counter()
+            await self.in_thread(self._check_large, entry)
+            self.record(began, int(self.catalog.stored_len[entry]))
+            self._verified.add(entry)
+            return True
+
+        await self._checking.run(entry, lambda: entry in self._verified or None, check)
+
+    def _check_large(self, entry: int) -> None:
+        part, start = self.where(entry)
+        length = int(self.catalog.stored_len[entry])
+        got = codec.streamed_crc(lambda off, n: self.store.pread(part, off, n), start, length)
+        if got != int(self.catalog.crc[entry]):
+            raise CorruptFile("checksum mismatch")
+
+    def record(self, began: float, nbytes: int) -> None:
+        elapsed = time.perf_counter() - began
+        with self._count:
+            self.latency.record(elapsed)
+            self.bytes_fetched += nbytes
+
+    def native(self, part: int, nbytes: int) -> None:
+        """A read handed to the native pool: counted as a local fetch (of the image, if the
+        partition is not staged yet); its time is the pool's."""
+        self.store.count_read(part)
+        with self._count:
+            self.native_reads += 1
+            self.bytes_fetched += nbytes
+
+
+class Sources:
+    def __init__(
+        self,
+        catalog: cat.Catalog,
+        local: Local,
+        owners: Sequence[tuple[int, ...]] | None = None,
+        transport: PeerTransport | None = None,
+    ):
+        """`owners[p]`: the ranks holding partition p (with a transport)."""
+        self.catalog = catalog
+        self.local = local
+        self.transport = transport
+        self.rank = transport.rank if transport is not None else 0
+        self.owners = owners if transport is not None else None
+        self._count = threading.Lock()
+        self.fallbacks = 0
+        self.bad_payloads = 0
+
+    def mine(self, entry: int) -> bool:
+        return self.local.mine(entry)
+
+    async def stored(self, entry: int, offset: int, length: int,
+                     crc: int | None) -> tuple[bytes, bool]:  # fmt: skip
+        """(`length` stored bytes of `entry` from `offset`, whether they were checked against
+        `crc` already). Local bytes are not: the decoder checks them, in a thread when big. A
+        large raw file read locally is checked once as a whole first."""
+        if not self.mine(entry):
+            got = await self.remote(entry, offset, length, crc)
+            if got is not None:
+                return got, crc is not None
+            self._fell_back()  # no peer could: read the image (shared storage)
+        if self.local.large(entry):
+            await self.local.verify(entry)
+        return await self.local.read(entry, offset, length), False
+
+    def stored_blocking(self, entry: int, offset: int, length: int, crc: int | None,
+                        token: trio.lowlevel.TrioToken) -> tuple[bytes, bool]:  # fmt: skip
+        """`stored` for a thread of the daemon's own (never the event loop's) and for files
+        read whole (no large raw file): peers through the transport's blocking fetch when it
+        has one, else through the event loop (`token`)."""
+        if not self.mine(entry):
+            if self.transport is not None and self.transport.blocking_fetch:
+                got = self._remote_blocking(entry, offset, length, crc)
+            else:
+                got = trio.from_thread.run(self.remote, entry, offset, length, crc,
+                                           trio_token=token)  # fmt: skip
+            if got is not None:
+                return got, crc is not None
+            self._fell_back()
+        return self.local.read_blocking(entry, offset, length), False
+
+    def peers(self, entry: int) -> list[int]:
+        """Peers holding `entry`, live ones only, rotated per file to spread load over replicas."""
+        assert self.owners is not None and self.transport is not None
+        ranks = self.owners[int(self.catalog.part[entry])]
+        k = entry % len(ranks)
+        ranks = ranks[k:] + ranks[:k]
+        return [r for r in ranks if r != self.rank and not self.transport.is_dead(r)]
+
+    async def remote(self, entry: int, offset: int, length: int, crc: int | None) -> bytes | None:
+        """Stored bytes of `entry` from the first peer that has them, or None. With `crc`,
+        a reply that does not match it is a bad copy: the next peer is tried."""
+        assert self.transport is not None
+        for peer in self.peers(entry):
+            try:
+                stored = await self.transport.fetch(peer, entry, offset, length)
+            except PeerTimeout:
+                continue
+            if stored is not None and self._good(entry, peer, stored, crc):
+                return stored
+        return None
+
+    def _remote_blocking(self, entry: int, offset: int, length: int,
+                         crc: int | None) -> bytes | None:  # fmt: skip
+        assert self.transport is not None
+        for peer in self.peers(entry):
+            try:
+                stored = self.transport.fetch_blocking(peer, entry, offset, length)
+            except PeerTimeout:
+                continue
+            if stored is not None and self._good(entry, peer, stored, crc):
+                return stored
+        return None
+
+    def _fell_back(self) -> None:
+        with self._count:
+            self.fallbacks += 1
+
+    def _good(self, entry: int, peer: int, stored: bytes, crc: int | None) -> bool:
+        """Whether a peer's reply matches its CRC; a bad copy is counted and logged."""
+        if crc is None or crc32(stored) == crc:
+            return True
+        with self._count:
+            self.bad_payloads += 1
+        log.warning("bad payload for %s from rank %d, trying another source",
+                    os.fsdecode(b"/" + self.catalog.path(entry)), peer)  # fmt: skip
+        return False

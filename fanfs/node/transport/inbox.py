@@ -1,0 +1,239 @@
+"""The MPI transport's messages, and how its thread takes them: never into a buffer sized in
+advance.
+
+Protocol (point-to-point on a duplicate of COMM_WORLD, buffer API, no pickle on the data path):
+- request, tag 1: four int64 `(entry, offset, length, reply_tag)`, 32 bytes;
+- reply, tag `reply_tag`: the stored bytes (still compressed) in chunks under 2 GiB, or one
+  empty message when the owner cannot serve them. The requester knows `length` from its own
+  catalog;
+- bye, tag 2: "I have unmounted". A daemon stops serving only when every peer said bye or is
+  found dead, so no peer loses its source while it still reads.
+Reply tags cycle through [16, TAG_UB) and are never reused while a fetch is outstanding.
+
+Open MPI's shared-memory transport writes a message longer than a posted receive past that
+receive's buffer before it reports the truncation (measured: 4 KiB past a 1 MiB buffer), so a
+receive posted before the message is seen lets any peer write into the daemon's heap. Here
+every message is found by a matched probe (MPI_Improbe), its size checked, and only then
+received into exactly its size: requests and byes into their fixed headers, replies into the
+fetch's buffer at the right place. A message of the wrong size is counted as malformed and
+dropped (received into a scratch buffer if it is at most DISCARD_MAX, else left unreceived:
+never allocated for). A fetch that gave up (a timeout) keeps its reply tag quarantined until
+its late reply is drained (or QUARANTINE_TIMEOUTS peer timeouts pass), so a late reply can
+never be taken for a later fetch's.
+
+Concurrency: the MPI thread only, except `Fetch`, which a trio task or a thread waits on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import trio
+
+from fanfs.world import CHUNK
+
+log = logging.getLogger(__name__)
+
+TAG_REQUEST = 1
+TAG_BYE = 2
+FIRST_REPLY_TAG = 16
+
+# The most stored bytes a peer may ask for at once: a raw file read whole (the reader's
+# WHOLE_FILE_LIMIT), a frame, a frame table of a file up to 2 TiB. Larger: refused.
+MAX_REQUEST = 16 << 20
+# A message that is not what was asked (a late reply, a bad one) is received and dropped up to
+# this size; a larger one is left unreceived rather than allocated for.
+DISCARD_MAX = MAX_REQUEST
+# A quarantined reply tag is released after this many peer timeouts even if its reply never
+# came (a dead peer): tags cycle through millions, so this only bounds the bookkeeping.
+QUARANTINE_TIMEOUTS = 10
+
+
+def parse_request(header: Any, tag_ub: int) -> tuple[int, int, int, int] | None:
+    """(entry, offset, length, reply tag) of a peer's request header, or None if it is not a
+    well-formed one (the bytes come from another process and are checked like input). The
+    entry and range are checked later against the catalog by the serving side; entry -1 with
+    length 0 is a ping."""
+    try:
+        entry, offset, length, tag = (int(x) for x in header)
+    except (TypeError, ValueError):
+        return None
+    if not FIRST_REPLY_TAG <= tag < tag_ub or offset < 0 or length < 0 or entry < -1:
+        return None
+    return entry, offset, length, tag
+
+
+@dataclass
+class Fetch:
+    """One fetch from a peer, waited for by a trio task (`event`) or a thread (`waiter`)."""
+
+    peer: int
+    length: int
+    buf: bytearray
+    event: trio.Event = field(default_factory=trio.Event)
+    count: int = -1  # bytes received; -1: the peer cannot be reached; -2: a bad reply
+    waiter: threading.Event | None = None  # a thread's fetch (fetch_blocking), not a task's
+
+    def finish(self, count: int) -> None:
+        """The outcome is known: wake whoever waits (a task's fetch: call it in trio's thread)."""
+        self.count = count
+        if self.waiter is not None:
+            self.waiter.set()
+        else:
+            self.event.set()
+
+
+@dataclass
+class _Incoming:
+    """A reply being taken: the bytes matched so far and their receives."""
+
+    peer: int
+    job: Fetch | None  # None: quarantined (the fetch gave up; drain, then free the tag)
+    expect: int  # the bytes asked for
+    got: int = 0
+    replied: bool = False  # an empty reply came (a refusal, a ping's answer)
+    reqs: list[Any] = field(default_factory=list)
+    until: float = 0.0  # quarantine: release the tag after this (monotonic)
+
+    def matched(self, size: int, req: Any | None = None) -> None:
+        """`size` more bytes of the reply were matched (`req`: their receive, if taken)."""
+        self.got += size
+        self.replied |= size == 0
+        if req is not None:
+            self.reqs.append(req)
+
+    def quarantine(self, until: float) -> None:
+        """The fetch gave up: drain what comes until `until`."""
+        self.job = None
+        self.until = until
+
+
+class Inbox:
+    def __init__(
+        self,
+        comm: Any,
+        MPI: Any,
+        peer_timeout: float,
+        deliver: Callable[[Fetch, int], None],
+        release: Callable[[int], None],
+        malformed: Callable[[], None],
+    ):
+        """`deliver(fetch, count)` wakes whoever waits for a fetch; `release(tag)` frees a
+        reply tag for reuse; `malformed()` counts a message that was not what was asked."""
+        self.comm, self.MPI = comm, MPI
+        self.peer_timeout = peer_timeout
+        self._deliver, self._release, self._malformed = deliver, release, malformed
+        self.receiving: dict[int, _Incoming] = {}  # reply tag -> the reply being taken
+
+    def expect(self, tag: int, job: Fetch) -> None:
+        """A request with reply tag `tag` has been sent: take its reply as it comes."""
+        self.receiving[tag] = _Incoming(job.peer, job, job.length)
+
+    def forget(self, tag: int) -> None:
+        """The fetch of `tag` gave up, or its request could not be sent."""
+        rec = self.receiving.get(tag)
+        if rec is None:
+            self._release(tag)
+        else:
+            self._quarantine(rec)
+
+    def drop(self, tag: int) -> None:
+        """The request of `tag` was never sent: nothing will come."""
+        self.receiving.pop(tag, None)
+        self._release(tag)
+
+    def readers_waiting(self) -> bool:
+        """Whether a trio task (a READ, not a read-ahead thread) waits for a reply."""
+        return any(r.job is not None and r.job.waiter is None for r in self.receiving.values())
+
+    def take_all(self, status: Any) -> bool:
+        """Take what arrived of every reply; True if anything moved."""
+        busy = False
+        for tag, rec in list(self.receiving.items()):
+            busy |= self._take(tag, rec, status)
+        return busy
+
+    def probe(self, source: int, tag: int, status: Any, buf: np.ndarray) -> int | None:
+        """The size of the next message from `source` with `tag`, taken into `buf` if it is
+        exactly `buf`'s size (else dropped, or left unreceived if large); None if none, -1 if
+        it could not be taken."""
+        try:
+            msg = self.comm.Improbe(source, tag, status)
+            if msg is None:
+                return None
+            size = int(status.Get_count(self.MPI.BYTE))
+            if size == buf.nbytes:
+                msg.Recv(buf)
+            else:
+                self._discard(msg, size)
+            return size
+        except self.MPI.Exception as e:
+            self._malformed()
+            log.warning("a message with tag %d could not be taken: %s", tag, e)
+            return -1
+
+    def _discard(self, msg: Any, size: int) -> None:
+        """Take a message that is not what was asked for and drop it, if it is small enough to
+        take; a larger one stays where it is (its sender holds it)."""
+        if 0 <= size <= DISCARD_MAX:
+            msg.Recv([bytearray(max(size, 1)), size, self.MPI.BYTE])
+
+    def _take(self, tag: int, rec: _Incoming, status: Any) -> bool:
+        MPI, job = self.MPI, rec.job
+        moved = False
+        try:
+            while job is None or rec.got < job.length or (job.length == 0 and not rec.replied):
+                msg = self.comm.Improbe(rec.peer, tag, status)
+                if msg is None:
+                    break
+                moved = True
+                size = int(status.Get_count(MPI.BYTE))
+                if job is None:  # quarantined: a late reply, dropped
+                    self._discard(msg, size)
+                    rec.matched(size)
+                    continue
+                want = min(CHUNK, job.length - rec.got)
+                if size == 0 and rec.got == 0:  # a refusal (or a ping's answer)
+                    msg.Recv([bytearray(1), 0, MPI.BYTE])
+                    return self._complete(tag, job, 0)
+                if size != want:  # not what was asked: not this peer's bytes
+                    self._discard(msg, size)
+                    self._malformed()
+                    log.warning("a reply of %d bytes from rank %d, %d asked", size, rec.peer,
+                                want)  # fmt: skip
+                    self._quarantine(rec)
+                    self._deliver(job, -2)
+                    return True
+                rec.matched(size, msg.Irecv(memoryview(job.buf)[rec.got : rec.got + size]))
+            done = bool(MPI.Request.Testall(rec.reqs)) if rec.reqs else True
+        except MPI.Exception as e:
+            log.warning("bad reply from rank %d: %s", rec.peer, e)
+            if job is not None:
+                self._quarantine(rec)
+                self._deliver(job, -1)
+            return True
+        if job is None:  # drained, or its peer is quiet too long: the tag is free again
+            if (done and (rec.replied or rec.got >= rec.expect)) or time.monotonic() > rec.until:
+                del self.receiving[tag]
+                self._release(tag)
+            return moved
+        if done and rec.got == job.length and job.length > 0:
+            return self._complete(tag, job, job.length)
+        return moved
+
+    def _complete(self, tag: int, job: Fetch, count: int) -> bool:
+        del self.receiving[tag]
+        self._release(tag)
+        self._deliver(job, count)
+        return True
+
+    def _quarantine(self, rec: _Incoming) -> None:
+        """The fetch is over but its peer may still send: drain what comes, then free the tag
+        (or after QUARANTINE_TIMEOUTS peer timeouts)."""
+        rec.quarantine(time.monotonic() + QUARANTINE_TIMEOUTS * self.peer_timeout)
