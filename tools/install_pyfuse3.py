@@ -37,10 +37,8 @@ VERSION = "3.5.0"
 MARKER = "FANFS_READ_PASSES_INODE"
 # The patch level is defined once, in fanfs/node/native.py (read as text: fanfs may not be
 # installed yet); it is written into the build as pyfuse3.FANFS_PATCH.
-PATCH_LEVEL = int(
-    re.search(r"^PATCH_LEVEL = (\d+)", (Path(__file__).resolve().parents[1] / "fanfs" / "node" / "native.py")
-              .read_text(), re.M).group(1)  # type: ignore[union-attr]
-)  # fmt: skip
+_NATIVE = Path(__file__).resolve().parents[1] / "fanfs" / "node" / "native.py"
+PATCH_LEVEL = int(re.search(r"^PATCH_LEVEL = (\d+)", _NATIVE.read_text(), re.M).group(1))  # type: ignore[union-attr]
 POOL = Path(__file__).resolve().parent / "pyfuse3_patch"
 # Any change to the patch (C, Cython or the anchors here) rebuilds, not only a new level.
 DIGEST = hashlib.sha256(
