@@ -24,82 +24,105 @@ import hashlib
 import json
 import os
 import stat
-import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from fanfs import catalog_check
 from fanfs.checksum import crc32
 from fanfs.errors import CorruptCatalog, ImageError, ImageVersionError
-
-MAGIC = b"FANFSCAT"
-VERSION = 2
-CATALOG_NAME = "catalog.fanfs"
-NO_PARTITION = 0xFFFFFFFF
-
-# Codec ids stored per file. New codecs get new ids; a reader refuses ids it does not know.
-CODEC_RAW = 0
-CODEC_ZSTD = 1  # one zstd frame
-CODEC_ZSTD_DICT = 2  # one zstd frame made with the catalog dictionary its header names
-CODEC_FRAMED = 3  # independent frames of `frame_size` bytes each, then a table of them
-CODEC_ZSTD_DELTA4 = 4  # one zstd frame of the delta4 filter's output (docs/format.md)
-CODEC_ZSTD_FILTERED = 5  # a filter id byte (fanfs/filters.py), then one zstd frame of its output
-CODEC_NAMES = {CODEC_RAW: "raw", CODEC_ZSTD: "zstd", CODEC_ZSTD_DICT: "zstd-dict",
-               CODEC_FRAMED: "framed", CODEC_ZSTD_DELTA4: "zstd-delta4",
-               CODEC_ZSTD_FILTERED: "zstd-filtered"}  # fmt: skip
-# A framed file's table: per frame, (stored length, CRC-32 of the stored frame), u32 each.
-# The length's low 28 bits are the stored length, its top 4 bits the filter the frame went
-# through before zstd (0: none; delta4's id 8 is the top bit alone, as format 2 began).
-FRAME_ENTRY = 8
-FRAME_FILTER_SHIFT = 28
-FRAME_LEN_MASK = (1 << FRAME_FILTER_SHIFT) - 1
-
-S_IFMT = 0o170000  # the file-type bits of st_mode (stat.S_IFMT is a function)
-NAME_MAX = 255  # bytes in one name, as in every Linux file system (FUSE refuses longer ones)
-# A file compressed whole is decoded whole in memory. prepare frames every compressed file over
-# 4 MiB, so a catalog that claims a larger whole-compressed file is hostile.
-WHOLE_DECODE_MAX = 4 << 20
-# The decoded bytes per frame of a framed file: prepare writes this one size. Another (up to
-# 256 MiB would fit the table's 28 bits) could make every decode cost a GiB: refused.
-FRAME_SIZE = 1 << 20
-_WORD = 8  # bytes of a name compared at a time when checking the order of names
-_CHUNK = 1 << 18  # name pairs compared per numpy pass (bounds the check's memory)
-
-# Partition flags (bit set).
-PART_BROADCAST = 1
-
-# magic, version, header_crc, n_entries, n_partitions, flags, strings_len, meta_len, body_len,
-# body_sha256, n_dicts, frame_size. header_crc is the CRC-32 of the header with it zeroed.
-HEADER = struct.Struct("<8sIIQIIQQQ32sII")
-
-# Column order and types are part of the format (docs/format.md). Entry columns first.
-ENTRY_COLUMNS: tuple[tuple[str, str], ...] = (
-    ("parent", "<u4"),
-    ("mode", "<u4"),
-    ("mtime_ns", "<i8"),
-    ("size", "<u8"),
-    ("name_off", "<u8"),
-    ("name_len", "<u4"),
-    ("child_start", "<u4"),
-    ("child_count", "<u4"),
-    ("part", "<u4"),
-    ("data_off", "<u8"),  # files: offset in the partition; symlinks: offset in the strings
-    ("stored_len", "<u8"),
-    ("crc", "<u4"),  # CRC-32 of the stored bytes
-    ("codec", "<u1"),
+from fanfs.format import (
+    _CHUNK as _CHUNK,
 )
-PARTITION_COLUMNS: tuple[tuple[str, str], ...] = (
-    ("part_size", "<u8"),
-    ("part_files", "<u8"),
-    ("part_flags", "<u4"),
+from fanfs.format import (
+    _WORD as _WORD,
 )
-DICT_COLUMNS: tuple[tuple[str, str], ...] = (
-    ("dict_off", "<u8"),  # offset of dictionary i (zstd dict id i + 1) in the string table
-    ("dict_len", "<u8"),
+from fanfs.format import (  # the format's names, re-exported: cat.CODEC_RAW and the rest
+    ALIGN as ALIGN,
 )
-ALIGN = 8  # every column starts 8-byte aligned so np.frombuffer views need no copy
+from fanfs.format import (
+    CATALOG_NAME as CATALOG_NAME,
+)
+from fanfs.format import (
+    CODEC_FRAMED as CODEC_FRAMED,
+)
+from fanfs.format import (
+    CODEC_NAMES as CODEC_NAMES,
+)
+from fanfs.format import (
+    CODEC_RAW as CODEC_RAW,
+)
+from fanfs.format import (
+    CODEC_ZSTD as CODEC_ZSTD,
+)
+from fanfs.format import (
+    CODEC_ZSTD_DELTA4 as CODEC_ZSTD_DELTA4,
+)
+from fanfs.format import (
+    CODEC_ZSTD_DICT as CODEC_ZSTD_DICT,
+)
+from fanfs.format import (
+    CODEC_ZSTD_FILTERED as CODEC_ZSTD_FILTERED,
+)
+from fanfs.format import (
+    DICT_COLUMNS as DICT_COLUMNS,
+)
+from fanfs.format import (
+    ENTRY_COLUMNS as ENTRY_COLUMNS,
+)
+from fanfs.format import (
+    FRAME_ENTRY as FRAME_ENTRY,
+)
+from fanfs.format import (
+    FRAME_FILTER_SHIFT as FRAME_FILTER_SHIFT,
+)
+from fanfs.format import (
+    FRAME_LEN_MASK as FRAME_LEN_MASK,
+)
+from fanfs.format import (
+    FRAME_SIZE as FRAME_SIZE,
+)
+from fanfs.format import (
+    HEADER as HEADER,
+)
+from fanfs.format import (
+    MAGIC as MAGIC,
+)
+from fanfs.format import (
+    NAME_MAX as NAME_MAX,
+)
+from fanfs.format import (
+    NO_PARTITION as NO_PARTITION,
+)
+from fanfs.format import (
+    PART_BROADCAST as PART_BROADCAST,
+)
+from fanfs.format import (
+    PARTITION_COLUMNS as PARTITION_COLUMNS,
+)
+from fanfs.format import (
+    S_IFMT as S_IFMT,
+)
+from fanfs.format import (
+    VERSION as VERSION,
+)
+from fanfs.format import (
+    WHOLE_DECODE_MAX as WHOLE_DECODE_MAX,
+)
+from fanfs.format import (
+    _body_layout as _body_layout,
+)
+from fanfs.format import (
+    _padded as _padded,
+)
+from fanfs.format import (
+    n_frames as n_frames,
+)
+from fanfs.format import (
+    partition_name as partition_name,
+)
 
 
 def extension(name: bytes) -> bytes:
@@ -120,36 +143,6 @@ def open_regular(path: Path | str) -> int:
         os.close(fd)
         raise
     return fd
-
-
-def partition_name(part: int) -> str:
-    return f"part-{part:05d}.pack"
-
-
-def _padded(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-def n_frames(size: Any, frame_size: int) -> Any:
-    """Frames of a framed file of `size` bytes (works on numpy columns too; never wraps
-    around, even for a size near 2**64)."""
-    return size // frame_size + (size % frame_size != 0)
-
-
-def _body_layout(
-    n_entries: int, n_partitions: int, n_dicts: int
-) -> list[tuple[str, str, int, int]]:
-    """(name, dtype, offset, count) of each column within the body."""
-    layout = []
-    pos = 0
-    sections = ((ENTRY_COLUMNS, n_entries), (PARTITION_COLUMNS, n_partitions),
-                (DICT_COLUMNS, n_dicts))  # fmt: skip
-    for columns, count in sections:
-        for name, dtype in columns:
-            layout.append((name, dtype, pos, count))
-            pos += _padded(np.dtype(dtype).itemsize * count)
-    layout.append(("strings", "u1", pos, -1))
-    return layout
 
 
 class Catalog:
@@ -263,128 +256,8 @@ class Catalog:
         if np.any(columns["parent"] >= n_entries):
             raise CorruptCatalog(f"{where}: corrupt catalog (parent out of range)")
         catalog = cls(columns, strings, meta, frame_size)
-        catalog._check_structure(where)
+        catalog_check.check(catalog, where)
         return catalog
-
-    def _check_structure(self, where: str) -> None:
-        """Vectorised sanity checks: a catalog that passes cannot send a read out of bounds."""
-        n = self.n_entries
-
-        def bad(what: str) -> CorruptCatalog:
-            return CorruptCatalog(f"{where}: corrupt catalog ({what})")
-
-        if n == 0 or not self.is_dir[0]:
-            raise bad("no root directory")
-        if np.any(self.parent >= n):
-            raise bad("parent out of range")
-        # Offsets are checked alone too: a sum of two u64 columns can wrap around.
-        if np.any(self.name_off > len(self.strings)) or np.any(
-            self.name_off + self.name_len > len(self.strings)
-        ):
-            raise bad("name out of range")
-        # A device node, fifo or socket in a hostile image would be honoured by the kernel.
-        if np.any(~(self.is_dir | self.is_file | self.is_link)):
-            raise bad("entry that is not a directory, file or symlink")
-        self._check_tree(bad)
-        self._check_names(bad)
-        if np.any(self.child_start.astype(np.uint64) + self.child_count > n):
-            raise bad("children out of range")
-        if not np.all(np.isin(self.codec, list(CODEC_NAMES))):
-            raise bad("unknown codec")
-        files = self.is_file
-        if np.any(self.codec[files] == CODEC_ZSTD_DICT) and not self.dicts:
-            raise bad("dictionary codec without dictionaries")
-        framed = files & (self.codec == CODEC_FRAMED)
-        if np.any(framed):
-            if self.frame_size != FRAME_SIZE:
-                raise bad(f"framed files with a frame size of {self.frame_size}, not "
-                          f"{FRAME_SIZE} as prepare writes")  # fmt: skip
-            tables = n_frames(self.size[framed], self.frame_size) * FRAME_ENTRY
-            if np.any(self.stored_len[framed] < tables):
-                raise bad("framed file shorter than its frame table")
-        if np.any(self.part[files] >= self.n_partitions):
-            raise bad("partition out of range")
-        limit = self.part_size[self.part[files]]
-        ends = self.data_off[files] + self.stored_len[files]
-        if (
-            np.any(self.data_off[files] > limit)
-            or np.any(self.stored_len[files] > limit)
-            or np.any(ends > limit)
-        ):
-            raise bad("file data beyond its partition")
-        raw = files & (self.codec == CODEC_RAW)
-        if np.any(self.stored_len[raw] != self.size[raw]):
-            raise bad("raw file whose stored length is not its size")
-        whole = files & ~raw & ~framed
-        if np.any(self.size[whole] > WHOLE_DECODE_MAX) or np.any(self.stored_len[whole] == 0):
-            raise bad("compressed file of an impossible size")
-        links = self.is_link
-        ends = self.data_off[links] + self.size[links]
-        if np.any(self.data_off[links] > len(self.strings)) or np.any(ends > len(self.strings)):
-            raise bad("symlink target out of range")
-
-    def _check_tree(self, bad: Callable[[str], CorruptCatalog]) -> None:
-        """Walk order: parents first, each directory's children exactly its own range."""
-        n = self.n_entries
-        if np.any(self.parent[1:] >= np.arange(1, n, dtype=np.uint64)):
-            raise bad("a parent after its child")
-        if np.any(self.child_count[~self.is_dir] != 0):
-            raise bad("children of a non-directory")
-        dirs = np.flatnonzero(self.is_dir & (self.child_count > 0))
-        dirs = dirs[np.argsort(self.child_start[dirs], kind="stable")]
-        starts = self.child_start[dirs].astype(np.int64)
-        counts = self.child_count[dirs].astype(np.int64)
-        if int(counts.sum()) != n - 1 or (len(dirs) and starts[0] != 1):
-            raise bad("children that do not cover every entry once")
-        if np.any(starts[1:] != starts[:-1] + counts[:-1]):
-            raise bad("overlapping or gapped children")
-        if np.any(self.parent[1:] != np.repeat(dirs, counts)):
-            raise bad("an entry outside its parent's children")
-
-    def _check_names(self, bad: Callable[[str], CorruptCatalog]) -> None:
-        """Names are valid path components, sorted and unique within each directory."""
-        lens = self.name_len[1:]
-        if np.any(lens == 0) or np.any(lens > NAME_MAX):
-            raise bad("name empty or longer than 255 bytes")
-        table = np.frombuffer(self.strings, dtype=np.uint8)
-        offs = self.name_off[1:]
-        forbidden = np.flatnonzero((table == ord("/")) | (table == 0)).astype(np.uint64)
-        inside = np.searchsorted(forbidden, offs + lens) - np.searchsorted(forbidden, offs)
-        if np.any(inside):
-            raise bad("name containing '/' or NUL")
-        if len(table):
-            first = table[np.minimum(offs, len(table) - 1)]
-            second = table[np.minimum(offs + 1, len(table) - 1)]
-            dot = ord(".")
-            if np.any((first == dot) & ((lens == 1) | ((lens == 2) & (second == dot)))):
-                raise bad("name '.' or '..'")
-        # Neighbours in one directory compare word by word (big-endian, zero padded, which
-        # orders like bytes since names hold no NUL); only tied pairs go on to the next word.
-        pairs = np.flatnonzero(self.parent[1:-1] == self.parent[2:]) + 1
-        for lo in range(0, len(pairs), _CHUNK):
-            a = pairs[lo : lo + _CHUNK]
-            b = a + 1
-            k = 0
-            while len(a):
-                wa, wb = self._name_word(table, a, k), self._name_word(table, b, k)
-                if np.any(wa > wb):
-                    raise bad("names not sorted within a directory")
-                tied = wa == wb
-                upto = _WORD * (k + 1)
-                ended = (self.name_len[a] <= upto) & (self.name_len[b] <= upto)
-                if np.any(tied & ended):
-                    raise bad("duplicate names within a directory")
-                a, b, k = a[tied], b[tied], k + 1
-
-    def _name_word(self, table: np.ndarray, entries: np.ndarray, k: int) -> np.ndarray:
-        """Bytes [8k, 8k + 8) of each entry's name as a big-endian u64, zero padded."""
-        start = self.name_off[entries] + np.uint64(_WORD * k)
-        pos = start[:, None] + np.arange(_WORD, dtype=np.uint64)
-        end = self.name_off[entries] + self.name_len[entries]
-        got = np.where(pos < end[:, None], table[np.minimum(pos, len(table) - 1)], 0)
-        shifts = np.arange(8 * (_WORD - 1), -1, -8, dtype=np.uint64)
-        words: np.ndarray = (got.astype(np.uint64) << shifts).sum(axis=1, dtype=np.uint64)
-        return words
 
     # -- queries (pure, no I/O) ----------------------------------------------------------------
 

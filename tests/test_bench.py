@@ -18,7 +18,7 @@ def test_bench_runs_and_reports(tmp_path: Path) -> None:
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
     done = fanfs("bench", "--sizes", "64K,256K", "--total", "1M", "--min-files", "8",
                  "--readers", "1,2", "--repeat", "2", "--ranks", "2",
-                 "--workdir", tmp_path / "work", "--json", out_json, "--plot", out_png,
+                 "--workdir", tmp_path / "work", "--report", out_json, "--plot", out_png,
                  timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr
     rows = json.loads(out_json.read_text())["rows"]
@@ -41,7 +41,7 @@ def test_bench_global_epoch_over_three_daemons(tmp_path: Path) -> None:
     out_json = tmp_path / "bench.json"
     done = fanfs("bench", "--sizes", "64K", "--total", "1M", "--min-files", "24", "--readers",
                  "1", "--repeat", "1", "--ranks", "3", "--epoch", "global", "--workdir",
-                 tmp_path / "work", "--json", out_json, "--plot", tmp_path / "b.png",
+                 tmp_path / "work", "--report", out_json, "--plot", tmp_path / "b.png",
                  timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr
     epoch = [r for r in json.loads(out_json.read_text())["rows"] if r["where"] == "epoch"]
@@ -59,7 +59,7 @@ def test_bench_python_client(tmp_path: Path) -> None:
     out_json = tmp_path / "bench.json"
     done = fanfs("bench", "--sizes", "64K", "--total", "1M", "--min-files", "8", "--readers", "1",
                  "--temps", "warm", "--repeat", "1", "--client", "python", "--workdir",
-                 tmp_path / "work", "--json", out_json, "--plot", tmp_path / "b.png",
+                 tmp_path / "work", "--report", out_json, "--plot", tmp_path / "b.png",
                  timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr
     (row,) = json.loads(out_json.read_text())["rows"]
@@ -110,7 +110,7 @@ def test_calibrate_then_validate_the_projection(tmp_path: Path) -> None:
     assert got["local_s"] < 0.05 and got["request_s"] < 0.01 and got["disk_bytes_per_s"] > 1e7
     assert "calibration of" in done.stdout and "daemon loop" in done.stdout
     out = tmp_path / "val.json"
-    done = fanfs("project", cal, "--validate", "--daemons", "1,2", "--json", out,
+    done = fanfs("project", cal, "--validate", "--daemons", "1,2", "--report", out,
                  "--workdir", tmp_path / "work", timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr
     rows = json.loads(out.read_text())["validation"]

@@ -13,21 +13,23 @@ PACKAGE = Path(__file__).resolve().parents[1] / "fanfs"
 # Lower numbers are lower layers; a module may import only its own layer or lower ones.
 LAYERS = {
     "errors": 0, "progress": 0, "status": 0, "logs": 0, "checksum": 0, "projection": 0,
-    "catalog": 1, "placement": 1, "mounts": 1, "pagecache": 1, "filters": 1,
+    "format": 0, "catalog_check": 1, "catalog": 1, "placement": 1, "mounts": 1,
+    "pagecache": 1, "filters": 1,
     "plan": 2, "paths": 2, "codec": 2, "compare": 2, "datagen": 2, "imagedir": 2, "world": 2,
     "torch": 3, "image": 4,
     "prepare.interrupt": 2, "prepare.source": 3, "prepare.dicts": 3, "prepare.pack": 3,
     "prepare.fanout": 4, "prepare.publish": 4, "prepare": 5,
     # the daemon's wing: everything that runs inside `fanfs mount`
     "node": 2, "node.bad": 2, "node.latency": 2, "node.lookahead": 2, "node.cache": 2,
-    "node.staging": 2, "node.native": 3, "node.store": 3, "node.plans": 3,
+    "node.staging": 2, "node.order": 2, "node.native": 3, "node.store": 3, "node.plans": 3,
     "node.transport": 3, "node.transport.inbox": 3, "node.transport.mpi": 4,
     "node.transport.inproc": 4, "node.sources": 4, "node.plansocket": 4, "node.peers": 5,
     "node.reader": 5, "node.planner": 5, "node.fuse_ops": 6, "node.assemble": 7,
     "node.daemon": 8,
-    "bench.launch": 8, "bench.epoch": 8, "bench": 9, "bench.calibrate": 9,
-    "cli": 10, "cli.__main__": 11, "cli.options": 9, "cli.image": 10, "cli.mount": 10,
-    "cli.bench": 10, "cli.report": 9,
+    "bench.launch": 8, "bench.epoch": 8, "bench.passes": 8, "bench.report": 8,
+    "bench.runs": 9, "bench": 10, "bench.calibrate": 10,
+    "cli": 11, "cli.__main__": 12, "cli.options": 9, "cli.image": 11, "cli.mount": 11,
+    "cli.bench": 11, "cli.report": 9,
 }  # fmt: skip
 ONE_IMPORTER = {"mpi4py": "world", "pyfuse3": "node.fuse_ops", "zstandard": "codec",
                 "isal": "checksum"}  # fmt: skip

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from fanfs import catalog as cat
 from fanfs import paths
 from fanfs.node import plansocket
-from fanfs.node.plans import MIN_WINDOW, PARTIAL_SHARE, Plans, ShareOrder, read_ahead_bytes
+from fanfs.node.order import PARTIAL_SHARE, ShareOrder, read_ahead_bytes
+from fanfs.node.plans import MIN_WINDOW, Plans
 
 N = 1000  # entries of the fake catalog
 KIB = 1 << 10

@@ -85,7 +85,7 @@ def test_project_command(tmp_path: Path) -> None:
     cal.write_text(json.dumps(CAL.to_json()))
     out = tmp_path / "proj.json"
     done = fanfs("project", cal, "--files", "1281167", "--bytes", "140G", "--q", "0,0.1",
-                 "--link", "12G", "--net-alpha-us", "2", "--json", out, "--plot",
+                 "--link", "12G", "--net-alpha-us", "2", "--report", out, "--plot",
                  tmp_path / "p.png")  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "1024" in done.stdout

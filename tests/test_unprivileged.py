@@ -133,7 +133,7 @@ def test_bench_as_a_user_says_its_cold_figures_are_not_cold(user: User, work: Pa
     out = work / "bench.json"
     done = user.run(*FANFS, "bench", "--sizes", "64K", "--total", "2M", "--min-files", "16",
                     "--readers", "1", "--repeat", "1", "--workdir", work / "bench",
-                    "--json", out, "--plot", work / "bench.png", timeout=300)  # fmt: skip
+                    "--report", out, "--plot", work / "bench.png", timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "could not be dropped" in done.stderr and "could not be dropped" in done.stdout
     report = json.loads(out.read_text())

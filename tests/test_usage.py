@@ -117,7 +117,7 @@ def test_outputs_are_checked_before_the_work(tmp_path: Path) -> None:
     """An unwritable --calibrate, --json or --plot: said at once, not after an hour of work."""
     started = time.monotonic()
     for args in (["bench", "--calibrate", tmp_path / "no" / "dir" / "cal.json"],
-                 ["bench", "--json", tmp_path / "no" / "b.json"],
+                 ["bench", "--report", tmp_path / "no" / "b.json"],
                  ["bench", "--plot", tmp_path]):  # fmt: skip
         done = fanfs(*args, "--workdir", tmp_path / "work")
         assert_one_line_error(done, ExitCode.USAGE, "cannot write" if args[1] != "--plot"
@@ -167,7 +167,7 @@ def test_bench_keeps_the_users_directory_of_the_same_name(tmp_path: Path) -> Non
     (work / "4K").mkdir(parents=True)
     (work / "4K" / "precious").write_text("mine")
     done = fanfs("bench", "--sizes", "4K", "--total", "64K", "--min-files", "8", "--readers",
-                 "1", "--temps", "warm", "--repeat", "1", "--workdir", work, "--json",
+                 "1", "--temps", "warm", "--repeat", "1", "--workdir", work, "--report",
                  tmp_path / "b.json", "--plot", tmp_path / "b.png", timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in work.iterdir()) == ["4K"]

@@ -1,6 +1,9 @@
 """`fanfs bench` and `fanfs project`: measuring fanfs against native reads, and the scaling
 model fed by those measurements. Every value is checked, and every output file is checked to
-be writable, before any work starts: a run can take an hour."""
+be writable, before any work starts: a run can take an hour.
+
+As for every command, `--json` means: the output on stdout is JSON instead of text. Files are
+written where `--report` (JSON) and `--plot` (PNG) say."""
 
 from __future__ import annotations
 
@@ -52,21 +55,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return ExitCode.OK
     if args.epoch == "global" and args.ranks < 2:
         raise UsageError("bench: --epoch global needs --ranks 2 or more")
-    writable(args.json, "--json")
+    writable(args.report, "--report")
     writable(args.plot, "--plot")
     rows = bench.run(workdir, args.sizes, args.total, args.min_files, args.readers, args.repeat,
                      args.ranks, args.temps, log=_log, client=args.client, epoch=args.epoch,
                      planned=args.plan)  # fmt: skip
-    print(bench.format_table(rows))
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": os.uname().nodename,
               "cpus": os.cpu_count(), "argv": sys.argv[1:],
               "caches_dropped": all(r["caches_dropped"] for r in rows), "rows": rows}  # fmt: skip
-    Path(args.json).write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2) if args.json else bench.format_table(rows))
+    Path(args.report).write_text(json.dumps(report, indent=2))
     plotted = bench.plot(rows, Path(args.plot))
-    print(
-        f"bench: wrote {args.json}"
-        + (f" and {args.plot}" if plotted else " (no matplotlib: no plot)")
-    )
+    _log(f"bench: wrote {args.report}"
+         + (f" and {args.plot}" if plotted else " (no matplotlib: no plot)"))  # fmt: skip
     return ExitCode.OK
 
 
@@ -86,18 +87,17 @@ def cmd_project(args: argparse.Namespace) -> int:
     from fanfs import projection
     from fanfs.cli.report import projection_plot, projection_text, validation_text
 
-    writable(args.json, "--json")
+    writable(args.report, "--report")
     writable(args.plot, "--plot")
     cal = _calibration(args.calibration)
     if args.validate:
         from fanfs.bench import calibrate
 
         checks = calibrate.validate(cal, Path(args.workdir).absolute(), args.daemons, log=_log)
-        print(validation_text(checks))
-        if args.json:
-            Path(args.json).write_text(
-                json.dumps({"calibration": cal.to_json(), "validation": checks}, indent=2) + "\n"
-            )
+        out = {"calibration": cal.to_json(), "validation": checks}
+        print(json.dumps(out, indent=2) if args.json else validation_text(checks))
+        if args.report:
+            Path(args.report).write_text(json.dumps(out, indent=2) + "\n")
         return ExitCode.OK
     if args.image:
         from fanfs import catalog as cat
@@ -130,13 +130,16 @@ def cmd_project(args: argparse.Namespace) -> int:
                                  compute_files_per_s=args.compute)  # fmt: skip
             rows = projection.project(cal, job, tuple(args.nodes))
             stop, why = projection.stops_scaling(rows)
-            print(projection_text(job, rows, stop, why, cal.host))
+            if not args.json:
+                print(projection_text(job, rows, stop, why, cal.host))
             curves[f"q={q:g}, ratio {r:g}"] = rows
             report.append({"job": dataclasses.asdict(job), "rows": [x.to_json() for x in rows],
                            "stops_at": stop, "stops_because": why})  # fmt: skip
+    out = {"calibration": cal.to_json(), "projections": report}
     if args.json:
-        out = {"calibration": cal.to_json(), "projections": report}
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+        print(json.dumps(out, indent=2))
+    if args.report:
+        Path(args.report).write_text(json.dumps(out, indent=2) + "\n")
     if args.plot:
         projection_plot(curves, Path(args.plot))
     return ExitCode.OK
@@ -195,7 +198,12 @@ def add_parsers(sub: Subparsers) -> None:
     p.add_argument("--workdir", default=_default_workdir(),
                    help="where the run makes a directory of its own for its data, removed at "
                    "the end; nothing else in it is touched (default: %(default)s)")  # fmt: skip
-    p.add_argument("--json", default="fanfs-bench.json", help="default: %(default)s")
+    p.add_argument("--json", action="store_true", help="print the report as JSON, not a table")
+    p.add_argument(
+        "--report",
+        default="fanfs-bench.json",
+        help="also write the report (JSON) here (default: %(default)s)",
+    )
     p.add_argument("--plot", default="fanfs-bench.png", help="default: %(default)s")
     p.add_argument("--calibrate", metavar="FILE",
                    help="instead: measure this node's costs for fanfs project and write them "
@@ -257,6 +265,7 @@ def add_parsers(sub: Subparsers) -> None:
         default=_default_workdir(),
         help="where --validate makes a directory of its own (default: %(default)s)",
     )
-    p.add_argument("--json", help="also write the projection here")
+    p.add_argument("--json", action="store_true", help="print JSON, not text")
+    p.add_argument("--report", help="also write the projection (JSON) here")
     p.add_argument("--plot", help="also draw the efficiency curve here (PNG)")
     p.set_defaults(func=cmd_project)

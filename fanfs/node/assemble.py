@@ -27,9 +27,10 @@ from fanfs.catalog import Catalog
 from fanfs.node import fuse_ops
 from fanfs.node.bad import BadFiles
 from fanfs.node.native import NativePool
+from fanfs.node.order import default_budget
 from fanfs.node.peers import PeerServer
 from fanfs.node.planner import ReadAhead
-from fanfs.node.plans import Plans, default_budget
+from fanfs.node.plans import Plans
 from fanfs.node.plansocket import PlanServer
 from fanfs.node.reader import Reader
 from fanfs.node.sources import WHOLE_FILE_LIMIT, Local, Sources

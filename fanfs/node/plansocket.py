@@ -41,7 +41,8 @@ import trio
 
 from fanfs import catalog as cat
 from fanfs import paths as paths_mod
-from fanfs.node.plans import MAX_SHARES, Plans, ShareOrder, read_ahead_bytes
+from fanfs.node.order import ShareOrder, read_ahead_bytes
+from fanfs.node.plans import MAX_SHARES, Plans
 
 MAGIC = b"FANFS-PLAN 1"
 HEADER_MAX = 200

@@ -1,0 +1,109 @@
+"""The prepared image's on-disk format, as constants: the catalog's header and columns, codec
+ids, the frame table, limits, and where each column lies in the body (docs/format.md defines
+the bytes). Pure data: the catalog (fanfs/catalog.py) and its checks (fanfs/catalog_check.py)
+read it; `fanfs.catalog` re-exports every name, so `catalog.CODEC_RAW` reads as before.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import numpy as np
+
+MAGIC = b"FANFSCAT"
+VERSION = 2
+CATALOG_NAME = "catalog.fanfs"
+NO_PARTITION = 0xFFFFFFFF
+
+# Codec ids stored per file. New codecs get new ids; a reader refuses ids it does not know.
+CODEC_RAW = 0
+CODEC_ZSTD = 1  # one zstd frame
+CODEC_ZSTD_DICT = 2  # one zstd frame made with the catalog dictionary its header names
+CODEC_FRAMED = 3  # independent frames of `frame_size` bytes each, then a table of them
+CODEC_ZSTD_DELTA4 = 4  # one zstd frame of the delta4 filter's output (docs/format.md)
+CODEC_ZSTD_FILTERED = 5  # a filter id byte (fanfs/filters.py), then one zstd frame of its output
+CODEC_NAMES = {CODEC_RAW: "raw", CODEC_ZSTD: "zstd", CODEC_ZSTD_DICT: "zstd-dict",
+               CODEC_FRAMED: "framed", CODEC_ZSTD_DELTA4: "zstd-delta4",
+               CODEC_ZSTD_FILTERED: "zstd-filtered"}  # fmt: skip
+# A framed file's table: per frame, (stored length, CRC-32 of the stored frame), u32 each.
+# The length's low 28 bits are the stored length, its top 4 bits the filter the frame went
+# through before zstd (0: none; delta4's id 8 is the top bit alone, as format 2 began).
+FRAME_ENTRY = 8
+FRAME_FILTER_SHIFT = 28
+FRAME_LEN_MASK = (1 << FRAME_FILTER_SHIFT) - 1
+
+S_IFMT = 0o170000  # the file-type bits of st_mode (stat.S_IFMT is a function)
+NAME_MAX = 255  # bytes in one name, as in every Linux file system (FUSE refuses longer ones)
+# A file compressed whole is decoded whole in memory. prepare frames every compressed file over
+# 4 MiB, so a catalog that claims a larger whole-compressed file is hostile.
+WHOLE_DECODE_MAX = 4 << 20
+# The decoded bytes per frame of a framed file: prepare writes this one size. Another (up to
+# 256 MiB would fit the table's 28 bits) could make every decode cost a GiB: refused.
+FRAME_SIZE = 1 << 20
+_WORD = 8  # bytes of a name compared at a time when checking the order of names
+_CHUNK = 1 << 18  # name pairs compared per numpy pass (bounds the check's memory)
+
+# Partition flags (bit set).
+PART_BROADCAST = 1
+
+# magic, version, header_crc, n_entries, n_partitions, flags, strings_len, meta_len, body_len,
+# body_sha256, n_dicts, frame_size. header_crc is the CRC-32 of the header with it zeroed.
+HEADER = struct.Struct("<8sIIQIIQQQ32sII")
+
+# Column order and types are part of the format (docs/format.md). Entry columns first.
+ENTRY_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("parent", "<u4"),
+    ("mode", "<u4"),
+    ("mtime_ns", "<i8"),
+    ("size", "<u8"),
+    ("name_off", "<u8"),
+    ("name_len", "<u4"),
+    ("child_start", "<u4"),
+    ("child_count", "<u4"),
+    ("part", "<u4"),
+    ("data_off", "<u8"),  # files: offset in the partition; symlinks: offset in the strings
+    ("stored_len", "<u8"),
+    ("crc", "<u4"),  # CRC-32 of the stored bytes
+    ("codec", "<u1"),
+)
+PARTITION_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("part_size", "<u8"),
+    ("part_files", "<u8"),
+    ("part_flags", "<u4"),
+)
+DICT_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("dict_off", "<u8"),  # offset of dictionary i (zstd dict id i + 1) in the string table
+    ("dict_len", "<u8"),
+)
+ALIGN = 8  # every column starts 8-byte aligned so np.frombuffer views need no copy
+
+
+def partition_name(part: int) -> str:
+    return f"part-{part:05d}.pack"
+
+
+def _padded(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def n_frames(size: Any, frame_size: int) -> Any:
+    """Frames of a framed file of `size` bytes (works on numpy columns too; never wraps
+    around, even for a size near 2**64)."""
+    return size // frame_size + (size % frame_size != 0)
+
+
+def _body_layout(
+    n_entries: int, n_partitions: int, n_dicts: int
+) -> list[tuple[str, str, int, int]]:
+    """(name, dtype, offset, count) of each column within the body."""
+    layout = []
+    pos = 0
+    sections = ((ENTRY_COLUMNS, n_entries), (PARTITION_COLUMNS, n_partitions),
+                (DICT_COLUMNS, n_dicts))  # fmt: skip
+    for columns, count in sections:
+        for name, dtype in columns:
+            layout.append((name, dtype, pos, count))
+            pos += _padded(np.dtype(dtype).itemsize * count)
+    layout.append(("strings", "u1", pos, -1))
+    return layout
