@@ -64,7 +64,7 @@ class ReaderStatus:
     fallbacks: int
     bad_payloads: int
     native_jobs: int
-    lookup_fetches: int  # remote files fetched at their LOOKUP (fanfs/node/lookahead.py)
+    lookup_fetches: int  # remote files fetched at their LOOKUP (fanfs/node/reader.py, LookAhead)
     lookup_fetches_read: int
     lookup_fetches_unread: int
     fetch_ms: Percentiles

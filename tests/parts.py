@@ -9,12 +9,10 @@ from typing import Any
 import numpy as np
 
 from fanfs import catalog as cat
-from fanfs.node.bad import BadFiles
 from fanfs.node.native import NativePool
-from fanfs.node.peers import PeerServer
 from fanfs.node.plans import Plans
-from fanfs.node.reader import Reader
-from fanfs.node.sources import Local, Sources
+from fanfs.node.reader import BadFiles, Reader
+from fanfs.node.sources import Local, PeerServer, Sources
 from fanfs.node.store import PartitionStore
 
 
@@ -33,7 +31,7 @@ def reader(c: cat.Catalog, store: PartitionStore | Local, cache_bytes: int = 1 <
     loc = store if isinstance(store, Local) else local(c, store, rank, owners)
     bad = BadFiles(c)
     return Reader(c, Sources(c, loc, owners, transport), cache_bytes, bad,
-                  NativePool(c, None, bad), plans)  # fmt: skip
+                  NativePool(c, None, bad.mark), plans)  # fmt: skip
 
 
 def server(c: cat.Catalog, store: PartitionStore, rank: int = 0,

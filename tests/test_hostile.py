@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 from fanfs import catalog as cat
 from fanfs.errors import ImageError
 from fanfs.node.fuse_ops import ROOT, STATUS_XATTR, FanfsOperations
-from fanfs.node.peers import PeerServer
 from fanfs.node.reader import Reader
+from fanfs.node.sources import PeerServer
 from fanfs.node.store import PartitionStore
 from fanfs.node.transport import PeerTimeout
 from fanfs.node.transport.inbox import FIRST_REPLY_TAG, parse_request

@@ -20,10 +20,10 @@ LAYERS = {
     "prepare.interrupt": 2, "prepare.source": 3, "prepare.dicts": 3, "prepare.pack": 3,
     "prepare.fanout": 4, "prepare.publish": 4, "prepare": 5,
     # the daemon's wing: everything that runs inside `fanfs mount`
-    "node": 2, "node.bad": 2, "node.latency": 2, "node.lookahead": 2, "node.cache": 2,
+    "node": 2, "node.cache": 2,
     "node.staging": 2, "node.order": 2, "node.native": 3, "node.store": 3, "node.plans": 3,
     "node.transport": 3, "node.transport.inbox": 3, "node.transport.mpi": 4,
-    "node.transport.inproc": 4, "node.sources": 4, "node.plansocket": 4, "node.peers": 5,
+    "node.transport.inproc": 4, "node.sources": 4, "node.plansocket": 4,
     "node.reader": 5, "node.planner": 5, "node.fuse_ops": 6, "node.assemble": 7,
     "node.daemon": 8,
     "bench.launch": 8, "bench.epoch": 8, "bench.passes": 8, "bench.report": 8,

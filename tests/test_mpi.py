@@ -23,7 +23,7 @@ from fanfs import datagen, mounts, placement, plan
 from fanfs.bench import launch
 from fanfs.compare import assert_same_tree
 from fanfs.errors import ExitCode
-from fanfs.node import lookahead
+from fanfs.node import reader as lookahead
 
 MPIRUN = ["mpirun", "--oversubscribe", "--enable-recovery"]
 ENV = {**os.environ, **launch.MPI_ENV}
@@ -172,7 +172,7 @@ def test_remote_reads_of_compressed_and_framed_files(
 def test_fetch_at_lookup_and_a_stat_walk(tree: Path, image: Path, tmp_path: Path) -> None:
     """A file opened by path (no listing before, so the kernel sends LOOKUP) is fetched from
     its LOOKUP, once; `ls -l`/`du` look files up without reading them, and fetching at LOOKUP
-    stops after a few of those (fanfs/node/lookahead.py)."""
+    stops after a few of those (fanfs/node/reader.py, LookAhead)."""
     c, _ = cat.Catalog.load(image)
     owners = placement.place(c.part_size, c.part_flags, 2)
     remote = [c.path(e).decode() for e, _ in c.walk()

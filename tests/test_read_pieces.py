@@ -15,8 +15,7 @@ import trio
 from fanfs import catalog as cat
 from fanfs import placement
 from fanfs.node.cache import ENTRY_OVERHEAD, ByteLRU, SingleFlight
-from fanfs.node.peers import PeerServer
-from fanfs.node.sources import Sources
+from fanfs.node.sources import PeerServer, Sources
 from fanfs.node.store import PartitionStore
 from fanfs.node.transport.inproc import Cluster
 
@@ -166,8 +165,8 @@ def test_status_round_trips_and_refuses_an_unknown_layout() -> None:
 
 
 def test_lookahead_fetches_while_reads_follow_lookups() -> None:
-    from fanfs.node import lookahead
-    from fanfs.node.lookahead import LookAhead
+    from fanfs.node import reader as lookahead
+    from fanfs.node.reader import LookAhead
 
     ahead = LookAhead()
     for entry in range(500):  # a training epoch: every lookup is read

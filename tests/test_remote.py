@@ -17,8 +17,8 @@ import trio
 
 from fanfs import catalog as cat
 from fanfs import placement
-from fanfs.node.peers import PeerServer
 from fanfs.node.reader import Reader
+from fanfs.node.sources import PeerServer
 from fanfs.node.store import PartitionStore
 from fanfs.node.transport.inproc import Cluster
 

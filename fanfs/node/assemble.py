@@ -25,15 +25,13 @@ import numpy as np
 from fanfs import placement
 from fanfs.catalog import Catalog
 from fanfs.node import fuse_ops
-from fanfs.node.bad import BadFiles
 from fanfs.node.native import NativePool
 from fanfs.node.order import default_budget
-from fanfs.node.peers import PeerServer
 from fanfs.node.planner import ReadAhead
 from fanfs.node.plans import Plans
 from fanfs.node.plansocket import PlanServer
-from fanfs.node.reader import Reader
-from fanfs.node.sources import WHOLE_FILE_LIMIT, Local, Sources
+from fanfs.node.reader import BadFiles, Reader
+from fanfs.node.sources import WHOLE_FILE_LIMIT, Local, PeerServer, Sources
 from fanfs.node.store import PartitionStore
 from fanfs.node.transport import PeerTransport
 from fanfs.status import CatalogStatus, Status
@@ -73,7 +71,7 @@ def build(catalog: Catalog, store: PartitionStore, owners: list[tuple[int, ...]]
         transport = MpiTransport(world, cfg.peer_timeout, server)
     sources = Sources(catalog, local, owners, transport)
     bad = BadFiles(catalog)
-    pool = NativePool(catalog, fuse_ops.POOL_HOOKS, bad, decode=native_decoding())
+    pool = NativePool(catalog, fuse_ops.POOL_HOOKS, bad.mark, decode=native_decoding())
     budget = cfg.prefetch_bytes if cfg.prefetch_bytes is not None else default_budget()
     plans = Plans(catalog, budget)
     reader = Reader(catalog, sources, cfg.cache_bytes, bad, pool, plans)

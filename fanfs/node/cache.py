@@ -1,11 +1,14 @@
-"""Bounded memory and shared work for the read path: a byte-bounded LRU and single-flight fetches.
+"""Bounded memory and shared work for the read path: a byte-bounded LRU, single-flight fetches
+and a fixed ring of recent latencies.
 
 `ByteLRU` keeps decoded bytes (whole files, frames of framed files) up to a byte budget, each
 entry charged ENTRY_OVERHEAD beyond its data. `SingleFlight` makes one task do the work for a
-key however many ask at once; the others wait, then look again.
+key however many ask at once; the others wait, then look again. `Latencies` keeps the most
+recent SAMPLES fetch times for the percentiles `fanfs status` reports.
 
-Concurrency: the trio thread only. Between two awaits the code is atomic with respect to other
-tasks (trio is cooperative), which is what keeps both structures consistent without locks.
+Concurrency: `ByteLRU` and `SingleFlight` in the trio thread only (between two awaits the code
+is atomic with respect to other tasks: trio is cooperative, which keeps them consistent
+without locks); `Latencies` from any thread, under its owner's lock.
 """
 
 from __future__ import annotations
@@ -14,7 +17,10 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable
 from typing import Any
 
+import numpy as np
 import trio
+
+from fanfs.status import Percentiles
 
 ENTRY_OVERHEAD = 120  # bytes a cache entry costs beyond its data (dict slot, bytes header)
 
@@ -88,3 +94,22 @@ class SingleFlight:
             return await produce()
         finally:
             self._inflight.pop(key).set()
+
+
+SAMPLES = 4096  # the most recent this many are kept
+
+
+class Latencies:
+    def __init__(self, samples: int = SAMPLES):
+        self._ring = np.zeros(samples, dtype=np.float64)
+        self.count = 0  # all ever recorded
+
+    def record(self, seconds: float) -> None:
+        self._ring[self.count % len(self._ring)] = seconds
+        self.count += 1
+
+    def percentiles_ms(self) -> Percentiles:
+        """p50, p90 and p99 in milliseconds over the kept samples."""
+        n = min(self.count, len(self._ring))
+        pct = np.percentile(self._ring[:n], [50, 90, 99]) * 1e3 if n else [0.0] * 3
+        return Percentiles(*(round(float(v), 3) for v in pct))

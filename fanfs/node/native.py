@@ -37,7 +37,6 @@ import trio
 from fanfs import catalog as cat
 from fanfs import codec, filters
 from fanfs.errors import CorruptFile
-from fanfs.node.bad import BadFiles
 
 log = logging.getLogger(__name__)
 
@@ -100,13 +99,14 @@ def frame_piece(c: cat.Catalog, entry: int, table: codec.FrameTable, i: int) -> 
 
 
 class NativePool:
-    def __init__(self, catalog: cat.Catalog, hooks: Hooks | None, bad: BadFiles,
-                 decode: bool = True):  # fmt: skip
+    def __init__(self, catalog: cat.Catalog, hooks: Hooks | None,
+                 failed: Callable[[int, BaseException], None], decode: bool = True):  # fmt: skip
         """`hooks`: None where pyfuse3 has no pool (the Reader then reads in Python);
+        `failed(entry, error)`: a file the pool found bad (the bad-file registry's `mark`);
         `decode`: False keeps compressed files in Python (FANFS_NATIVE_DECODE=0)."""
         self.catalog = catalog
         self.hooks = hooks
-        self.bad = bad
+        self.failed = failed
         self._decode = decode
         self._rfd = self._wfd = -1
         self.running = False
@@ -158,7 +158,7 @@ class NativePool:
                 return  # the pool has stopped and its end is closed
             for entry, err, _ in ERROR_RECORD.iter_unpack(records):
                 if 0 <= entry < self.catalog.n_entries:
-                    self.bad.mark(entry, CorruptFile(failure_reason(err)))
+                    self.failed(entry, CorruptFile(failure_reason(err)))
                 else:  # a record the pool would never write: not worth ending the daemon
                     log.error("native read pool reported entry %d, errno %d", entry, err)
 

@@ -12,8 +12,13 @@ bytes and makes concurrent requests for one file share one fetch; `bad.py` keeps
 found bad (any failure, from the disk, a peer, a codec or a hostile catalog, is EIO for that
 file alone, logged once with its path).
 
-At a LOOKUP of a small file held by a peer the whole-file fetch starts at once, while reads
-keep following lookups (fanfs/node/lookahead.py): its READ then joins a fetch under way.
+At a LOOKUP of a small file held by a peer the whole-file fetch starts at once, so its READ
+joins a fetch under way. A LOOKUP is not always followed by a READ (`ls -l`, `find -size` and
+`du` look files up without reading them): `LookAhead` keeps the last WINDOW remote lookups and
+which of them were read, and fetching at LOOKUP stays on while most are (an exponential average
+of that share of at least ON_SHARE, one step of DECAY per lookup that leaves the window). A
+stat-only walk costs at most about WINDOW + 7 fetches before it stops; fetched bytes wait in
+the bounded cache for their READ.
 
 Concurrency: the trio thread only. Between two awaits the code is atomic with respect to other
 tasks (trio is cooperative), which keeps the caches and frame tables consistent without locks.
@@ -25,6 +30,8 @@ costs 60 to 140 us.
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable
@@ -37,13 +44,13 @@ from fanfs import codec
 from fanfs.checksum import crc32
 from fanfs.errors import CorruptFile
 from fanfs.node import native
-from fanfs.node.bad import BadFiles
 from fanfs.node.cache import ByteLRU, SingleFlight
-from fanfs.node.lookahead import SIZE_LIMIT, LookAhead
 from fanfs.node.native import NativeJob, NativePool
 from fanfs.node.plans import Plans
 from fanfs.node.sources import NOWAIT_LIMIT, WHOLE_FILE_LIMIT, Sources
 from fanfs.status import ReaderStatus
+
+log = logging.getLogger(__name__)
 
 INLINE_LIMIT = 256 << 10  # below this, decoding runs inline (cheaper than a thread hand-off)
 TABLES_KEPT = 4096  # parsed frame tables of framed files kept (LRU) ...
@@ -51,6 +58,82 @@ TABLES_BYTES = 32 << 20  # ... within this many bytes (a 1 TiB file's table alon
 FRAMES_AHEAD = 2  # frames the native pool decodes ahead of a framed file read in order
 
 Answer = bytes | memoryview | NativeJob
+
+
+class BadFiles:
+    def __init__(self, catalog: cat.Catalog):
+        self.catalog = catalog
+        self._bad: set[int] = set()
+
+    def __contains__(self, entry: int) -> bool:
+        return entry in self._bad
+
+    def __len__(self) -> int:
+        return len(self._bad)
+
+    def mark(self, entry: int, error: BaseException) -> None:
+        """Refuse `entry` from now on; log why once (with the trace if it was unexpected)."""
+        if entry not in self._bad:
+            self._bad.add(entry)
+            expected = isinstance(error, (CorruptFile, OSError))
+            log.error("EIO for %s: %s", self.describe(entry),
+                      error if expected else f"{type(error).__name__}: {error}",
+                      exc_info=not expected)  # fmt: skip
+
+    def refuse(self, entry: int) -> CorruptFile:
+        """The error a read of a bad file raises (EIO at the FUSE edge)."""
+        return CorruptFile(self.describe(entry))
+
+    def describe(self, entry: int) -> str:
+        return os.fsdecode(b"/" + self.catalog.path(entry))
+
+
+# -- fetches started at LOOKUP ---------------------------------------------------------------
+
+WINDOW = 64  # lookups remembered: far more than the readers that can be between LOOKUP and READ
+DECAY = 0.1
+ON_SHARE = 0.5
+SIZE_LIMIT = 4 << 20  # stored bytes of a file fetched whole at its LOOKUP, at most
+
+
+class LookAhead:
+    def __init__(self) -> None:
+        self._recent: OrderedDict[int, bool] = OrderedDict()  # entry -> fetched at LOOKUP
+        self._share = 1.0  # averaged share of remote lookups followed by a read
+        self.fetched = 0
+        self.used = 0  # fetched at LOOKUP, then read
+        self.unused = 0  # fetched at LOOKUP, not read while in the window
+
+    @property
+    def on(self) -> bool:
+        return self._share >= ON_SHARE
+
+    def looked_up(self, entry: int, fetching: bool) -> None:
+        """The kernel looked up remote file `entry`; `fetching`: its fetch starts now."""
+        self._recent.pop(entry, None)
+        self._recent[entry] = fetching
+        self.fetched += fetching
+        while len(self._recent) > WINDOW:
+            _, fetched = self._recent.popitem(last=False)
+            self._outcome(False, fetched)
+
+    def waiting(self, entry: int) -> bool:
+        """Whether `entry` was looked up and its READ has not come yet."""
+        return entry in self._recent
+
+    def read(self, entry: int) -> bool:
+        """The kernel reads `entry`: True if its fetch started at its LOOKUP."""
+        fetched = self._recent.pop(entry, None)
+        if fetched is None:
+            return False
+        self._outcome(True, fetched)
+        return fetched
+
+    def _outcome(self, read: bool, fetched: bool) -> None:
+        self._share += DECAY * (read - self._share)
+        if fetched:
+            self.used += read
+            self.unused += not read
 
 
 class Reader:

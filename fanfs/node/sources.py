@@ -5,7 +5,15 @@ image until staged), inline when the page cache holds them (preadv2(RWF_NOWAIT) 
 the page cache or fails at once) and in a worker thread when they would wait for the disk (a
 hand-off costs 60 to 140 us, more than copying a small file from the page cache); the check
 of a large raw file, once, as a whole; the counters of local fetches. The peer server
-(fanfs/node/peers.py) and `Sources` both read through it.
+(`PeerServer`, below) and `Sources` both read through it.
+
+`PeerServer` is what a peer may ask of this daemon: stored bytes of a file it holds, answered
+through `Local`. A request (entry, offset, length) is refused (None) unless the entry is a
+file this daemon holds and the range lies within its stored bytes; a large raw file is checked
+once as a whole before any range of it is served. The transport is handed the server: requests
+a plain read answers go to `locate` and the reads (`cached`, `pread`), which the MPI
+transport's own threads call without the event loop; the rest to `serve` in the event loop.
+The server knows neither the transport nor the Reader.
 
 `Sources.stored()` is the one source choice: a file this daemon holds is read locally; any
 other file is asked of its holders in turn (live ones only, rotated per file to spread load
@@ -17,7 +25,9 @@ it blocks, asking peers through the transport's blocking fetch where it has one,
 the event loop.
 
 Concurrency: the async methods run in the trio thread, their blocking reads in worker threads
-under one limiter; the blocking ones in any other thread. Counters change under a lock.
+under one limiter; the blocking ones in any other thread (the peer server's `locate`, `cached`
+and `pread` too: the catalog is immutable, the set of checked large files only grows).
+Counters change under a lock.
 """
 
 from __future__ import annotations
@@ -37,8 +47,7 @@ from fanfs import catalog as cat
 from fanfs import codec
 from fanfs.checksum import crc32
 from fanfs.errors import CorruptFile
-from fanfs.node.cache import SingleFlight
-from fanfs.node.latency import Latencies
+from fanfs.node.cache import Latencies, SingleFlight
 from fanfs.node.store import PartitionStore
 from fanfs.node.transport import PeerTimeout, PeerTransport
 
@@ -157,6 +166,48 @@ class Local:
         with self._count:
             self.native_reads += 1
             self.bytes_fetched += nbytes
+
+
+class PeerServer:
+    def __init__(self, catalog: cat.Catalog, local: Local):
+        self.catalog = catalog
+        self.local = local
+
+    def _valid(self, entry: int, offset: int, length: int) -> bool:
+        c = self.catalog
+        if not (0 <= entry < c.n_entries and c.is_file[entry]) or not self.local.mine(entry):
+            return False
+        return offset >= 0 and length > 0 and offset + length <= int(c.stored_len[entry])
+
+    async def serve(self, entry: int, offset: int, length: int) -> bytes | None:
+        """The stored bytes a peer asked for, or None if this daemon cannot serve them."""
+        if not self._valid(entry, offset, length):
+            return None
+        try:
+            if self.local.large(entry):
+                await self.local.verify(entry)
+            return await self.local.read(entry, offset, length, count=False)
+        except (CorruptFile, OSError) as e:
+            log.warning("cannot serve /%s to a peer: %s", self.catalog.path(entry).decode(
+                errors="replace"), e)  # fmt: skip
+            return None
+
+    def locate(self, entry: int, offset: int, length: int) -> tuple[int, int] | None:
+        """(partition, start) of a request a plain read answers, or None: `serve` refuses what
+        is wrong and checks a large raw file first."""
+        if not self._valid(entry, offset, length):
+            return None
+        if self.local.large(entry) and not self.local.is_verified(entry):
+            return None
+        return self.local.where(entry, offset)
+
+    def cached(self, part: int, start: int, length: int) -> bytearray | None:
+        """The bytes if the page cache holds them all (never waits for the disk), else None."""
+        return self.local.cached(part, start, length)
+
+    def pread(self, part: int, start: int, length: int) -> bytes:
+        """Exactly the bytes (may wait for the disk; OSError on failure)."""
+        return self.local.pread(part, start, length)
 
 
 class Sources:

@@ -5,7 +5,7 @@ run with the same protocol, for tests of everything above the transport without 
 a single daemon nothing is remote and no transport exists.
 
 `PeerTransport` holds what both share: who is dead and who said bye, the counters behind
-`fanfs status`, serving one request (through the `Served` it is handed: fanfs/node/peers.py,
+`fanfs status`, serving one request (through the `Served` it is handed: fanfs/node/sources.py,
 which checks it against the catalog and answers from the store), pings and the linger that
 keeps a daemon serving until its peers are done. Its methods run in the trio thread;
 subclasses provide `fetch`, `_say_bye` and a nursery.
@@ -18,14 +18,14 @@ from typing import Protocol
 
 import trio
 
-from fanfs.node.latency import Latencies
+from fanfs.node.cache import Latencies
 from fanfs.status import PeerStatus
 
 log = logging.getLogger(__name__)
 
 
 class Served(Protocol):
-    """What a peer may ask of this daemon (fanfs/node/peers.py's PeerServer)."""
+    """What a peer may ask of this daemon (fanfs/node/sources.py's PeerServer)."""
 
     async def serve(self, entry: int, offset: int, length: int) -> bytes | None:
         """The stored bytes asked for, or None if this daemon cannot serve them."""
