@@ -8,6 +8,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.fanfs-installed
 PYTEST_ARGS ?=
+# Setup's own output (apt, pip, the pyfuse3 build) goes here, not to the terminal: it is shown
+# only when a step fails (tools/quietly.sh).
+SETUP_LOG := .setup.log
+QUIET := bash tools/quietly.sh $(SETUP_LOG)
 
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
@@ -17,15 +21,17 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 setup: system $(STAMP)
 
 system:
-	@PYTHON=$(PYTHON) bash tools/setup_system.sh
+	@$(QUIET) env PYTHON=$(PYTHON) bash tools/setup_system.sh
 
 # fanfs/node/native.py holds the pyfuse3 patch level: a new level rebuilds pyfuse3.
 $(STAMP): pyproject.toml tools/install_pyfuse3.py fanfs/node/native.py $(wildcard tools/pyfuse3_patch/*)
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel
-	$(BIN)/python tools/install_pyfuse3.py
-	$(BIN)/python -m pip install -q -e '.[test]'
-	touch $(STAMP)
+	@echo "fanfs setup: making $(VENV) (a few minutes the first time; log in $(SETUP_LOG))"
+	@test -x $(BIN)/python || $(QUIET) $(PYTHON) -m venv $(VENV)
+	@$(QUIET) $(BIN)/python -m pip install --upgrade pip setuptools wheel
+	@$(QUIET) $(BIN)/python tools/install_pyfuse3.py
+	@$(QUIET) $(BIN)/python -m pip install -e '.[test]'
+	@touch $(STAMP)
+	@echo "fanfs setup: ready ($(BIN)/fanfs)"
 
 demo: setup
 	$(BIN)/python tools/demo.py
@@ -44,4 +50,4 @@ test-pythons: system
 	bash tools/test_pythons.sh
 
 clean:
-	rm -rf $(VENV) .venv-3.* build *.egg-info
+	rm -rf $(VENV) .venv-3.* build *.egg-info $(SETUP_LOG)
