@@ -39,6 +39,7 @@ TIERS = {
     "test_layers": "unit",
     "test_projection": "unit",
     "test_plans": "unit",
+    "test_codec": "adapter",
     "test_usage": "mount",
     "test_read_pieces": "adapter",
     "test_hostile": "adapter",

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from conftest import fanfs
 
 from fanfs import pagecache
+from fanfs.bench import launch
 from fanfs.errors import ExitCode
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.mpi
@@ -121,3 +126,18 @@ def test_calibrate_then_validate_the_projection(tmp_path: Path) -> None:
         assert r["error"] == pytest.approx((r["projected_s"] - r["measured_s"]) / r["measured_s"])
     assert rows[2]["remote_share"] == 0.5 and rows[3]["remote_share"] == 0
     assert not list((tmp_path / "work").glob("*/src"))
+
+
+def test_the_demo_shows_what_fanfs_is_for_and_checks_every_byte(tmp_path: Path) -> None:
+    """`make demo`'s script, on fewer files: its three parts, every byte checked, nothing left
+    (its own directory under --workdir removed, the workdir itself untouched)."""
+    (tmp_path / "mine").write_text("kept")
+    demo = [sys.executable, str(REPO / "tools" / "demo.py"), "--files", "300", "--workdir",
+            str(tmp_path)]  # fmt: skip
+    done = subprocess.run(demo, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **launch.MPI_ENV}, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    for part in ("1. fanfs prepare", "2. one node", "3. two nodes", "every byte matched",
+                 "nothing left mounted"):  # fmt: skip
+        assert part in done.stdout, done.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
