@@ -23,8 +23,10 @@ setup: system $(STAMP)
 system:
 	@$(QUIET) env PYTHON=$(PYTHON) bash tools/setup_system.sh
 
-# fanfs/node/native.py holds the pyfuse3 patch level: a new level rebuilds pyfuse3.
-$(STAMP): pyproject.toml tools/install_pyfuse3.py fanfs/node/native.py $(wildcard tools/pyfuse3_patch/*)
+# fanfs/node/fuse_ops.py holds the pyfuse3 patch level: a new level rebuilds pyfuse3. The
+# extension (fanfs._native) is rebuilt by the editable install when its C or Cython changes.
+$(STAMP): pyproject.toml setup.py tools/install_pyfuse3.py fanfs/node/fuse_ops.py \
+		fanfs/_native.pyx $(wildcard fanfs/csrc/*) $(wildcard tools/pyfuse3_patch/*)
 	@echo "fanfs setup: making $(VENV) (a few minutes the first time; log in $(SETUP_LOG))"
 	@test -x $(BIN)/python || $(QUIET) $(PYTHON) -m venv $(VENV)
 	@$(QUIET) $(BIN)/python -m pip install --upgrade pip setuptools wheel

@@ -18,12 +18,18 @@ Where zstd alone does not halve a file or frame of whole 32-bit words, the array
 kept when it beats plain zstd (smooth float32 fields: 1.25 plain, 2.5 with delta4; float32
 values rounded to two decimals: 1.56 plain, 3.1 with decimal4; docs/performance.md).
 
+Decoding is fanfs's C extension's (fanfs/native.py): the same code the native read pool runs,
+with the GIL released, so every path (local and remote reads, the planner, `fanfs verify`)
+decodes alike and in parallel. Where libzstd is missing it falls back to the zstandard package
+and fanfs/filters.py, which stay the reference the C is tested against.
+
 Concurrency: zstd (de)compressor objects are not thread-safe (a shared decompressor corrupted
 data in a probe, see docs/environment.md), so each thread gets its own through `threading.local`.
 """
 
 from __future__ import annotations
 
+import functools
 import struct
 import threading
 from collections.abc import Callable, Sequence
@@ -33,7 +39,7 @@ import numpy as np
 import zstandard
 
 from fanfs import catalog as cat
-from fanfs import filters
+from fanfs import filters, native
 from fanfs.checksum import crc32
 from fanfs.errors import CorruptFile
 
@@ -272,6 +278,51 @@ def _unfilter(fid: int, stored: bytes | memoryview, size: int) -> bytes:
     return filters.decode(fid, _zstd(stored, bound, (), exact=bound == size), size)
 
 
+@functools.lru_cache(maxsize=8)
+def dictionaries(dicts: tuple[bytes, ...]) -> native.Dictionaries:
+    """An image's dictionaries made ready for the C decoder once (an image has one set)."""
+    return native.Dictionaries(dicts)
+
+
+def _native_kind(codec: int) -> int:
+    if codec == cat.CODEC_RAW:
+        return native.lib.KIND_RAW
+    if codec in (cat.CODEC_ZSTD, cat.CODEC_ZSTD_DICT):
+        return native.lib.KIND_ZSTD
+    if codec == cat.CODEC_ZSTD_DELTA4:
+        return native.lib.KIND_FILTER + filters.DELTA4
+    return native.lib.KIND_FILTERED
+
+
+def decode_piece(stored: bytes | memoryview, kind: int, size: int,
+                 dicts: Sequence[bytes] = ()) -> bytes:  # fmt: skip
+    """A checked piece's stored bytes decoded to exactly `size` bytes, by the C decoder (the
+    zstandard package where libzstd is missing); CorruptFile if they do not decode."""
+    if kind == native.lib.KIND_RAW:
+        if len(stored) != size:
+            raise CorruptFile(f"stored {len(stored)} bytes raw, expected {size}")
+        return stored if isinstance(stored, bytes) else bytes(stored)
+    if not native.DECODES:
+        return python_decode_piece(stored, kind, size, dicts)
+    try:
+        return native.decode(stored, kind, size, dictionaries(tuple(dicts)) if dicts else None)
+    except native.CorruptPiece as e:
+        raise CorruptFile(str(e)) from None
+
+
+def python_decode_piece(stored: bytes | memoryview, kind: int, size: int,
+                        dicts: Sequence[bytes] = ()) -> bytes:  # fmt: skip
+    """The zstandard package and fanfs/filters.py's decoding of a compressed piece: the
+    fallback where libzstd is missing, and the reference the C is tested against."""
+    if kind == native.lib.KIND_ZSTD:
+        return _zstd(stored, size, dicts)
+    if kind == native.lib.KIND_FILTERED and len(stored) > 1:
+        return _unfilter(stored[0], memoryview(stored)[1:], size)
+    if kind > native.lib.KIND_FILTER:
+        return _unfilter(kind - native.lib.KIND_FILTER, stored, size)
+    raise CorruptFile("stored bytes do not decode")
+
+
 def decode(
     stored: bytes, codec: int, size: int, crc: int | None, dicts: Sequence[bytes] = ()
 ) -> bytes:
@@ -279,15 +330,9 @@ def decode(
     `size` bytes. Framed files are decoded through `FrameTable` instead."""
     if crc is not None and crc32(stored) != crc:
         raise CorruptFile("checksum mismatch")
-    if codec == cat.CODEC_RAW:
-        return stored
-    if codec in (cat.CODEC_ZSTD, cat.CODEC_ZSTD_DICT):
-        return _zstd(stored, size, dicts)
-    if codec == cat.CODEC_ZSTD_DELTA4:
-        return _unfilter(filters.DELTA4, stored, size)
-    if codec == cat.CODEC_ZSTD_FILTERED and len(stored) > 1:
-        return _unfilter(stored[0], memoryview(stored)[1:], size)
-    raise CorruptFile(f"codec {codec} cannot be decoded whole")
+    if codec == cat.CODEC_FRAMED or codec not in cat.CODEC_NAMES:
+        raise CorruptFile(f"codec {codec} cannot be decoded whole")
+    return decode_piece(stored, _native_kind(codec), size, dicts)
 
 
 class FrameTable:
@@ -341,10 +386,10 @@ class FrameTable:
         n = self.decoded_len(i)
         fid = int(self.filters[i])
         if fid:
-            try:
-                return _unfilter(fid, stored, n)
-            except CorruptFile as e:
-                raise CorruptFile(f"frame {i}: {e}") from None
-        if len(stored) == n:
-            return stored  # stored raw
-        return _zstd(stored, n, ())
+            kind = native.lib.KIND_FILTER + fid
+        else:
+            kind = native.lib.KIND_RAW if len(stored) == n else native.lib.KIND_ZSTD
+        try:
+            return decode_piece(stored, kind, n)
+        except CorruptFile as e:
+            raise CorruptFile(f"frame {i}: {e}") from None

@@ -118,6 +118,12 @@ class Channel:
     def progress(self, position: int, share: int = 0) -> None:
         self._request(f"FANFS-PLAN 1 at {int(share)} {int(position)}\n".encode())
 
+    def drop(self) -> dict[str, object]:
+        """Have the daemon drop what is cached of the mount's files: the kernel's pages of
+        them, its staged copies' pages and its own caches (the next reads are cold). What it
+        dropped, as the daemon says it."""
+        return self._request(b"FANFS-PLAN 1 drop 0 0\n")
+
     def _request(self, message: bytes) -> dict[str, object]:
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:

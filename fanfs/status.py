@@ -123,8 +123,14 @@ class Status:
     native_read_pool: bool
     native_crc32: str | None
     native_decodes: bool  # the pool decodes compressed files too (libzstd found)
-    native_frame_hits: int  # frames of framed files the pool's frame cache answered
+    native_frame_hits: int  # pieces (frames, parts of files) the pool's cache answered
     native_frame_misses: int
+    # What the pool pushed into the kernel's page cache beyond what READs asked for (pieces,
+    # bytes), and how it read pieces: O_DIRECT (not in the page cache) or from the page cache.
+    native_pushes: int
+    native_pushed_bytes: int
+    native_direct_reads: int
+    native_cached_reads: int
     # The session loop's spin (tools/pyfuse3_patch): requests it caught without a trip through
     # trio's epoll, spins that ended with none, and spins cut short because trio had work.
     spin_caught: int
@@ -207,9 +213,10 @@ def render(s: Status) -> str:
     if s.native_read_pool:
         lines.append(
             f"native:   {rd.native_jobs} reads answered in C (CRC-32 {s.native_crc32}, "
-            f"{'decoding zstd' if s.native_decodes else 'raw files only'}), frame cache "
-            f"{s.native_frame_hits} hits / {s.native_frame_misses} misses; loop spin caught "
-            f"{s.spin_caught} requests"
+            f"{'decoding zstd' if s.native_decodes else 'raw files only'}), piece cache "
+            f"{s.native_frame_hits} hits / {s.native_frame_misses} misses; "
+            f"{human_bytes(s.native_pushed_bytes)} pushed to the page cache; "
+            f"{s.native_direct_reads} direct reads; loop spin caught {s.spin_caught} requests"
         )
     if p is not None:
         lines.append(

@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 
 from fanfs import catalog as cat
-from fanfs.node.native import NativePool
 from fanfs.node.plans import Plans
+from fanfs.node.pool import NativePool
 from fanfs.node.reader import BadFiles, Reader
 from fanfs.node.sources import Local, PeerServer, Sources
 from fanfs.node.store import PartitionStore

@@ -1,9 +1,9 @@
 """Unit tier: the pieces of the read path built alone, without a mount.
 
 Every array filter and every codec round-trips (decode of encode is the input, for any input
-hypothesis finds); the native pool's jobs are what its C side expects (fanfs/node/native.py is
-the whole contract); the peer server refuses what it must and locates only what a plain read
-answers."""
+hypothesis finds); the native pool's jobs are what its C side takes (fanfs/node/pool.py builds
+them, fanfs/csrc/pool.c checks them); the peer server refuses what it must and locates only
+what a plain read answers. The C itself: tests/test_native.py."""
 
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ from hypothesis import strategies as st
 
 from fanfs import catalog as cat
 from fanfs import codec, filters
-from fanfs.node import native
-from fanfs.node.native import Hooks, NativePool
+from fanfs.native import lib
+from fanfs.node import pool as native
+from fanfs.node.pool import NativePool
 from fanfs.node.sources import PeerServer
 from fanfs.node.store import PartitionStore
 
@@ -92,30 +93,36 @@ def catalog_of(entries: list[tuple[int, int, int, int, int]]) -> Any:
 def test_native_jobs_are_what_the_pool_takes() -> None:
     c = catalog_of([(1000, 1000, 64, 11, cat.CODEC_RAW), (5000, 900, 2048, 22, cat.CODEC_ZSTD),
                     (4000, 800, 4096, 33, cat.CODEC_ZSTD_DELTA4)])  # fmt: skip
-    queued: list[tuple[int, ...]] = []
-    hooks = Hooks(lambda n, fd: "zlib", lambda: None, lambda d: True,
-                  lambda job: queued.append(job) is None, lambda: (0, 0))  # fmt: skip
-    pool = NativePool(c, hooks, lambda e, err: None)
-    # A whole raw file asked whole: one piece, not kept in the pool's cache.
-    assert pool.whole(7, 0, 0, 1000) == (7, 0, 0, 1000, 64, 1000, 11, native.KIND_RAW, 1000, 0)
-    # A part of a compressed file: the whole piece decoded and kept for the other parts.
-    assert pool.whole(7, 1, 100, 50) == (7, 1, 100, 50, 2048, 900, 22, native.KIND_ZSTD, 5000, 1)
-    assert pool.whole(7, 2, 0, 4000)[7] == native.KIND_FILTER + filters.DELTA4
-    # Frames: the ones a READ touches, its range within them; read-aheads queued for others.
+    pool = NativePool(c, None, lambda e, err: None)
+    push = lib.JOB_PUSH
+    # A whole raw file asked whole: one piece, not kept in the pool's cache, nothing to push.
+    whole = pool.whole(7, 8, 0, 0, 1000)
+    assert whole == (7, 8, 0, 1, 0, 0, 1000, 0, 64, 1000, 11, native.KIND_RAW, 1000, 0)
+    # A part of a compressed file: the whole piece decoded, kept for the other parts, and the
+    # rest pushed to the kernel.
+    part = pool.whole(7, -1, 1, 100, 50)
+    assert part == (7, -1, 1, 2, 0, 100, 50, push, 2048, 900, 22, native.KIND_ZSTD, 5000, 1)
+    assert pool.whole(7, -1, 2, 0, 4000)[native.JOB_FIELDS + 3] == native.KIND_FILTER + 8
+    assert NativePool(c, None, lambda e, err: None, push=False).whole(7, -1, 1, 1, 2)[7] == 0
+    # Frames: the ones a READ touches, its range within them, the first one's place.
     fs = 1 << 20
     lengths = [300, fs, 200, 100, 100]  # frame 1 stored raw
     table_bytes = np.array([(n, 1000 + i) for i, n in enumerate(lengths)], dtype="<u4").tobytes()
     size = 4 * fs + 10
     stored_len = sum(lengths) + len(table_bytes)
     table = codec.FrameTable(table_bytes, size, stored_len, fs, None)
-    job = pool.frames(9, 1, table, fs - 10, 30, range(2, 4))
-    assert job is not None and job[:4] == (9, 1, fs - 10, 30)
-    pieces = [job[4 + 6 * k : 10 + 6 * k] for k in range((len(job) - 4) // 6)]
+    job = pool.frames(9, -1, 1, table, fs - 10, 30, range(0))
+    assert job is not None and job[: native.JOB_FIELDS] == (9, -1, 1, 2, 0, fs - 10, 30, push)
+    pieces = [job[native.JOB_FIELDS + 6 * k : native.JOB_FIELDS + 6 + 6 * k]
+              for k in range((len(job) - native.JOB_FIELDS) // 6)]  # fmt: skip
     assert pieces == [(2048, 300, 1000, native.KIND_ZSTD, fs, 1),
                       (2048 + 300, fs, 1001, native.KIND_RAW, fs, 1)]  # fmt: skip
-    assert [j[4] for j in queued] == [2048 + 300 + fs, 2048 + 300 + fs + 200]
-    assert pool.frames(9, 1, table, 0, 4 * fs + 10, range(0)) is None  # over MAX_PIECES
-    assert pool.jobs == 4
+    later = pool.frames(9, -1, 1, table, 2 * fs + 5, 10, range(0))
+    assert later is not None and later[4:7] == (2 * fs, 5, 10)  # its first frame's place
+    assert pool.frames(9, -1, 1, table, 0, 4 * fs + 10, range(0)) is None  # over MAX_PIECES
+    assert pool.jobs == 5
+    # Every job built is one the C takes.
+    assert all(lib.job_ok(j) for j in (whole, part, job, later))
 
 
 # -- the peer server --------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from fanfs import catalog as cat
 from fanfs import codec, datagen, filters
 from fanfs.errors import CorruptFile, ExitCode
 from fanfs.image import nodes_needed
-from fanfs.node import native
+from fanfs.node import pool as native
 
 AUTO = codec.Encoder(codec.Policy("auto"))
 ZSTD = codec.Encoder(codec.Policy("zstd"))

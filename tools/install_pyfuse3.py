@@ -1,23 +1,24 @@
-"""Build and install pyfuse3 with fanfs's three patches.
+"""Build and install pyfuse3 with fanfs's small, generic patch (tools/pyfuse3_patch/).
 
-1. Why: fanfs answers OPEN with ENOSYS so the kernel stops sending OPEN/RELEASE ("no_open") and
-keeps the page cache across opens. The kernel then sends READ with file handle 0, and stock
-pyfuse3 passes only the file handle to ``Operations.read``. The patch passes the inode instead
-when the handle is 0; fanfs's own handles always equal the inode, so ``read(fh, ...)`` means the
-same thing with or without the patch. A marker attribute lets fanfs detect the patch at start-up
-and fall back to plain keep_cache opens when it is absent.
+fanfs's read path is its own extension (fanfs/_native.pyx, built by `pip install -e .`); pyfuse3
+gets only what a file system needs from it to use one, pinned to pyfuse3 3.5.0 (another release
+fails loudly instead of silently building an unpatched module) and tested on its own
+(tests/test_pyfuse3_patch.py):
 
-2. The native read pool (tools/pyfuse3_patch/fanfs_read_pool.h and .pxi): a read handler may
-return a job tuple instead of bytes; C threads then read the file's bytes, check their CRC-32
-and reply, without the GIL or a wake-up of the event loop. Cold reads of small files cost the
-daemon about half the CPU they did through trio worker threads. `pyfuse3.FANFS_PATCH >= 2` marks
-it; without it fanfs reads through its worker threads as before. Its CRC-32 comes from ISA-L
-(Debian's libisal2, installed by tools/setup_system.sh) when present, else from zlib.
+1. The inode for file handle 0: fanfs answers OPEN with ENOSYS so the kernel stops sending
+OPEN/RELEASE ("no_open") and keeps the page cache across opens; the kernel then sends READ with
+file handle 0, and stock pyfuse3 passes only the handle to `Operations.read`. Patched, `read`
+gets the inode when the handle is 0 (fanfs's own handles always equal the inode).
+
+2. A read hook: `pyfuse3.set_read_hook(capsule)` registers a C function; a read handler that
+returns a tuple instead of bytes hands it the request (with the session and the inode), and the
+function answers it from its own threads, without the GIL or the event loop. Nonzero from the
+function, or no function: pyfuse3 answers EIO (a request is never left unanswered).
 
 3. The session loop takes a request that is already queued straight from the (non-blocking)
-FUSE fd, and goes through trio's wait for readability (a lock, an epoll_ctl, an epoll_wait)
-only when there is none: several readers keep a queue, and each wait cost the daemon's one
-thread CPU it shares with them. Nothing for fanfs to detect: it is the same API.
+FUSE fd, going through trio's wait for readability (a lock, an epoll_ctl, an epoll_wait) only
+when there is none, and after a request polls the fd briefly first (`set_spin_us`): several
+readers keep a queue, and each wait cost the daemon's one thread CPU it shares with them.
 
 Idempotent: does nothing when the patched build is already installed in this interpreter (its
 patch level and the digest of the patch's sources, this script included, both match).
@@ -35,22 +36,13 @@ from pathlib import Path
 
 VERSION = "3.5.0"
 MARKER = "FANFS_READ_PASSES_INODE"
-# The patch level is defined once, in fanfs/node/native.py (read as text: fanfs may not be
+# The patch level is defined once, in fanfs/node/fuse_ops.py (read as text: fanfs may not be
 # installed yet); it is written into the build as pyfuse3.FANFS_PATCH.
-_NATIVE = Path(__file__).resolve().parents[1] / "fanfs" / "node" / "native.py"
+_NATIVE = Path(__file__).resolve().parents[1] / "fanfs" / "node" / "fuse_ops.py"
 PATCH_LEVEL = int(re.search(r"^PATCH_LEVEL = (\d+)", _NATIVE.read_text(), re.M).group(1))  # type: ignore[union-attr]
-POOL = Path(__file__).resolve().parent / "pyfuse3_patch"
-# Any change to the patch (C, Cython or the anchors here) rebuilds, not only a new level.
-DIGEST = hashlib.sha256(
-    b"".join(
-        f.read_bytes()
-        for f in (
-            Path(__file__).resolve(),
-            POOL / "fanfs_read_pool.h",
-            POOL / "fanfs_read_pool.pxi",
-        )
-    )
-).hexdigest()[:16]
+HOOKS = Path(__file__).resolve().parent / "pyfuse3_patch" / "fanfs_hooks.pxi"
+# Any change to the patch (the Cython or the anchors here) rebuilds, not only a new level.
+DIGEST = hashlib.sha256(Path(__file__).resolve().read_bytes() + HOOKS.read_bytes()).hexdigest()[:16]
 
 # The anchor is pyfuse3 3.5.0's fuse_read(); a different release fails loudly instead of
 # silently building an unpatched module.
@@ -60,6 +52,7 @@ ANCHOR = """    c.off = off
 REPLACEMENT = """    c.off = off
     # fanfs: with no_open the kernel sends fh 0; hand the inode to read() instead.
     c.fh = fi.fh if fi.fh != 0 else ino
+    c.ino = ino  # for the read hook
     save_retval(fuse_read_async(c))"""
 
 REPLY_ANCHOR = """    else:
@@ -69,8 +62,8 @@ REPLY_ANCHOR = """    else:
 """
 REPLY_REPLACEMENT = """    else:
         if type(buf) is tuple:
-            # fanfs: a job for the native read pool (fanfs_read_pool.pxi), which replies.
-            if _native_read_submit(c.req, buf) == 0:
+            # fanfs: the handler hands the request to the read hook (fanfs_hooks.pxi).
+            if _hand_to_hook(c.req, c.ino, buf) == 0:
                 return
             ret = fuse_reply_err(c.req, errno.EIO)
         else:
@@ -110,7 +103,7 @@ LOOP_PATCHES = (
         # requests taken without waiting (a handler that does not suspend is no checkpoint).
         res = fuse_session_receive_buf(session, &buf)
         if res == -errno.EAGAIN:
-            # fanfs_read_pool.pxi: the next request is likely to come within microseconds;
+            # fanfs_hooks.pxi: the next request is likely to come within microseconds;
             # poll for it a while, letting other tasks run first when they want to.
             res = _fanfs_spin(&buf, &busy)
             while busy:
@@ -124,8 +117,8 @@ LOOP_PATCHES = (
         if res > 0:
             _fanfs_request_seen()
             # Requests taken without waiting through trio (queued, or caught by the poll) do
-            # not let trio look at its other file descriptors (signals, the native pool's
-            # error pipe, sockets): yield to it every 16 of them, which polls them.
+            # not let trio look at its other file descriptors (signals, pipes, sockets):
+            # yield to it every 16 of them, which polls them.
             streak += 1
             if streak >= 16:
                 streak = 0
@@ -220,11 +213,10 @@ def main() -> int:
         for anchor, replacement in LOOP_PATCHES:
             loop = loop.replace(anchor, replacement)
         internal.write_text(loop)
-        for name in ("fanfs_read_pool.h", "fanfs_read_pool.pxi"):
-            text = (POOL / name).read_text().replace("@PATCH_LEVEL@", str(PATCH_LEVEL))
-            (src / name).write_text(text)
+        text = HOOKS.read_text().replace("@PATCH_LEVEL@", str(PATCH_LEVEL))
+        (src / HOOKS.name).write_text(text)
         init_text = init_text.replace(
-            HANDLERS_INCLUDE, f'include "fanfs_read_pool.pxi"\n{HANDLERS_INCLUDE}'
+            HANDLERS_INCLUDE, f'include "{HOOKS.name}"\n{HANDLERS_INCLUDE}'
         )
         init.write_text(init_text + f"\n{MARKER} = True\nFANFS_PATCH_DIGEST = {DIGEST!r}\n")
         print(f"fanfs setup: building patched pyfuse3 {VERSION} (about 30 s)", flush=True)

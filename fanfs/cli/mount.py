@@ -100,6 +100,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def cmd_drop(args: argparse.Namespace) -> int:
+    from fanfs import plan
+
+    dropped = plan.Channel(args.mountpoint).drop()
+    if args.json:
+        import json
+
+        print(json.dumps(dropped, sort_keys=True))
+    else:
+        print(f"dropped the cached pages of {dropped.get('inodes', 0)} files and of "
+              f"{dropped.get('partitions', 0)} partitions, and the daemon's caches")  # fmt: skip
+    return ExitCode.OK
+
+
 def _exited(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -246,6 +260,17 @@ def add_parsers(sub: Subparsers) -> None:
     p.add_argument("file", metavar="FILE")
     p.add_argument("--share", type=share, default=0, help="which of the node's plans (default: 0)")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser(
+        "drop",
+        help="drop what is cached of MOUNTPOINT's files: the next reads are cold",
+        description="Have the daemon behind MOUNTPOINT drop the kernel's cached pages of its "
+        "files, its staged copies' pages and its own caches, so that the next reads are cold, "
+        "as after a reboot. For measuring without root (root can also drop_caches).",
+    )
+    p.add_argument("mountpoint", metavar="MOUNTPOINT")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_drop)
 
     p = sub.add_parser("wait", help="wait until MOUNTPOINT serves")
     p.add_argument("mountpoint", metavar="MOUNTPOINT")

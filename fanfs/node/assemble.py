@@ -16,20 +16,21 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import trio
 
 from fanfs import placement
 from fanfs.catalog import Catalog
 from fanfs.node import fuse_ops
-from fanfs.node.native import NativePool
 from fanfs.node.order import default_budget
 from fanfs.node.planner import ReadAhead
 from fanfs.node.plans import Plans
 from fanfs.node.plansocket import PlanServer
+from fanfs.node.pool import NativePool
 from fanfs.node.reader import BadFiles, Reader
 from fanfs.node.sources import WHOLE_FILE_LIMIT, Local, PeerServer, Sources
 from fanfs.node.store import PartitionStore
@@ -71,21 +72,53 @@ def build(catalog: Catalog, store: PartitionStore, owners: list[tuple[int, ...]]
         transport = MpiTransport(world, cfg.peer_timeout, server)
     sources = Sources(catalog, local, owners, transport)
     bad = BadFiles(catalog)
-    pool = NativePool(catalog, fuse_ops.POOL_HOOKS, bad.mark, decode=native_decoding())
+    pool = NativePool(
+        catalog,
+        fuse_ops.INSTALL_HOOK,
+        bad.mark,
+        decode=env_on("FANFS_NATIVE_DECODE"),
+        push=env_on("FANFS_PUSH"),
+    )
     budget = cfg.prefetch_bytes if cfg.prefetch_bytes is not None else default_budget()
     plans = Plans(catalog, budget)
     reader = Reader(catalog, sources, cfg.cache_bytes, bad, pool, plans)
     read_ahead = ReadAhead(catalog, plans, sources, fuse_ops.push_to_kernel, reader.cached)
-    plan_server = PlanServer(catalog, plans, WHOLE_FILE_LIMIT)
+    plan_server = PlanServer(
+        catalog, plans, WHOLE_FILE_LIMIT, dropper(catalog, store, pool, reader)
+    )
     ops = fuse_ops.FanfsOperations(catalog, reader, status)
     return Node(catalog, store, local, server, transport, sources, bad, pool, plans, reader,
                 read_ahead, plan_server, ops)  # fmt: skip
 
 
-def native_decoding() -> bool:
-    """FANFS_NATIVE_DECODE=0 leaves compressed files to Python (for comparison, or should the
-    C decoder ever be suspected); anything else lets the native pool decode them."""
-    return os.environ.get("FANFS_NATIVE_DECODE", "1").strip() != "0"
+def dropper(catalog: Catalog, store: PartitionStore, pool: NativePool,
+            reader: Reader) -> Callable[[], Awaitable[dict[str, object]]]:  # fmt: skip
+    """`fanfs drop`: what is cached of the mount's files, dropped everywhere the daemon can
+    (a user's cold pass, without root's drop_caches): the kernel's pages of every file of the
+    mount (invalidated one inode at a time, in a worker thread, since the kernel may wait for
+    READs in flight), the staged copies' pages (posix_fadvise), the pool's decoded pieces and
+    the Reader's cache."""
+
+    async def drop() -> dict[str, object]:
+        files = np.flatnonzero(catalog.is_file)
+
+        def forget() -> int:
+            return sum(fuse_ops.forget_pages(int(e)) for e in files)
+
+        known = await trio.to_thread.run_sync(forget)
+        pool.drop()
+        reader.drop()
+        staged = await trio.to_thread.run_sync(store.drop_pages)
+        return {"dropped": True, "inodes": known, "partitions": staged}
+
+    return drop
+
+
+def env_on(name: str) -> bool:
+    """A switch that is on unless its variable is 0: FANFS_NATIVE_DECODE=0 leaves compressed
+    files to Python, FANFS_PUSH=0 stops the pool pushing the rest of what it decoded into the
+    page cache (for comparison, or should either ever be suspected)."""
+    return os.environ.get(name, "1").strip() != "0"
 
 
 def owners_of(catalog: Catalog, size: int, replicas: int) -> list[tuple[int, ...]]:
@@ -95,7 +128,7 @@ def owners_of(catalog: Catalog, size: int, replicas: int) -> list[tuple[int, ...
 def report(node: Node, *, image: str, mountpoint: str, rank: int, size: int, replicas: int,
            node_name: str, serving: bool, started: float, plan_socket: str) -> Status:  # fmt: skip
     """The status record of a daemon: its own facts, then every part's statistics."""
-    spins, frames = fuse_ops.spin_counts(), node.pool.frame_stats()
+    spins, pool = fuse_ops.spin_counts(), node.pool.stats()
     r = node.read_ahead
     c = node.catalog
     return Status(
@@ -112,8 +145,12 @@ def report(node: Node, *, image: str, mountpoint: str, rank: int, size: int, rep
         native_read_pool=node.pool.running,
         native_crc32=node.pool.crc32,
         native_decodes=node.pool.decodes,
-        native_frame_hits=frames[0],
-        native_frame_misses=frames[1],
+        native_frame_hits=pool["hits"],
+        native_frame_misses=pool["misses"],
+        native_pushes=pool["pushes"],
+        native_pushed_bytes=pool["pushed_bytes"],
+        native_direct_reads=pool["direct"],
+        native_cached_reads=pool["cached"],
         spin_caught=spins[0],
         spin_empty=spins[1],
         spin_yielded=spins[2],

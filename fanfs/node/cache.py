@@ -51,6 +51,10 @@ class ByteLRU:
         if old is not None:
             self.size -= len(old) + ENTRY_OVERHEAD
 
+    def clear(self) -> None:
+        self._items.clear()
+        self.size = 0
+
     def put(self, key: Hashable, data: bytes) -> None:
         old = self._items.pop(key, None)
         if old is not None:

@@ -1,8 +1,9 @@
 """The pyfuse3 adapter: kernel requests in, calls on the catalog and reader, FUSEError out.
 
-Nothing else in fanfs imports pyfuse3: the daemon mounts, serves, unmounts and runs the
-native read pool through the session functions at the end of this module. Handlers raise only
-`FUSEError` (anything else would end pyfuse3's main loop); domain errors are mapped here, once.
+Nothing else in fanfs imports pyfuse3: the daemon mounts, serves and unmounts through the
+session functions at the end of this module, which also hand the native read pool its hook.
+Handlers raise only `FUSEError` (anything else would end pyfuse3's main loop); domain errors
+are mapped here, once.
 
 Speed: the data never changes while mounted, so every reply tells the kernel to keep it for as
 long as the mount lives (entry/attr timeouts, keep_cache). With pyfuse3 patched by
@@ -19,7 +20,7 @@ import json
 import logging
 import os
 import stat
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn, TypeVar
 
 import pyfuse3
@@ -27,7 +28,7 @@ import pyfuse3
 from fanfs import catalog as cat
 from fanfs import mounts
 from fanfs.errors import CorruptFile
-from fanfs.node.native import POOL_LEVEL, Hooks, NativeJob
+from fanfs.node.pool import INODE_BASE, NativeJob
 from fanfs.node.reader import Reader
 
 log = logging.getLogger(__name__)
@@ -37,8 +38,13 @@ CACHE_TIMEOUT_S = 365 * 24 * 3600.0  # "forever": the image cannot change under 
 STATUS_XATTR = mounts.STATUS_XATTR.encode()
 BLKSIZE = 128 << 10  # st_blksize: tools like cp size their buffers from it
 ROOT = pyfuse3.ROOT_INODE  # inode = entry + ROOT (entry 0 is the root directory)
+assert ROOT == INODE_BASE  # the native pool's jobs name inodes the same way
+# The level of tools/install_pyfuse3.py's patch this fanfs needs (its one definition: the
+# installer reads it from here and writes it into the build as pyfuse3.FANFS_PATCH).
+PATCH_LEVEL = 7
 PATCHED = bool(getattr(pyfuse3, "FANFS_READ_PASSES_INODE", False))
-NATIVE_POOL = getattr(pyfuse3, "FANFS_PATCH", 0) >= POOL_LEVEL  # pyfuse3 has the native pool
+# pyfuse3 can hand READs to the native read pool (its read hook).
+READ_HOOK = getattr(pyfuse3, "FANFS_PATCH", 0) >= PATCH_LEVEL and hasattr(pyfuse3, "set_read_hook")
 
 _ACCMODE = os.O_RDONLY | os.O_WRONLY | os.O_RDWR
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
@@ -282,46 +288,26 @@ def push_to_kernel(entry: int, offset: int, data: bytes) -> bool:
         return False
 
 
-def _pool_start(threads: int, error_fd: int) -> str | None:
-    """Start pyfuse3's native read pool (OSError if it cannot); the library its CRC-32 comes
-    from ("isa-l", "zlib", or None from older builds). Failures are posted on `error_fd`."""
-    crc: str | None = pyfuse3.native_read_start(threads, error_fd)  # type: ignore[attr-defined]
-    return crc
+def _install_hook(capsule: Any) -> None:
+    """Register the native read pool's hook with pyfuse3 (None: remove it)."""
+    pyfuse3.set_read_hook(capsule)  # type: ignore[attr-defined]
 
 
-def _pool_dictionaries(dicts: Sequence[bytes]) -> bool:
-    """Give the running pool the image's zstd dictionaries; False when it cannot decode
-    (no libzstd), OSError when it cannot take them."""
-    if not pyfuse3.native_read_decodes():  # type: ignore[attr-defined]
+# How the native read pool gets READs (fanfs/node/pool.py); None when this pyfuse3 cannot.
+INSTALL_HOOK = _install_hook if READ_HOOK else None
+
+
+def forget_pages(entry: int) -> bool:
+    """Drop the kernel's cached pages of a file (cold measurements); False when the kernel
+    does not know its inode, or the session is closed. Call from a worker thread: the kernel
+    may wait for READs in flight, which the event loop may be the one to answer."""
+    if not _session_open:
         return False
-    pyfuse3.native_read_dicts(list(dicts))  # type: ignore[attr-defined]
-    return True
-
-
-def _pool_read_ahead(job: NativeJob) -> bool:
-    """Queue a read-ahead job (no request): the pool decodes its pieces into its cache."""
-    queued: bool = pyfuse3.native_read_ahead(job)  # type: ignore[attr-defined]
-    return queued
-
-
-def _pool_frame_stats() -> tuple[int, int]:
-    """(hits, misses) of the pool's cache of decoded pieces."""
-    hits, misses = pyfuse3.native_read_frame_stats()  # type: ignore[attr-defined]
-    return int(hits), int(misses)
-
-
-def _pool_stop() -> None:
-    """Answer what is queued, then stop the pool's threads (while the session still exists)."""
-    pyfuse3.native_read_stop()  # type: ignore[attr-defined]
-
-
-# The native read pool's pyfuse3 side (fanfs/node/native.py holds the contract); None when this
-# pyfuse3 has no pool.
-POOL_HOOKS = (
-    Hooks(_pool_start, _pool_stop, _pool_dictionaries, _pool_read_ahead, _pool_frame_stats)
-    if NATIVE_POOL
-    else None
-)
+    try:
+        pyfuse3.invalidate_inode(entry + ROOT, attr_only=False)
+        return True
+    except OSError:
+        return False
 
 
 def set_spin_us(us: int) -> None:

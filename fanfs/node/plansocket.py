@@ -9,10 +9,12 @@ the client):
 
     FANFS-PLAN 1 order SHARE N\\n  then N paths relative to the mount, each ended by NUL
     FANFS-PLAN 1 at SHARE POSITION\\n  the job has read up to POSITION of SHARE's plan
+    FANFS-PLAN 1 drop 0 0\\n  drop what is cached of the mount's files (`fanfs drop`)
 
 answered with one JSON line: {"planned": k, "missing": m, "first_missing": path or null},
-{"ok": true} or {"error": "..."}. An error is sent as soon as it is known, also before the
-body has been read (the client reads the answer even when the daemon stopped reading).
+{"ok": true}, what was dropped, or {"error": "..."}. An error is sent as soon as it is known,
+also before the body has been read (the client reads the answer even when the daemon stopped
+reading).
 
 Bounded: at most CONNECTIONS requests are read at once (others wait to be accepted); a plan
 names at most MAX_PATHS_PER_FILE paths per file of the image, each at most as long as the
@@ -35,6 +37,7 @@ import secrets
 import socket
 import struct
 import time
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 import trio
@@ -64,7 +67,8 @@ class PlanError(Exception):
 def parse_header(header: bytes) -> tuple[str, int, int]:
     """(kind, share, n) of a request header; PlanError if it is not one."""
     parts = header.split(b" ")
-    if len(parts) != 5 or b" ".join(parts[:2]) != MAGIC or parts[2] not in (b"order", b"at"):
+    if (len(parts) != 5 or b" ".join(parts[:2]) != MAGIC
+            or parts[2] not in (b"order", b"at", b"drop")):  # fmt: skip
         raise PlanError("not a fanfs plan request")
     try:
         share, n = int(parts[3]), int(parts[4])
@@ -107,12 +111,15 @@ def _resolve(catalog: cat.Catalog, body: bytes, n: int, budget: int,
 
 
 class PlanServer:
-    def __init__(self, catalog: cat.Catalog, plans: Plans, whole_limit: int):
+    def __init__(self, catalog: cat.Catalog, plans: Plans, whole_limit: int,
+                 drop: Callable[[], Awaitable[dict[str, object]]]):  # fmt: skip
         """`whole_limit`: raw files up to this are read ahead (the reader checks larger
-        ones as a whole first)."""
+        ones as a whole first); `drop()`: drops what the daemon and the kernel cache of the
+        mount's files, and says what it dropped."""
         self.catalog = catalog
         self.plans = plans
         self.whole_limit = whole_limit
+        self.drop = drop
         self._files = int(catalog.is_file.sum())
         self._longest: int | None = None  # computed at the first plan
         self._reading = trio.Semaphore(CONNECTIONS)
@@ -178,6 +185,8 @@ class PlanServer:
         if kind == "at":
             self.plans.progress(share, n)
             return {"ok": True}
+        if kind == "drop":
+            return await self.drop()
         most = max(MAX_PATHS_MIN, MAX_PATHS_PER_FILE * self._files)
         if n > most:
             raise PlanError(f"{n} paths: more than this image takes in one plan ({most})")

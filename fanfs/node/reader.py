@@ -2,7 +2,7 @@
 
 How a READ is answered, in order: a file found bad is EIO at once; bytes a planned epoch read
 ahead and holds (fanfs/node/plans.py) are handed over; a file this daemon holds goes to the
-native pool when it runs (fanfs/node/native.py: a whole file, or the frames a READ touches of
+native pool when it runs (fanfs/node/pool.py: a whole file, or the frames a READ touches of
 a framed one: C threads read, check, decode and answer the kernel); the rest is read here:
 small and compressed files whole on first touch (one fetch, checked, decoded, kept in a
 bounded LRU when a part was asked), framed files frame by frame (their table first, each frame
@@ -43,10 +43,10 @@ from fanfs import catalog as cat
 from fanfs import codec
 from fanfs.checksum import crc32
 from fanfs.errors import CorruptFile
-from fanfs.node import native
+from fanfs.node import pool as native
 from fanfs.node.cache import ByteLRU, SingleFlight
-from fanfs.node.native import NativeJob, NativePool
 from fanfs.node.plans import Plans
+from fanfs.node.pool import NativeJob, NativePool
 from fanfs.node.sources import NOWAIT_LIMIT, WHOLE_FILE_LIMIT, Sources
 from fanfs.status import ReaderStatus
 
@@ -227,7 +227,7 @@ class Reader:
                 self.local.record(began, length)
                 return memoryview(cached)
         self.local.native(part, int(c.stored_len[entry]))
-        return self.pool.whole(self.local.fd(part), entry, offset, size)
+        return self.pool.whole(self.local.fd(part), self.local.dfd(part), entry, offset, size)
 
     def _native_frames(self, entry: int, table: codec.FrameTable, offset: int,
                        size: int) -> NativeJob | None:  # fmt: skip
@@ -248,9 +248,14 @@ class Reader:
             range(last + 1, min(len(table), last + 1 + FRAMES_AHEAD)) if sequential else range(0)
         )
         part, _ = self.local.where(entry)
-        job = self.pool.frames(self.local.fd(part), entry, table, offset, size, ahead)
+        job = self.pool.frames(
+            self.local.fd(part), self.local.dfd(part), entry, table, offset, size, ahead
+        )
         if job is not None:
-            stored = sum(job[5 + 6 * k] for k in range((len(job) - 4) // 6))
+            stored = sum(
+                job[native.JOB_FIELDS + 1 + 6 * k]
+                for k in range((len(job) - native.JOB_FIELDS) // 6)
+            )
             self.local.native(part, stored)
         return job
 
@@ -275,6 +280,10 @@ class Reader:
             return  # its READ came first (and fetched it): a second fetch would be waste
         with contextlib.suppress(Exception):  # marked bad and logged: its READ gets EIO
             await self._whole(entry, keep=True)
+
+    def drop(self) -> None:
+        """Forget every file and frame this daemon keeps decoded (cold measurements)."""
+        self._cache.clear()
 
     def cached(self, entry: int) -> bool:
         """Whether `entry`'s decoded bytes are in this daemon's cache (not the kernel's)."""

@@ -121,6 +121,10 @@ class Local:
     def fd(self, part: int) -> int:
         return self.store.fd(part)
 
+    def dfd(self, part: int) -> int:
+        """The partition's staged copy opened O_DIRECT, or -1 (fanfs/node/store.py)."""
+        return self.store.dfd(part)
+
     def advise(self, entry: int) -> None:
         """Ask the kernel to start reading a file this daemon holds (never waits for it)."""
         if self.mine(entry):

@@ -10,6 +10,7 @@ the image fd just before the swap still reads valid bytes.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -20,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fanfs import catalog as cat
+from fanfs import native
 from fanfs.errors import MissingPartition, StagingError
 from fanfs.node.staging import StagingDir
 from fanfs.progress import human_bytes
@@ -61,6 +63,19 @@ def check_partitions(image: Path, catalog: cat.Catalog, parts: Sequence[int]) ->
             )
 
 
+def open_direct(fd: int) -> int:
+    """`fd`'s file opened again with O_DIRECT, read-only, or -1 when its file system cannot
+    (tmpfs, some network file systems) or /proc is not there."""
+    try:
+        dfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+    except OSError:
+        return -1
+    if not native.lib.direct_ok(dfd):
+        os.close(dfd)
+        return -1
+    return dfd
+
+
 class PartitionStore:
     def __init__(
         self,
@@ -79,6 +94,10 @@ class PartitionStore:
         # Image fds open on first use: a daemon that owns 8 of 1024 partitions should not
         # open the other 1016 on the shared file system unless it has to fall back to them.
         self._fds: list[int] = [-1] * catalog.n_partitions
+        # The staged copies opened O_DIRECT too (-1: not staged, or its file system cannot):
+        # the native pool reads what the page cache does not hold through them, so a file read
+        # through the mount is not cached twice (in the mount's pages and the copy's).
+        self._dfds: list[int] = [-1] * catalog.n_partitions
         self._open_lock = threading.Lock()
         self.image_reads = 0
         self._old_fds: list[int] = []
@@ -104,6 +123,10 @@ class PartitionStore:
                     fd = self._fds[part] = cat.open_regular(self.image / cat.partition_name(part))
         return fd
 
+    def dfd(self, part: int) -> int:
+        """Partition `part`'s staged copy opened O_DIRECT, or -1."""
+        return self._dfds[part]
+
     def pread_cached(self, part: int, offset: int, length: int) -> bytearray | None:
         """The bytes if the page cache holds them all (never blocks on the disk), else None.
 
@@ -127,6 +150,20 @@ class PartitionStore:
         if not self._staged_set[part]:
             self.image_reads += 1
         return buf
+
+    def drop_pages(self) -> int:
+        """Ask the kernel to drop the cached pages of every open partition (the staged copies
+        and the image's); how many partitions were asked."""
+        n = 0
+        for fd in list(self._fds):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    # Dirty pages are not dropped: a copy staged seconds ago is still being
+                    # written back, so wait for that first.
+                    os.fdatasync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    n += 1
+        return n
 
     def count_read(self, part: int) -> None:
         """A read of `part` done elsewhere (the native pool): counted as the store's own."""
@@ -216,6 +253,7 @@ class PartitionStore:
             self.staging.discard(name)
             return
         self._old_fds.append(self._fds[p])
+        self._dfds[p] = open_direct(out)
         self._fds[p] = out  # atomic swap: later reads of this partition are local
         self._staged_set[p] = True
         self.staged_parts += 1
@@ -239,9 +277,10 @@ class PartitionStore:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
-        for fd in self._fds + self._old_fds:
+        for fd in self._fds + self._old_fds + self._dfds:
             if fd >= 0:
                 os.close(fd)
         self._fds = []
+        self._dfds = []
         self._old_fds = []
         self.staging.close()

@@ -1,0 +1,384 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""fanfs's native read path (fanfs/csrc/): checks, decoding and the read pool, in C.
+
+The contract is fanfs/csrc/fanfs_native.h; `API_VERSION` is its FANFS_NATIVE_API, which
+fanfs checks at import (fanfs/native.py). Every function here releases the GIL while it reads,
+checks or decodes, so Python threads (the planner, remote reads, `fanfs verify`) run them in
+parallel. A piece whose bytes do not match their CRC or do not decode raises `CorruptPiece`;
+a failed read raises OSError.
+
+A job (the pool's unit of work, and `run_job`'s) is a tuple: (fd, dfd, entry, ino, base, skip,
+count, flags), then (offset, length, crc, kind, size, cache) per stored piece. See
+fanfs/node/native.py, which builds them.
+"""
+
+from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from cpython.pycapsule cimport PyCapsule_New
+from libc.errno cimport EBADMSG, EILSEQ, EINVAL, EIO, ENOMEM, ENOSYS
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
+from libc.stdlib cimport free, malloc
+from libc.string cimport memcpy
+
+import os
+
+cdef extern from "fanfs_native.h" nogil:
+    enum: FANFS_NATIVE_API
+    enum: FANFS_MAX_PIECES
+    enum: FANFS_MAX_DICTS
+    enum: FANFS_JOB_PUSH
+    enum:
+        FANFS_KIND_RAW
+        FANFS_KIND_ZSTD
+        FANFS_KIND_FILTERED
+        FANFS_KIND_FILTER
+    enum:
+        FANFS_SHUFFLE4
+        FANFS_SHUFFLE8
+        FANFS_DELTA8
+        FANFS_DECIMAL4
+        FANFS_DECIMAL8
+        FANFS_DELTA4
+    unsigned int FANFS_PIECE_MAX
+    struct fanfs_piece:
+        int64_t off
+        uint32_t len
+        uint32_t crc
+        uint32_t size
+        uint8_t kind
+        uint8_t cache
+    struct fanfs_job:
+        int fd
+        int dfd
+        int64_t entry
+        uint64_t ino
+        int64_t base
+        uint32_t skip
+        uint32_t count
+        uint32_t flags
+        int npieces
+        fanfs_piece pieces[4]
+    struct fanfs_dicts:
+        pass
+    struct fanfs_read_stats:
+        uint64_t cached, direct, buffered
+    struct fanfs_pool_stats:
+        uint64_t jobs, hits, misses, pushes, pushed_bytes, push_skipped
+    int fanfs_codec_init()
+    const char *fanfs_crc_name()
+    int fanfs_can_decode()
+    uint32_t fanfs_crc32(uint32_t crc, const void *buf, size_t len)
+    fanfs_dicts *fanfs_dicts_new(int n, const char *const *dicts, const size_t *lens, int *err)
+    void fanfs_dicts_free(fanfs_dicts *d)
+    int fanfs_decode(const fanfs_dicts *dicts, const fanfs_piece *p, const unsigned char *inp,
+                     unsigned char *out)
+    int fanfs_direct_ok(int fd)
+    int fanfs_read_stored(int fd, int dfd, const fanfs_piece *p, char **buf, uint32_t *cap,
+                          const char **at)
+    char *fanfs_alloc(uint64_t size, uint32_t *cap)
+    void fanfs_read_counters(fanfs_read_stats *out)
+    int fanfs_pool_start(int nthreads, int errfd)
+    void fanfs_pool_stop()
+    void fanfs_pool_set_dicts(fanfs_dicts *d)
+    int fanfs_pool_submit(void *session, void *req, const fanfs_job *job)
+    int fanfs_pool_read_ahead(const fanfs_job *job)
+    void fanfs_pool_drop()
+    void fanfs_pool_counters(fanfs_pool_stats *out)
+    int fanfs_run_job(const fanfs_dicts *dicts, const fanfs_job *job, char *out)
+    int fanfs_job_check(const fanfs_job *job)
+
+API_VERSION = FANFS_NATIVE_API
+MAX_PIECES = FANFS_MAX_PIECES
+PIECE_MAX = FANFS_PIECE_MAX
+JOB_PUSH = FANFS_JOB_PUSH
+KIND_RAW = FANFS_KIND_RAW
+KIND_ZSTD = FANFS_KIND_ZSTD
+KIND_FILTERED = FANFS_KIND_FILTERED
+KIND_FILTER = FANFS_KIND_FILTER
+# The filters the C decodes (fanfs/filters.py must name the same ids: tests/test_codec.py).
+FILTERS = {"shuffle4": FANFS_SHUFFLE4, "shuffle8": FANFS_SHUFFLE8, "delta8": FANFS_DELTA8,
+           "decimal4": FANFS_DECIMAL4, "decimal8": FANFS_DECIMAL8, "delta4": FANFS_DELTA4}
+JOB_FIELDS = 8  # a job tuple's header; then 6 per piece
+
+if fanfs_codec_init() != 0:
+    raise ImportError("fanfs._native: neither libisal.so.2 nor libz.so.1 can be loaded")
+CRC_LIBRARY = fanfs_crc_name().decode()
+DECODES = bool(fanfs_can_decode())  # libzstd.so.1 was found
+
+
+class CorruptPiece(ValueError):
+    """A stored piece that fails its check or does not decode (`errno`: EBADMSG or EILSEQ)."""
+
+    def __init__(self, err, reason):
+        super().__init__(reason)
+        self.errno = err
+
+
+def failure_reason(int err):
+    """What an errno from the native read path means, in words (logs and errors)."""
+    if err == EBADMSG:
+        return "checksum mismatch"
+    if err == EILSEQ:
+        return "stored bytes do not decode"
+    if err == ENOSYS:
+        return "compressed, and libzstd is missing"
+    if err == EIO:
+        return "read failed (I/O error, or the partition ends early)"
+    return "read failed: " + os.strerror(err)
+
+
+cdef object _raise(int err):
+    if err == EBADMSG or err == EILSEQ:
+        raise CorruptPiece(err, failure_reason(err))
+    if err == ENOMEM:
+        raise MemoryError()
+    raise OSError(err, failure_reason(err))
+
+
+cdef class Dictionaries:
+    """An image's zstd dictionaries (dictionary id i + 1 is dicts[i]), ready for decoding."""
+    cdef fanfs_dicts *d
+    cdef readonly int count
+
+    def __cinit__(self, dicts=()):
+        cdef int n = len(dicts), i, err = 0
+        kept = [bytes(x) for x in dicts]
+        if n > FANFS_MAX_DICTS:
+            raise ValueError(f"{n} dictionaries, at most {FANFS_MAX_DICTS}")
+        cdef const char **ptrs = <const char **>malloc(sizeof(char *) * (n + 1))
+        cdef size_t *lens = <size_t *>malloc(sizeof(size_t) * (n + 1))
+        try:
+            if ptrs == NULL or lens == NULL:
+                raise MemoryError()
+            for i in range(n):
+                ptrs[i] = PyBytes_AS_STRING(kept[i])
+                lens[i] = len(kept[i])
+            self.d = fanfs_dicts_new(n, ptrs, lens, &err)
+            if self.d == NULL:
+                _raise(err)
+            self.count = n
+        finally:
+            free(ptrs)
+            free(lens)
+
+    def __dealloc__(self):
+        fanfs_dicts_free(self.d)
+
+
+cdef const fanfs_dicts *_dicts(Dictionaries d):
+    return NULL if d is None else d.d
+
+
+def crc32(data, unsigned long value=0):
+    """CRC-32 of any buffer (zlib's polynomial), continuing from `value`."""
+    cdef Py_buffer view
+    cdef uint32_t crc
+    PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+    try:
+        if view.len >= 65536:
+            with nogil:
+                crc = fanfs_crc32(<uint32_t>value, view.buf, view.len)
+        else:
+            crc = fanfs_crc32(<uint32_t>value, view.buf, view.len)
+    finally:
+        PyBuffer_Release(&view)
+    return crc
+
+
+cdef bytes _decoded(const fanfs_dicts *dicts, fanfs_piece *p, const unsigned char *src):
+    """The decoded bytes of a checked piece (GIL released while decoding)."""
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, p.size)
+    cdef unsigned char *dst = <unsigned char *>PyBytes_AS_STRING(out)
+    cdef unsigned char *tmp = NULL
+    cdef uint32_t cap = 0
+    cdef int err
+    if p.kind == FANFS_KIND_RAW:
+        if p.len != p.size:
+            _raise(EILSEQ)
+        memcpy(dst, src, p.size)
+        return out
+    if (<uintptr_t>dst) & 7:  # the filters write words: decode aligned, then copy
+        tmp = <unsigned char *>fanfs_alloc(p.size, &cap)
+        if tmp == NULL:
+            raise MemoryError()
+    with nogil:
+        err = fanfs_decode(dicts, p, src, dst if tmp == NULL else tmp)
+        if err == 0 and tmp != NULL:
+            memcpy(dst, tmp, p.size)
+    free(tmp)
+    if err != 0:
+        _raise(err)
+    return out
+
+
+def decode(data, int kind, unsigned int size, Dictionaries dicts=None):
+    """Decode a piece's stored bytes (checked already) to exactly `size` bytes."""
+    cdef Py_buffer view
+    cdef fanfs_piece p
+    if size > FANFS_PIECE_MAX:
+        _raise(EILSEQ)
+    PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+    try:
+        if view.len > FANFS_PIECE_MAX:
+            _raise(EILSEQ)
+        p.off = 0
+        p.len = <uint32_t>view.len
+        p.crc = 0
+        p.size = size
+        p.kind = kind
+        p.cache = 0
+        return _decoded(_dicts(dicts), &p, <const unsigned char *>view.buf)
+    finally:
+        PyBuffer_Release(&view)
+
+
+def read(int fd, int dfd, long long offset, unsigned int length, unsigned int crc, int kind,
+         unsigned int size, Dictionaries dicts=None):
+    """Read a stored piece from `fd` (O_DIRECT through `dfd` when >= 0 and the page cache
+    does not hold it), check it against `crc` and decode it to `size` bytes."""
+    cdef fanfs_piece p
+    cdef char *buf = NULL
+    cdef uint32_t cap = 0
+    cdef const char *at = NULL
+    cdef int err
+    if length > FANFS_PIECE_MAX or size > FANFS_PIECE_MAX or offset < 0:
+        _raise(EINVAL)
+    p.off = offset
+    p.len = length
+    p.crc = crc
+    p.size = size
+    p.kind = kind
+    p.cache = 0
+    try:
+        with nogil:
+            err = fanfs_read_stored(fd, dfd, &p, &buf, &cap, &at)
+        if err != 0:
+            _raise(err)
+        return _decoded(_dicts(dicts), &p, <const unsigned char *>at)
+    finally:
+        free(buf)
+
+
+def read_stored(int fd, int dfd, long long offset, unsigned int length, unsigned int crc):
+    """A piece's stored bytes, read as `read` reads them and checked against `crc`."""
+    return read(fd, dfd, offset, length, crc, FANFS_KIND_RAW, length)
+
+
+def direct_ok(int fd):
+    """Whether `fd`'s file can be read with O_DIRECT at the alignment fanfs uses."""
+    return bool(fanfs_direct_ok(fd))
+
+
+def read_stats():
+    """Pieces read so far: from the page cache, with O_DIRECT, and buffered (no direct fd)."""
+    cdef fanfs_read_stats s
+    fanfs_read_counters(&s)
+    return {"cached": s.cached, "direct": s.direct, "buffered": s.buffered}
+
+
+cdef int _job_from(tuple job, fanfs_job *j):
+    """Fill `j` from a job tuple; 0, or -1 if it is malformed. Never raises."""
+    cdef int i, b
+    cdef Py_ssize_t n = (len(job) - JOB_FIELDS) // 6
+    if n < 1 or n > FANFS_MAX_PIECES or len(job) != JOB_FIELDS + 6 * n:
+        return -1
+    try:
+        j.fd, j.dfd, j.entry, j.ino = job[0], job[1], job[2], job[3]
+        j.base, j.skip, j.count, j.flags = job[4], job[5], job[6], job[7]
+        j.npieces = <int>n
+        for i in range(n):
+            b = JOB_FIELDS + 6 * i
+            j.pieces[i].off = job[b]
+            j.pieces[i].len = job[b + 1]
+            j.pieces[i].crc = job[b + 2]
+            j.pieces[i].kind = job[b + 3]
+            j.pieces[i].size = job[b + 4]
+            j.pieces[i].cache = job[b + 5]
+    except (TypeError, OverflowError, ValueError):
+        return -1
+    return fanfs_job_check(j)
+
+
+def job_ok(tuple job):
+    """Whether the pool would take `job` (its shape; not whether its bytes are sound)."""
+    cdef fanfs_job j
+    return _job_from(job, &j) == 0
+
+
+def run_job(tuple job, Dictionaries dicts=None):
+    """Answer a job as the pool answers a READ, in this thread: its reply's bytes."""
+    cdef fanfs_job j
+    cdef int err
+    if _job_from(job, &j) != 0:
+        raise ValueError("malformed job")
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, j.count)
+    cdef char *dst = PyBytes_AS_STRING(out)
+    cdef const fanfs_dicts *d = _dicts(dicts)
+    with nogil:
+        err = fanfs_run_job(d, &j, dst)
+    if err != 0:
+        _raise(err)
+    return out
+
+
+# -- the pool ---------------------------------------------------------------------------------
+
+_pool_dicts = None  # the Dictionaries the running pool decodes with (kept alive here)
+
+
+def pool_start(int threads, int errfd):
+    """Start the pool's threads; a failed READ posts a 16-byte record (entry, errno, 0) on
+    `errfd`. OSError if it cannot start."""
+    cdef int ret = fanfs_pool_start(threads, errfd)
+    if ret != 0:
+        raise OSError(-ret, "native read pool: " + os.strerror(-ret))
+
+
+def pool_dicts(Dictionaries d):
+    """The dictionaries the pool decodes with; set before serving (not while jobs run)."""
+    global _pool_dicts
+    fanfs_pool_set_dicts(d.d)
+    _pool_dicts = d
+
+
+def pool_stop():
+    """Answer every queued READ, then stop the threads and the pusher."""
+    with nogil:
+        fanfs_pool_stop()
+
+
+def pool_read_ahead(tuple job):
+    """Queue a read-ahead (its pieces decoded into the cache); False if it was not queued."""
+    cdef fanfs_job j
+    if _job_from(job, &j) != 0:
+        return False
+    return fanfs_pool_read_ahead(&j) == 0
+
+
+def pool_drop():
+    """Empty the pool's cache of decoded pieces (for cold measurements)."""
+    fanfs_pool_drop()
+
+
+def pool_stats():
+    """The pool's counters: jobs run, cache hits and misses, pushes and pushed bytes, and
+    pushes skipped (the push queue was full)."""
+    cdef fanfs_pool_stats s
+    fanfs_pool_counters(&s)
+    return {"jobs": s.jobs, "hits": s.hits, "misses": s.misses, "pushes": s.pushes,
+            "pushed_bytes": s.pushed_bytes, "push_skipped": s.push_skipped}
+
+
+cdef int _read_hook(void *session, void *req, uint64_t ino, object reply) noexcept:
+    """pyfuse3's read hook: a read handler returned `reply`; 0 when the pool took the request
+    (it answers it), -1 when pyfuse3 must answer EIO. Never raises."""
+    cdef fanfs_job j
+    if type(reply) is not tuple or _job_from(<tuple>reply, &j) != 0:
+        return -1
+    j.ino = ino
+    return fanfs_pool_submit(session, req, &j)
+
+
+def read_hook():
+    """The capsule to give pyfuse3.set_read_hook: read handlers may then return job tuples."""
+    return PyCapsule_New(<void *>_read_hook, b"pyfuse3.read_hook", NULL)

@@ -1,0 +1,499 @@
+/*
+ * Checks and decoding of stored pieces (fanfs_native.h), for the pool's threads and for any
+ * Python thread through fanfs/_native.pyx.
+ *
+ * CRC-32 comes from ISA-L (libisal.so.2, Debian's libisal2) when it is installed: its
+ * crc32_gzip_refl computes zlib's CRC with carry-less multiplication, about ten times faster
+ * (60 against 6 GB/s here). Otherwise from zlib. zstd from libzstd.so.1. All three are
+ * dlopen'ed: no -dev package or link flag, and a missing libzstd only means compressed pieces
+ * are decoded by the zstandard package instead (fanfs/codec.py).
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "fanfs_native.h"
+
+typedef unsigned long (*zlib_crc32_fn)(unsigned long, const unsigned char *, unsigned int);
+typedef uint32_t (*isal_crc32_fn)(uint32_t, const unsigned char *, uint64_t);
+
+typedef struct zstd_dctx zstd_dctx;
+typedef struct zstd_ddict zstd_ddict;
+static struct {
+    zstd_dctx *(*create_dctx)(void);
+    void (*free_dctx)(zstd_dctx *);
+    size_t (*decompress_dctx)(zstd_dctx *, void *, size_t, const void *, size_t);
+    size_t (*decompress_ddict)(zstd_dctx *, void *, size_t, const void *, size_t,
+                               const zstd_ddict *);
+    zstd_ddict *(*create_ddict)(const void *, size_t);
+    void (*free_ddict)(zstd_ddict *);
+    unsigned (*is_error)(size_t);
+    unsigned (*dict_id)(const void *, size_t);
+} zstd;
+
+static isal_crc32_fn isal_crc32;
+static zlib_crc32_fn zlib_crc32;
+static pthread_once_t loaded = PTHREAD_ONCE_INIT;
+
+struct fanfs_dicts {
+    int n;
+    zstd_ddict *d[];
+};
+
+static void load(void) {
+    void *lib = dlopen("libisal.so.2", RTLD_NOW | RTLD_LOCAL);
+    if (lib != NULL)
+        isal_crc32 = (isal_crc32_fn)dlsym(lib, "crc32_gzip_refl");
+    lib = dlopen("libz.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (lib != NULL)
+        zlib_crc32 = (zlib_crc32_fn)dlsym(lib, "crc32");
+    lib = dlopen("libzstd.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (lib == NULL)
+        return;
+    *(void **)&zstd.create_dctx = dlsym(lib, "ZSTD_createDCtx");
+    *(void **)&zstd.free_dctx = dlsym(lib, "ZSTD_freeDCtx");
+    *(void **)&zstd.decompress_dctx = dlsym(lib, "ZSTD_decompressDCtx");
+    *(void **)&zstd.decompress_ddict = dlsym(lib, "ZSTD_decompress_usingDDict");
+    *(void **)&zstd.create_ddict = dlsym(lib, "ZSTD_createDDict");
+    *(void **)&zstd.free_ddict = dlsym(lib, "ZSTD_freeDDict");
+    *(void **)&zstd.is_error = dlsym(lib, "ZSTD_isError");
+    *(void **)&zstd.dict_id = dlsym(lib, "ZSTD_getDictID_fromFrame");
+    if (!(zstd.create_dctx && zstd.free_dctx && zstd.decompress_dctx && zstd.decompress_ddict &&
+          zstd.create_ddict && zstd.free_ddict && zstd.is_error && zstd.dict_id))
+        memset(&zstd, 0, sizeof zstd);
+}
+
+int fanfs_codec_init(void) {
+    pthread_once(&loaded, load);
+    return isal_crc32 != NULL || zlib_crc32 != NULL ? 0 : -ENOENT;
+}
+
+const char *fanfs_crc_name(void) { return isal_crc32 != NULL ? "isa-l" : "zlib"; }
+
+int fanfs_can_decode(void) { return zstd.create_dctx != NULL; }
+
+uint32_t fanfs_crc32(uint32_t crc, const void *buf, size_t len) {
+    const unsigned char *p = buf;
+    if (isal_crc32 != NULL)
+        return isal_crc32(crc, p, len);
+    while (len > 0) { /* zlib takes at most 4 GiB - 1 at a time */
+        unsigned int n = len > (1u << 30) ? 1u << 30 : (unsigned int)len;
+        crc = (uint32_t)zlib_crc32(crc, p, n);
+        p += n;
+        len -= n;
+    }
+    return crc;
+}
+
+struct fanfs_dicts *fanfs_dicts_new(int n, const char *const *dicts, const size_t *lens,
+                                    int *err) {
+    struct fanfs_dicts *d;
+    int i;
+    *err = 0;
+    if (n < 0 || n > FANFS_MAX_DICTS) {
+        *err = EINVAL;
+        return NULL;
+    }
+    if (n > 0 && zstd.create_ddict == NULL) {
+        *err = ENOSYS;
+        return NULL;
+    }
+    d = calloc(1, sizeof *d + sizeof(zstd_ddict *) * (size_t)n);
+    if (d == NULL) {
+        *err = ENOMEM;
+        return NULL;
+    }
+    for (i = 0; i < n; i++) {
+        d->d[i] = zstd.create_ddict(dicts[i], lens[i]);
+        if (d->d[i] == NULL) {
+            fanfs_dicts_free(d);
+            *err = ENOMEM;
+            return NULL;
+        }
+        d->n = i + 1;
+    }
+    return d;
+}
+
+void fanfs_dicts_free(struct fanfs_dicts *d) {
+    int i;
+    if (d == NULL)
+        return;
+    for (i = 0; i < d->n; i++)
+        zstd.free_ddict(d->d[i]);
+    free(d);
+}
+
+/* -- buffers ------------------------------------------------------------------------------ */
+
+char *fanfs_alloc(uint64_t size, uint32_t *cap) {
+    void *p = NULL;
+    /* Whole pages: a direct read may fill the last one. */
+    uint64_t n = (size + FANFS_DIRECT_ALIGN - 1) / FANFS_DIRECT_ALIGN * FANFS_DIRECT_ALIGN;
+    if (n == 0)
+        n = FANFS_DIRECT_ALIGN;
+    if (n > UINT32_MAX || posix_memalign(&p, FANFS_DIRECT_ALIGN, n) != 0)
+        return NULL;
+    *cap = (uint32_t)n;
+    return p;
+}
+
+/* Per-thread scratch for the filtered bytes between zstd and a filter, kept between calls
+ * (a fresh one per piece costs page faults: glibc maps blocks of 128 KiB and more straight from
+ * the kernel) up to SCRATCH_KEEP. */
+#define SCRATCH_KEEP (8u << 20)
+static __thread char *scratch;
+static __thread uint64_t scratch_cap;
+static __thread zstd_dctx *dctx;
+
+static char *scratch_get(uint64_t len) {
+    if (len <= scratch_cap)
+        return scratch;
+    if (len > SCRATCH_KEEP)
+        return malloc(len);
+    free(scratch);
+    scratch_cap = 0;
+    scratch = malloc(SCRATCH_KEEP);
+    if (scratch != NULL)
+        scratch_cap = SCRATCH_KEEP;
+    return scratch;
+}
+
+static void scratch_done(char *p) {
+    if (p != scratch)
+        free(p);
+}
+
+/* -- filters: the inverse of fanfs/filters.py, byte for byte ------------------------------ */
+static int filter_width(int fid) {
+    switch (fid) {
+    case FANFS_SHUFFLE4: case FANFS_DELTA4: case FANFS_DECIMAL4: return 4;
+    case FANFS_SHUFFLE8: case FANFS_DELTA8: case FANFS_DECIMAL8: return 8;
+    default: return 0;
+    }
+}
+
+/* The most bytes a filter's output of `size` bytes may have (decimal adds its exceptions). */
+static uint64_t filtered_max(int fid, uint32_t size) {
+    int w = filter_width(fid);
+    if (fid == FANFS_DECIMAL4 || fid == FANFS_DECIMAL8)
+        return 8 + (uint64_t)(size / w) * (4 + w) + size;
+    return size;
+}
+
+/* The filters' loops are written to vectorize, which GCC does at -O3 only (Python's builds use
+ * -O2): ask for it per function. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define VECTORIZE __attribute__((optimize("O3")))
+#else
+#define VECTORIZE
+#endif
+
+/* The words of a shuffled stream (byte b of word i is in plane b: in[b * words + i]). */
+VECTORIZE static void unshuffle4(const unsigned char *in, uint32_t words, uint32_t *out) {
+    const unsigned char *p0 = in, *p1 = in + words, *p2 = in + 2 * (uint64_t)words,
+                        *p3 = in + 3 * (uint64_t)words;
+    uint32_t i;
+    for (i = 0; i < words; i++)
+        out[i] = (uint32_t)p0[i] | (uint32_t)p1[i] << 8 | (uint32_t)p2[i] << 16 |
+                 (uint32_t)p3[i] << 24;
+}
+
+VECTORIZE static void unshuffle8(const unsigned char *in, uint32_t words, uint64_t *out) {
+    uint32_t i;
+    int b;
+    for (i = 0; i < words; i++)
+        out[i] = 0;
+    for (b = 0; b < 8; b++) {
+        const unsigned char *plane = in + (uint64_t)b * words;
+        for (i = 0; i < words; i++)
+            out[i] |= (uint64_t)plane[i] << (8 * b);
+    }
+}
+
+/* 10^e for decimal8 (a division, so every decimal round-trips) and the double nearest 10^-e
+ * for decimal4 (a multiplication: rounding to float32 hides its last-bit error, and the
+ * encoder keeps as exceptions the values it does not give back). Literals, as fanfs/filters.py
+ * parses the same strings. */
+static const double pow10[19] = {1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9,
+                                 1e10, 1e11, 1e12, 1e13, 1e14, 1e15, 1e16, 1e17, 1e18};
+static const double inv10[11] = {1e-0, 1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6, 1e-7, 1e-8,
+                                 1e-9, 1e-10};
+
+/* The decoders pass over one buffer as words, then as numbers: views that may alias. */
+typedef int32_t i32a __attribute__((may_alias));
+typedef int64_t i64a __attribute__((may_alias));
+typedef float f32a __attribute__((may_alias));
+typedef double f64a __attribute__((may_alias));
+
+/* Undo filter `fid` of `in` (`n` bytes) into `out` (`size` bytes, 8-byte aligned); 0 or
+ * FANFS_EBADDATA. Separate passes (unshuffle, running sum, scaling) so that all but the
+ * running sum vectorize. */
+VECTORIZE static int unfilter(int fid, const unsigned char *in, uint64_t n, unsigned char *out,
+                              uint32_t size) {
+    int w = filter_width(fid);
+    uint32_t words, i, k, e;
+    if (w == 0 || size % w)
+        return FANFS_EBADDATA;
+    words = size / w;
+    if (fid == FANFS_DECIMAL4 || fid == FANFS_DECIMAL8) {
+        const unsigned char *pos, *kept;
+        if (n < 8)
+            return FANFS_EBADDATA;
+        e = in[0];
+        memcpy(&k, in + 4, 4);
+        if (e > (uint32_t)(w == 4 ? 10 : 18) || k > words ||
+            n != 8 + (uint64_t)k * (4 + w) + size)
+            return FANFS_EBADDATA;
+        pos = in + 8;
+        kept = pos + (uint64_t)k * 4;
+        if (w == 4) {
+            /* n[i]: the running sum of the unzigzagged differences, mod 2^32, as int32. */
+            uint32_t *z = (uint32_t *)out, acc = 0;
+            i32a *nn = (i32a *)out;
+            f32a *f = (f32a *)out;
+            const double inv = inv10[e];
+            unshuffle4(kept + (uint64_t)k * 4, words, z);
+            for (i = 0; i < words; i++) {
+                acc += (z[i] >> 1) ^ (0u - (z[i] & 1u));
+                z[i] = acc;
+            }
+            for (i = 0; i < words; i++)
+                f[i] = (float)((double)nn[i] * inv);
+        } else {
+            uint64_t *z = (uint64_t *)out, acc = 0;
+            i64a *nn = (i64a *)out;
+            f64a *v = (f64a *)out;
+            const double p10 = pow10[e];
+            unshuffle8(kept + (uint64_t)k * 8, words, z);
+            for (i = 0; i < words; i++) {
+                acc += (z[i] >> 1) ^ (0u - (z[i] & 1u));
+                z[i] = acc;
+            }
+            for (i = 0; i < words; i++)
+                v[i] = (double)nn[i] / p10;
+        }
+        for (i = 0; i < k; i++) {
+            uint32_t at;
+            memcpy(&at, pos + (uint64_t)i * 4, 4);
+            if (at >= words)
+                return FANFS_EBADDATA;
+            memcpy(out + (uint64_t)at * w, kept + (uint64_t)i * w, w);
+        }
+        return 0;
+    }
+    if (n != size)
+        return FANFS_EBADDATA;
+    if (w == 4) {
+        uint32_t *x = (uint32_t *)out, acc = 0;
+        unshuffle4(in, words, x);
+        if (fid == FANFS_DELTA4)
+            for (i = 0; i < words; i++)
+                x[i] = acc += x[i];
+    } else {
+        uint64_t *x = (uint64_t *)out, acc = 0;
+        unshuffle8(in, words, x);
+        if (fid == FANFS_DELTA8)
+            for (i = 0; i < words; i++)
+                x[i] = acc += x[i];
+    }
+    return 0;
+}
+
+/* One zstd frame into `out` (room for `cap` bytes); its decoded length, or -1. */
+static int64_t unzstd(const struct fanfs_dicts *dicts, const unsigned char *in, uint32_t n,
+                      unsigned char *out, uint64_t cap) {
+    unsigned id;
+    size_t r;
+    if (dctx == NULL && (dctx = zstd.create_dctx()) == NULL)
+        return -1;
+    id = zstd.dict_id(in, n);
+    if (id != 0) {
+        if (dicts == NULL || id > (unsigned)dicts->n)
+            return -1;
+        r = zstd.decompress_ddict(dctx, out, cap, in, n, dicts->d[id - 1]);
+    } else {
+        r = zstd.decompress_dctx(dctx, out, cap, in, n);
+    }
+    return zstd.is_error(r) ? -1 : (int64_t)r;
+}
+
+int fanfs_decode(const struct fanfs_dicts *dicts, const struct fanfs_piece *p,
+                 const unsigned char *in, unsigned char *out) {
+    int fid = 0, err;
+    uint32_t n = p->len;
+    uint64_t cap;
+    int64_t got;
+    char *filtered;
+
+    if (p->kind == FANFS_KIND_RAW) {
+        if (n != p->size)
+            return FANFS_EBADDATA;
+        if (out != in)
+            memcpy(out, in, n);
+        return 0;
+    }
+    if (zstd.create_dctx == NULL)
+        return ENOSYS;
+    if (p->kind == FANFS_KIND_FILTERED) {
+        if (n < 2)
+            return FANFS_EBADDATA;
+        fid = in[0];
+        in++;
+        n--;
+    } else if (p->kind > FANFS_KIND_FILTER) {
+        fid = p->kind - FANFS_KIND_FILTER;
+    } else if (p->kind != FANFS_KIND_ZSTD) {
+        return FANFS_EBADDATA;
+    }
+    if (fid == 0) {
+        got = unzstd(dicts, in, n, out, p->size);
+        return got == (int64_t)p->size ? 0 : FANFS_EBADDATA;
+    }
+    if (filter_width(fid) == 0)
+        return FANFS_EBADDATA;
+    cap = filtered_max(fid, p->size);
+    filtered = scratch_get(cap);
+    if (filtered == NULL)
+        return ENOMEM;
+    got = unzstd(NULL, in, n, (unsigned char *)filtered, cap);
+    err = got < 0 ? FANFS_EBADDATA
+                  : unfilter(fid, (unsigned char *)filtered, (uint64_t)got, out, p->size);
+    scratch_done(filtered);
+    return err;
+}
+
+/* -- reading ------------------------------------------------------------------------------ */
+
+static uint64_t n_cached, n_direct, n_buffered;
+
+void fanfs_read_counters(struct fanfs_read_stats *out) {
+    out->cached = __atomic_load_n(&n_cached, __ATOMIC_RELAXED);
+    out->direct = __atomic_load_n(&n_direct, __ATOMIC_RELAXED);
+    out->buffered = __atomic_load_n(&n_buffered, __ATOMIC_RELAXED);
+}
+
+int fanfs_direct_ok(int fd) {
+#ifdef STATX_DIOALIGN
+    struct statx st;
+    if (statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &st) != 0 || !(st.stx_mask & STATX_DIOALIGN))
+        return 0;
+    return st.stx_dio_offset_align != 0 && st.stx_dio_offset_align <= FANFS_DIRECT_ALIGN &&
+           st.stx_dio_mem_align != 0 && st.stx_dio_mem_align <= FANFS_DIRECT_ALIGN;
+#else
+    (void)fd;
+    return 0;
+#endif
+}
+
+/* Whether the page cache holds every page of [off, off + len) of fd: cachestat (Linux 6.5),
+ * which starts no I/O (a read with RWF_NOWAIT would start readahead of what is missing). -1
+ * when the kernel cannot tell. */
+#ifndef __NR_cachestat
+#define __NR_cachestat 451
+#endif
+struct cachestat_range {
+    uint64_t off, len;
+};
+struct cachestat {
+    uint64_t nr_cache, nr_dirty, nr_writeback, nr_evicted, nr_recently_evicted;
+};
+static int no_cachestat;
+
+static int all_cached(int fd, int64_t off, uint32_t len) {
+    struct cachestat_range r;
+    struct cachestat cs;
+    uint64_t first, last;
+    if (no_cachestat || len == 0)
+        return -1;
+    first = (uint64_t)off / 4096;
+    last = ((uint64_t)off + len - 1) / 4096;
+    r.off = first * 4096;
+    r.len = (last - first + 1) * 4096;
+    if (syscall(__NR_cachestat, fd, &r, &cs, 0) != 0) {
+        if (errno == ENOSYS || errno == EPERM || errno == EOPNOTSUPP)
+            __atomic_store_n(&no_cachestat, 1, __ATOMIC_RELAXED);
+        return -1;
+    }
+    return cs.nr_cache >= last - first + 1;
+}
+
+static int pread_all(int fd, char *buf, uint64_t len, int64_t off, uint64_t *got) {
+    uint64_t done = 0;
+    while (done < len) {
+        ssize_t n = pread(fd, buf + done, len - done, (off_t)(off + (int64_t)done));
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0)
+            return errno;
+        if (n == 0)
+            break; /* the end of the file */
+        done += (uint64_t)n;
+    }
+    *got = done;
+    return 0;
+}
+
+static int grow(char **buf, uint32_t *cap, uint64_t need) {
+    char *p;
+    if (need <= *cap && *buf != NULL)
+        return 0;
+    p = fanfs_alloc(need, cap);
+    if (p == NULL)
+        return ENOMEM;
+    free(*buf);
+    *buf = p;
+    return 0;
+}
+
+int fanfs_read_stored(int fd, int dfd, const struct fanfs_piece *p, char **buf, uint32_t *cap,
+                      const char **at) {
+    int err;
+    uint64_t got;
+    int64_t start = p->off & ~(int64_t)(FANFS_DIRECT_ALIGN - 1);
+    uint64_t span = (uint64_t)(p->off - start) + p->len;
+    span = (span + FANFS_DIRECT_ALIGN - 1) & ~(uint64_t)(FANFS_DIRECT_ALIGN - 1);
+
+    if (p->off < 0)
+        return EINVAL;
+    if (dfd >= 0 && all_cached(fd, p->off, p->len) != 1) {
+        err = grow(buf, cap, span);
+        if (err != 0)
+            return err;
+        err = pread_all(dfd, *buf, span, start, &got);
+        if (err == 0) {
+            if (got < (uint64_t)(p->off - start) + p->len)
+                return EIO; /* the partition ends early */
+            *at = *buf + (p->off - start);
+            __atomic_add_fetch(&n_direct, 1, __ATOMIC_RELAXED);
+            goto check;
+        }
+        if (err != EINVAL)
+            return err;
+        /* EINVAL: this file refuses direct I/O after all; read it through the cache. */
+    } else if (dfd >= 0) {
+        __atomic_add_fetch(&n_cached, 1, __ATOMIC_RELAXED);
+    } else {
+        __atomic_add_fetch(&n_buffered, 1, __ATOMIC_RELAXED);
+    }
+    err = grow(buf, cap, p->len);
+    if (err != 0)
+        return err;
+    err = pread_all(fd, *buf, p->len, p->off, &got);
+    if (err != 0)
+        return err;
+    if (got < p->len)
+        return EIO;
+    *at = *buf;
+check:
+    if (fanfs_crc32(0, *at, p->len) != p->crc)
+        return FANFS_EBADCRC;
+    return 0;
+}

@@ -1,0 +1,155 @@
+/*
+ * fanfs's native read path: the one contract between its C (codec.c, pool.c), the Cython
+ * module that exposes it to Python (fanfs/_native.pyx) and the Python that builds its jobs
+ * (fanfs/node/native.py). Anything changed here changes FANFS_NATIVE_API, which the module
+ * exports and fanfs checks at import (a stale build is refused, not half used).
+ *
+ * What it does: read a stored piece of a file (a whole file, or one frame of a framed file)
+ * from a partition, check its CRC-32, decode it (zstd with the image's dictionaries, and the
+ * array filters of fanfs/filters.py, byte for byte), without the GIL. Python calls it directly
+ * (fanfs_read_piece, fanfs_decode: the planner, remote reads on both sides, `fanfs verify`,
+ * unit tests), and the pool (pool.c) runs the same code in its own threads to answer FUSE READs
+ * without the event loop: pyfuse3 hands it the request (its read hook), a thread reads,
+ * checks, decodes and replies, and pushes what the READ did not ask for of the pieces it
+ * decoded into the kernel's page cache (notify_store), so that a large file costs one or two
+ * round trips, not one per 128 KiB.
+ */
+#ifndef FANFS_NATIVE_H
+#define FANFS_NATIVE_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/uio.h>
+
+#define FANFS_NATIVE_API 1
+
+/* What a piece's stored bytes are (fanfs/node/native.py names the same numbers). */
+enum {
+    FANFS_KIND_RAW = 0,      /* the bytes themselves */
+    FANFS_KIND_ZSTD = 1,     /* one zstd frame; its header names its dictionary, if any */
+    FANFS_KIND_FILTERED = 2, /* a filter id byte, then one zstd frame of that filter's output */
+    FANFS_KIND_FILTER = 16,  /* 16 + filter id: one zstd frame of that filter's output */
+};
+
+/* Array filter ids (fanfs/filters.py, docs/format.md). */
+enum {
+    FANFS_SHUFFLE4 = 1,
+    FANFS_SHUFFLE8 = 2,
+    FANFS_DELTA8 = 3,
+    FANFS_DECIMAL4 = 4,
+    FANFS_DECIMAL8 = 5,
+    FANFS_DELTA4 = 8,
+};
+
+#define FANFS_MAX_PIECES 4 /* pieces (frames) one job may span */
+/* The largest piece, stored or decoded: raw files are read whole up to the reader's
+ * WHOLE_FILE_LIMIT, compressed pieces are at most 4 MiB (the catalog refuses more). */
+#define FANFS_PIECE_MAX (16u << 20)
+#define FANFS_MAX_DICTS 1024
+/* Direct I/O is done in units of this many bytes (offset, length and memory); a file system
+ * asking for a coarser alignment is read through the page cache instead. */
+#define FANFS_DIRECT_ALIGN 4096
+
+/* Error codes beyond errno: returned by fanfs_decode and fanfs_read_piece. */
+#define FANFS_EBADCRC EBADMSG /* the stored bytes do not match their CRC-32 */
+#define FANFS_EBADDATA EILSEQ /* they match, but do not decode to the size the catalog says */
+
+/* One stored piece. */
+struct fanfs_piece {
+    int64_t off;   /* where its stored bytes start in the partition */
+    uint32_t len;  /* stored length: all of it is read and checked */
+    uint32_t crc;  /* CRC-32 of the stored bytes */
+    uint32_t size; /* decoded length */
+    uint8_t kind;
+    uint8_t cache; /* 1: keep the decoded piece in the pool's cache (parts of it are asked for) */
+};
+
+/* Job flags. */
+#define FANFS_JOB_PUSH 1 /* after the reply, push the rest of freshly decoded pieces */
+
+/* A read: bytes [skip, skip + count) of the job's pieces' decoded bytes, back to back. */
+struct fanfs_job {
+    int fd;          /* the partition, read through the page cache */
+    int dfd;         /* the same file opened O_DIRECT, or -1 */
+    int64_t entry;   /* catalog entry, for the error record */
+    uint64_t ino;    /* the file's inode, for pushes (0: none) */
+    int64_t base;    /* where the first piece's decoded bytes start in the file */
+    uint32_t skip;
+    uint32_t count;
+    uint32_t flags;
+    int npieces;
+    struct fanfs_piece pieces[FANFS_MAX_PIECES];
+};
+
+/* -- codec.c: checks and decoding, any thread, no global state but the libraries ----------- */
+
+/* Load the libraries (idempotent): ISA-L's CRC-32 (libisal.so.2) or zlib's, libzstd. 0, or
+ * -ENOENT if neither CRC library can be loaded. */
+int fanfs_codec_init(void);
+const char *fanfs_crc_name(void); /* "isa-l" or "zlib" */
+int fanfs_can_decode(void);       /* libzstd was found */
+uint32_t fanfs_crc32(uint32_t crc, const void *buf, size_t len);
+
+/* The image's zstd dictionaries (dictionary id i + 1 is dicts[i]); immutable once made. */
+struct fanfs_dicts;
+struct fanfs_dicts *fanfs_dicts_new(int n, const char *const *dicts, const size_t *lens,
+                                    int *err);
+void fanfs_dicts_free(struct fanfs_dicts *d);
+
+/* Decode a checked piece's stored bytes `in` (p->len of them) into `out` (p->size bytes,
+ * 8-byte aligned); 0, FANFS_EBADDATA, ENOSYS (no libzstd) or ENOMEM. */
+int fanfs_decode(const struct fanfs_dicts *dicts, const struct fanfs_piece *p,
+                 const unsigned char *in, unsigned char *out);
+
+/* Whether `fd` can be read with O_DIRECT at FANFS_DIRECT_ALIGN (statx's dio alignment). */
+int fanfs_direct_ok(int fd);
+
+/* Read a piece's stored bytes and check them. Through the page cache when it holds them all
+ * (cachestat), else O_DIRECT when `dfd` >= 0 (no copy into a page cache nobody reads again),
+ * else through the page cache. `*buf` (aligned, `*cap` bytes, from fanfs_alloc) is grown as
+ * needed; on success `*at` points at the stored bytes inside it. 0 or an errno. */
+int fanfs_read_stored(int fd, int dfd, const struct fanfs_piece *p, char **buf, uint32_t *cap,
+                      const char **at);
+
+/* An aligned buffer of at least `size` bytes (*cap set to what it holds); free() frees it. */
+char *fanfs_alloc(uint64_t size, uint32_t *cap);
+
+/* Reading counters since start (any thread). */
+struct fanfs_read_stats {
+    uint64_t cached, direct, buffered; /* pieces read from the page cache, O_DIRECT, buffered */
+};
+void fanfs_read_counters(struct fanfs_read_stats *out);
+
+/* -- pool.c: the threads that answer FUSE READs ------------------------------------------ */
+
+/* Start `nthreads` threads (idempotent); a failed job posts a 16-byte record (entry, errno, 0)
+ * on `errfd` (a non-blocking pipe). 0 or -errno. */
+int fanfs_pool_start(int nthreads, int errfd);
+/* Answer every queued READ, stop the threads and the pusher, free the cache. Call before the
+ * FUSE session is destroyed. */
+void fanfs_pool_stop(void);
+/* The dictionaries jobs decode with (the pool keeps its own reference: call before any job
+ * that needs them; the previous set is freed once no job uses it). */
+void fanfs_pool_set_dicts(struct fanfs_dicts *d);
+/* Queue a job answering `req` on `session`; 0, or -1 (the caller answers EIO). */
+int fanfs_pool_submit(void *session, void *req, const struct fanfs_job *job);
+/* Queue a read-ahead (no request): its pieces are decoded into the cache, and pushed when the
+ * job says so. 0, or -1 if it was not queued. */
+int fanfs_pool_read_ahead(const struct fanfs_job *job);
+/* Empty the cache of decoded pieces (cold measurements). */
+void fanfs_pool_drop(void);
+
+struct fanfs_pool_stats {
+    uint64_t jobs, hits, misses, pushes, pushed_bytes, push_skipped;
+};
+void fanfs_pool_counters(struct fanfs_pool_stats *out);
+
+/* Run a job in the calling thread with the same code as the pool, the reply copied to `out`
+ * (`count` bytes); 0 or an errno. For Python callers and unit tests. */
+int fanfs_run_job(const struct fanfs_dicts *dicts, const struct fanfs_job *job, char *out);
+
+/* Check a job's shape: 0, or -1 if it is malformed (pieces over the limits or empty, a range
+ * outside the pieces, or a piece that holds none of the range). */
+int fanfs_job_check(const struct fanfs_job *job);
+
+#endif

@@ -1,0 +1,837 @@
+/*
+ * The native read pool (fanfs_native.h): threads that answer FUSE READs without the GIL.
+ *
+ * Why: answering a READ of a file that is not in the page cache through the event loop costs
+ * a thread hand-off (a trio worker thread, the GIL, a wake-up back to the loop) on top of the
+ * disk read. Here the event loop only queues a job (pyfuse3's read hook, fanfs/_native.pyx)
+ * and returns; threads that never touch the GIL read the stored pieces, check, decode and
+ * reply themselves (libfuse replies are thread-safe).
+ *
+ * Pieces asked for in parts (a file larger than one READ, the frames of a framed file) go
+ * through a small cache of decoded pieces shared by the threads, so each is read and decoded
+ * once. A READ that needs a piece another thread is reading does not wait for it: it is hung
+ * on the piece and queued again when the piece is there, so the thread goes on with other
+ * READs (four threads waiting for each other's disk reads would leave the disk idle).
+ *
+ * Pushes: the kernel sends buffered READs of at most the mount's readahead (128 KiB unless
+ * root raises it), so a 2 MiB file is 16 round trips. When a job decodes a piece afresh and
+ * says so (FANFS_JOB_PUSH), what the READ did not ask for of that piece is pushed into the
+ * kernel's page cache with notify_store, by one pusher thread: the rest of the file is then
+ * read from the page cache with no round trip at all. The pusher is a thread of its own
+ * because notify_store waits for page locks that the kernel holds for READs in flight, which
+ * the pool's threads answer: a pool thread must never wait for it.
+ */
+#define _GNU_SOURCE
+#define FUSE_USE_VERSION 35
+#include <errno.h>
+#include <fuse_lowlevel.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "fanfs_native.h"
+
+#define MAX_THREADS 64
+#define AHEAD_MAX 64 /* queued read-aheads at most; beyond, the stalest is dropped */
+#define SLOTS 32
+#define CACHE_BYTES (64u << 20)
+#define SPARES 8          /* freed piece buffers kept for the next piece: pages mapped already */
+#define KEEP (4u << 20)   /* a thread's own buffers are kept up to this size */
+#define PUSH_MAX 64       /* queued pushes; beyond, a piece is not pushed (the kernel READs it) */
+#define WAITING (1 << 30) /* piece_get: the job was hung on a piece being read */
+
+struct qjob {
+    struct qjob *next;
+    struct fuse_session *se;
+    fuse_req_t req; /* NULL: a read-ahead */
+    struct fanfs_job j;
+};
+
+/* -- the cache of decoded pieces ---------------------------------------------------------- */
+struct slot {
+    int fd;
+    int64_t off;
+    uint32_t len, crc, size;
+    uint8_t kind;          /* the key: where the stored piece is, and what it is */
+    char *buf;             /* its allocation (NULL: an empty slot, or pending) */
+    uint32_t cap;
+    const char *data;      /* its decoded bytes, inside buf */
+    int refs;              /* replies and pushes using it: never evicted while > 0 */
+    int pending;           /* a thread is reading it */
+    uint64_t used;
+    struct qjob *waiters;  /* READs hung on it until it is read */
+};
+
+static struct {
+    pthread_mutex_t lock;
+    pthread_cond_t ready; /* a pending slot was filled or given up (synchronous callers) */
+    struct slot slot[SLOTS];
+    struct {
+        char *buf;
+        uint32_t cap;
+    } spare[SPARES];
+    uint64_t clock, bytes, hits, misses;
+} cache = {.lock = PTHREAD_MUTEX_INITIALIZER, .ready = PTHREAD_COND_INITIALIZER};
+
+static struct {
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    struct qjob *head, *tail;             /* READs */
+    struct qjob *ahead_head, *ahead_tail; /* read-aheads: taken when no READ waits */
+    int nahead;
+    pthread_t threads[MAX_THREADS];
+    int nthreads, stopping, errfd;
+    const struct fanfs_dicts *dicts;
+    uint64_t jobs;
+} pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .cond = PTHREAD_COND_INITIALIZER, .errfd = -1};
+
+struct push {
+    struct fuse_session *se;
+    uint64_t ino;
+    int slot;
+    int64_t pos; /* where the slot's decoded bytes start in the file */
+    uint32_t from, to;
+};
+
+static struct {
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    struct push q[PUSH_MAX];
+    int first, n, running;
+    pthread_t thread;
+    uint64_t pushes, bytes, skipped;
+} push = {.lock = PTHREAD_MUTEX_INITIALIZER, .cond = PTHREAD_COND_INITIALIZER};
+
+/* A thread's own buffers: stored bytes read for a decode, and a decoded whole file. */
+static __thread char *tstored, *tout;
+static __thread uint32_t tstored_cap, tout_cap;
+
+static void thread_buffers_trim(void) {
+    if (tstored_cap > KEEP) {
+        free(tstored);
+        tstored = NULL;
+        tstored_cap = 0;
+    }
+    if (tout_cap > KEEP) {
+        free(tout);
+        tout = NULL;
+        tout_cap = 0;
+    }
+}
+
+/* A buffer of at least `size` bytes for a piece: a spare one if one is big enough, else new. */
+static char *piece_alloc(uint64_t size, uint32_t *cap) {
+    int i, best = -1;
+    char *buf = NULL;
+    pthread_mutex_lock(&cache.lock);
+    for (i = 0; i < SPARES; i++)
+        if (cache.spare[i].buf != NULL && cache.spare[i].cap >= size &&
+            (best < 0 || cache.spare[i].cap < cache.spare[best].cap))
+            best = i;
+    if (best >= 0) {
+        buf = cache.spare[best].buf;
+        *cap = cache.spare[best].cap;
+        cache.spare[best].buf = NULL;
+    }
+    pthread_mutex_unlock(&cache.lock);
+    return buf != NULL ? buf : fanfs_alloc(size, cap);
+}
+
+/* Give a piece's buffer back: kept as a spare while there is room. Cache lock held. */
+static void piece_free_locked(char *buf, uint32_t cap) {
+    int i;
+    if (buf == NULL)
+        return;
+    for (i = 0; i < SPARES; i++)
+        if (cache.spare[i].buf == NULL) {
+            cache.spare[i].buf = buf;
+            cache.spare[i].cap = cap;
+            return;
+        }
+    free(buf);
+}
+
+static void piece_free(char *buf, uint32_t cap) {
+    pthread_mutex_lock(&cache.lock);
+    piece_free_locked(buf, cap);
+    pthread_mutex_unlock(&cache.lock);
+}
+
+static int slot_is(const struct slot *s, int fd, const struct fanfs_piece *p) {
+    return (s->buf != NULL || s->pending) && s->fd == fd && s->off == p->off &&
+           s->len == p->len && s->crc == p->crc && s->size == p->size && s->kind == p->kind;
+}
+
+/* A slot for `size` more bytes, cache lock held: settled pieces nobody uses are evicted least
+ * recently used first until the bytes allow `size` more and a slot is free; -1 when every
+ * piece is in use (or `size` alone is more than the cache holds). */
+static int slot_room(uint32_t size) {
+    int i, empty, victim;
+    struct slot *s;
+    for (;;) {
+        empty = victim = -1;
+        for (i = 0; i < SLOTS; i++) {
+            s = &cache.slot[i];
+            if (s->refs != 0 || s->pending)
+                continue;
+            if (s->buf == NULL) {
+                if (empty < 0)
+                    empty = i;
+            } else if (victim < 0 || s->used < cache.slot[victim].used) {
+                victim = i;
+            }
+        }
+        if (empty >= 0 && cache.bytes + size <= CACHE_BYTES)
+            return empty;
+        if (victim < 0)
+            return -1;
+        s = &cache.slot[victim];
+        cache.bytes -= s->size;
+        piece_free_locked(s->buf, s->cap);
+        s->buf = NULL;
+        s->data = NULL;
+    }
+}
+
+/* Put READs hung on a piece back at the front of the queue (their piece is there now, or
+ * failed: they read it themselves). */
+static void requeue(struct qjob *w) {
+    struct qjob *last;
+    if (w == NULL)
+        return;
+    for (last = w; last->next != NULL; last = last->next)
+        ;
+    pthread_mutex_lock(&pool.lock);
+    last->next = pool.head;
+    pool.head = w;
+    if (pool.tail == NULL)
+        pool.tail = last;
+    pthread_cond_broadcast(&pool.cond);
+    pthread_mutex_unlock(&pool.lock);
+}
+
+/* Settle a pending slot with its decoded bytes (buf NULL: reading it failed, the slot is
+ * given up), and wake whoever waits for it. The caller keeps its reference when it filled it. */
+static void slot_fill(int i, char *buf, uint32_t cap, const char *data) {
+    struct slot *s = &cache.slot[i];
+    struct qjob *w;
+    pthread_mutex_lock(&cache.lock);
+    s->pending = 0;
+    s->buf = buf;
+    s->cap = cap;
+    s->data = data;
+    if (buf == NULL) {
+        cache.bytes -= s->size;
+        s->refs = 0;
+    }
+    w = s->waiters;
+    s->waiters = NULL;
+    pthread_cond_broadcast(&cache.ready);
+    pthread_mutex_unlock(&cache.lock);
+    requeue(w);
+}
+
+static void slot_release(int i) {
+    pthread_mutex_lock(&cache.lock);
+    cache.slot[i].refs--;
+    pthread_mutex_unlock(&cache.lock);
+}
+
+/* -- pieces ------------------------------------------------------------------------------- */
+
+/* Read, check and decode a piece into a buffer of its own (*buf, from piece_alloc); *data
+ * points at its decoded bytes. A raw piece is read straight into it (no copy). */
+static int load_piece(const struct fanfs_job *j, const struct fanfs_piece *p,
+                      const struct fanfs_dicts *dicts, char **buf, uint32_t *cap,
+                      const char **data) {
+    int err;
+    const char *at;
+    if (p->kind == FANFS_KIND_RAW) {
+        if (p->len != p->size)
+            return FANFS_EBADDATA;
+        *buf = piece_alloc((uint64_t)p->len + 2 * FANFS_DIRECT_ALIGN, cap);
+        if (*buf == NULL)
+            return ENOMEM;
+        err = fanfs_read_stored(j->fd, j->dfd, p, buf, cap, &at);
+        *data = at;
+        return err;
+    }
+    err = fanfs_read_stored(j->fd, j->dfd, p, &tstored, &tstored_cap, &at);
+    if (err != 0)
+        return err;
+    *buf = piece_alloc(p->size, cap);
+    if (*buf == NULL)
+        return ENOMEM;
+    *data = *buf;
+    return fanfs_decode(dicts, p, (const unsigned char *)at, (unsigned char *)*buf);
+}
+
+/* A piece's decoded bytes for a reply. */
+struct got {
+    const char *data;
+    int slot;      /* >= 0: a cache slot, referenced */
+    char *own;     /* else a buffer of its own (NULL: a thread buffer) */
+    uint32_t cap;
+    int fresh;     /* read and decoded for this job */
+};
+
+/* Piece k of job j: 0 with *g filled, an errno, or WAITING when `qj` (a READ of the pool) was
+ * hung on the piece because another thread is reading it. Without `qj` the caller waits. */
+static int piece_get(struct qjob *qj, const struct fanfs_job *j, int k,
+                     const struct fanfs_dicts *dicts, struct got *g) {
+    const struct fanfs_piece *p = &j->pieces[k];
+    int i, found, err;
+    char *buf = NULL;
+    uint32_t cap = 0;
+    const char *data = NULL, *at;
+
+    g->slot = -1;
+    g->own = NULL;
+    g->fresh = 0;
+    if (!p->cache) {
+        /* A file asked for whole: nobody asks for it again (the kernel keeps it). */
+        err = fanfs_read_stored(j->fd, j->dfd, p, &tstored, &tstored_cap, &at);
+        if (err != 0)
+            return err;
+        g->fresh = 1;
+        if (p->kind == FANFS_KIND_RAW) {
+            g->data = at;
+            return p->len == p->size ? 0 : FANFS_EBADDATA;
+        }
+        if (j->npieces == 1) {
+            if (p->size > tout_cap) {
+                char *n = fanfs_alloc(p->size, &cap);
+                if (n == NULL)
+                    return ENOMEM;
+                free(tout);
+                tout = n;
+                tout_cap = cap;
+            }
+            g->data = tout;
+        } else {
+            if ((g->own = piece_alloc(p->size, &g->cap)) == NULL)
+                return ENOMEM;
+            g->data = g->own;
+        }
+        return fanfs_decode(dicts, p, (const unsigned char *)at, (unsigned char *)g->data);
+    }
+    pthread_mutex_lock(&cache.lock);
+    for (;;) {
+        found = -1;
+        for (i = 0; i < SLOTS; i++)
+            if (slot_is(&cache.slot[i], j->fd, p))
+                found = i;
+        if (found < 0 || !cache.slot[found].pending)
+            break;
+        if (qj != NULL) {
+            qj->next = cache.slot[found].waiters;
+            cache.slot[found].waiters = qj;
+            pthread_mutex_unlock(&cache.lock);
+            return WAITING;
+        }
+        pthread_cond_wait(&cache.ready, &cache.lock);
+    }
+    if (found >= 0) {
+        struct slot *s = &cache.slot[found];
+        s->refs++;
+        s->used = ++cache.clock;
+        cache.hits++;
+        pthread_mutex_unlock(&cache.lock);
+        g->slot = found;
+        g->data = s->data;
+        return 0;
+    }
+    cache.misses++;
+    found = slot_room(p->size);
+    if (found >= 0) {
+        struct slot *s = &cache.slot[found];
+        s->fd = j->fd;
+        s->off = p->off;
+        s->len = p->len;
+        s->crc = p->crc;
+        s->size = p->size;
+        s->kind = p->kind;
+        s->used = ++cache.clock;
+        s->pending = 1;
+        s->refs = 1; /* ours */
+        s->waiters = NULL;
+        cache.bytes += p->size; /* counted now: the room is taken */
+    }
+    pthread_mutex_unlock(&cache.lock);
+    err = load_piece(j, p, dicts, &buf, &cap, &data);
+    if (err != 0) {
+        if (buf != NULL)
+            piece_free(buf, cap);
+        if (found >= 0)
+            slot_fill(found, NULL, 0, NULL);
+        return err;
+    }
+    g->fresh = 1;
+    g->data = data;
+    if (found >= 0) {
+        slot_fill(found, buf, cap, data);
+        g->slot = found;
+    } else {
+        g->own = buf; /* no room in the cache: this reply's alone */
+        g->cap = cap;
+    }
+    return 0;
+}
+
+static void piece_done(struct got *g) {
+    if (g->slot >= 0)
+        slot_release(g->slot);
+    else if (g->own != NULL)
+        piece_free(g->own, g->cap);
+}
+
+/* -- pushes ------------------------------------------------------------------------------- */
+
+/* Queue a push of bytes [from, to) of slot i (a reference taken for it). */
+static void push_queue(struct fuse_session *se, uint64_t ino, int i, int64_t pos, uint32_t from,
+                       uint32_t to) {
+    if (to <= from)
+        return;
+    pthread_mutex_lock(&push.lock);
+    if (push.running && push.n < PUSH_MAX) {
+        struct push *q = &push.q[(push.first + push.n) % PUSH_MAX];
+        *q = (struct push){se, ino, i, pos, from, to};
+        push.n++;
+        pthread_mutex_lock(&cache.lock);
+        cache.slot[i].refs++;
+        pthread_mutex_unlock(&cache.lock);
+        pthread_cond_signal(&push.cond);
+    } else {
+        push.skipped++;
+    }
+    pthread_mutex_unlock(&push.lock);
+}
+
+static void *pusher_main(void *arg) {
+    (void)arg;
+    pthread_mutex_lock(&push.lock);
+    for (;;) {
+        struct push q;
+        struct fuse_bufvec bv = FUSE_BUFVEC_INIT(0);
+        while (push.n == 0 && push.running)
+            pthread_cond_wait(&push.cond, &push.lock);
+        if (push.n == 0)
+            break;
+        q = push.q[push.first];
+        push.first = (push.first + 1) % PUSH_MAX;
+        push.n--;
+        pthread_mutex_unlock(&push.lock);
+        bv.buf[0].size = q.to - q.from;
+        bv.buf[0].mem = (void *)(cache.slot[q.slot].data + q.from);
+        /* ENOENT (the kernel forgot the inode) and the like: the kernel READs it instead. */
+        if (fuse_lowlevel_notify_store(q.se, q.ino, (off_t)(q.pos + q.from), &bv, 0) == 0) {
+            pthread_mutex_lock(&push.lock);
+            push.pushes++;
+            push.bytes += q.to - q.from;
+            pthread_mutex_unlock(&push.lock);
+        }
+        slot_release(q.slot);
+        pthread_mutex_lock(&push.lock);
+    }
+    pthread_mutex_unlock(&push.lock);
+    return NULL;
+}
+
+/* After a reply: push what [lo, hi) of the file did not cover of each piece decoded afresh. */
+static void push_rest(struct fuse_session *se, const struct fanfs_job *j, struct got *got,
+                      const int *held) {
+    int k;
+    int64_t pos = j->base, lo = j->base + j->skip, hi = lo + j->count;
+    for (k = 0; k < j->npieces; k++) {
+        int64_t end = pos + j->pieces[k].size;
+        if (held[k] && got[k].fresh && got[k].slot >= 0) {
+            if (lo > pos)
+                push_queue(se, j->ino, got[k].slot, pos, 0, (uint32_t)((lo < end ? lo : end) - pos));
+            if (hi < end)
+                push_queue(se, j->ino, got[k].slot, pos, (uint32_t)((hi > pos ? hi : pos) - pos),
+                           j->pieces[k].size);
+        }
+        pos = end;
+    }
+}
+
+/* -- jobs --------------------------------------------------------------------------------- */
+
+int fanfs_job_check(const struct fanfs_job *j) {
+    int i, n = j->npieces;
+    uint64_t total = 0;
+    if (n < 1 || n > FANFS_MAX_PIECES || j->base < 0)
+        return -1;
+    for (i = 0; i < n; i++) {
+        const struct fanfs_piece *p = &j->pieces[i];
+        if (p->size == 0 || p->size > FANFS_PIECE_MAX || p->len > FANFS_PIECE_MAX || p->off < 0)
+            return -1;
+        total += p->size;
+    }
+    if (j->skip > total || j->count > total - j->skip)
+        return -1;
+    /* The range starts in the first piece and ends in the last: a job names only the pieces
+     * it needs. */
+    if (n > 1 && j->count &&
+        (j->skip >= j->pieces[0].size || j->skip + j->count <= total - j->pieces[n - 1].size))
+        return -1;
+    return 0;
+}
+
+/* Gather bytes [skip, skip + count) of job j's pieces into iov (pieces in got, held[k] set
+ * for those read). 0, an errno, or WAITING. */
+static int gather(struct qjob *qj, const struct fanfs_job *j, const struct fanfs_dicts *dicts,
+                  struct got *got, int *held, struct iovec *iov, int *niov) {
+    int k, err;
+    uint64_t at = 0, lo = j->skip, hi = (uint64_t)j->skip + j->count;
+    *niov = 0;
+    for (k = 0; k < j->npieces; k++) {
+        uint64_t end = at + j->pieces[k].size;
+        if (end > lo && at < hi) { /* only the pieces holding some of [lo, hi) are read */
+            uint64_t a = lo > at ? lo - at : 0, b = (hi < end ? hi : end) - at;
+            err = piece_get(qj, j, k, dicts, &got[k]);
+            if (err != 0)
+                return err;
+            held[k] = 1;
+            iov[*niov].iov_base = (void *)(got[k].data + a);
+            iov[*niov].iov_len = b - a;
+            (*niov)++;
+        }
+        at = end;
+    }
+    return 0;
+}
+
+static void post_error(int64_t entry, int err) {
+    /* A full pipe loses the record; the file is still answered EIO on every read. */
+    struct {
+        int64_t entry;
+        int32_t err, pad;
+    } rec = {entry, err, 0};
+    ssize_t posted = pool.errfd >= 0 ? write(pool.errfd, &rec, sizeof rec) : 0;
+    (void)posted;
+}
+
+static void run_read(struct qjob *qj) {
+    const struct fanfs_job *j = &qj->j;
+    struct got got[FANFS_MAX_PIECES];
+    struct iovec iov[FANFS_MAX_PIECES];
+    int held[FANFS_MAX_PIECES] = {0}, niov, k, err;
+
+    err = gather(qj, j, pool.dicts, got, held, iov, &niov);
+    if (err == WAITING) {
+        for (k = 0; k < j->npieces; k++) /* let go of what it holds; it starts over */
+            if (held[k])
+                piece_done(&got[k]);
+        return; /* qj is hung on a piece: queued again when it is read */
+    }
+    if (err == 0) {
+        fuse_reply_iov(qj->req, iov, niov);
+        if ((j->flags & FANFS_JOB_PUSH) && j->ino != 0 && qj->se != NULL)
+            push_rest(qj->se, j, got, held);
+    }
+    for (k = 0; k < j->npieces; k++)
+        if (held[k])
+            piece_done(&got[k]);
+    if (err != 0) {
+        fuse_reply_err(qj->req, EIO);
+        post_error(j->entry, err);
+    }
+    free(qj);
+}
+
+/* A read-ahead: decode each piece nobody holds into the cache (and push it, if asked). */
+static void run_ahead(struct qjob *qj) {
+    const struct fanfs_job *j = &qj->j;
+    int k, i, held, slot;
+    int64_t pos = j->base;
+    for (k = 0; k < j->npieces; k++) {
+        const struct fanfs_piece *p = &j->pieces[k];
+        char *buf = NULL;
+        uint32_t cap = 0;
+        const char *data = NULL;
+        pthread_mutex_lock(&cache.lock);
+        held = 0;
+        for (i = 0; i < SLOTS; i++)
+            held |= slot_is(&cache.slot[i], j->fd, p);
+        slot = held ? -1 : slot_room(p->size);
+        if (slot >= 0) {
+            struct slot *s = &cache.slot[slot];
+            s->fd = j->fd;
+            s->off = p->off;
+            s->len = p->len;
+            s->crc = p->crc;
+            s->size = p->size;
+            s->kind = p->kind;
+            s->used = ++cache.clock;
+            s->pending = 1;
+            s->refs = 1;
+            s->waiters = NULL;
+            cache.bytes += p->size;
+        }
+        pthread_mutex_unlock(&cache.lock);
+        if (slot >= 0) {
+            if (load_piece(j, p, pool.dicts, &buf, &cap, &data) != 0) {
+                if (buf != NULL)
+                    piece_free(buf, cap);
+                slot_fill(slot, NULL, 0, NULL); /* its READ reads it and reports it */
+            } else {
+                slot_fill(slot, buf, cap, data);
+                if ((j->flags & FANFS_JOB_PUSH) && j->ino != 0 && qj->se != NULL)
+                    push_queue(qj->se, j->ino, slot, pos, 0, p->size);
+                slot_release(slot);
+            }
+        }
+        pos += p->size;
+    }
+    free(qj);
+}
+
+int fanfs_run_job(const struct fanfs_dicts *dicts, const struct fanfs_job *j, char *out) {
+    struct got got[FANFS_MAX_PIECES];
+    struct iovec iov[FANFS_MAX_PIECES];
+    int held[FANFS_MAX_PIECES] = {0}, niov, k, err;
+    if (fanfs_job_check(j) != 0)
+        return EINVAL;
+    err = gather(NULL, j, dicts, got, held, iov, &niov);
+    if (err == 0)
+        for (k = 0; k < niov; k++) {
+            memcpy(out, iov[k].iov_base, iov[k].iov_len);
+            out += iov[k].iov_len;
+        }
+    for (k = 0; k < j->npieces; k++)
+        if (held[k])
+            piece_done(&got[k]);
+    thread_buffers_trim();
+    return err;
+}
+
+/* -- the threads -------------------------------------------------------------------------- */
+
+/* The next job, pool lock held: a READ first, a read-ahead only when no READ waits. */
+static struct qjob *next_job(void) {
+    struct qjob *qj;
+    if (pool.stopping) { /* read-aheads are not worth running any more */
+        while ((qj = pool.ahead_head) != NULL) {
+            pool.ahead_head = qj->next;
+            free(qj);
+        }
+        pool.ahead_tail = NULL;
+        pool.nahead = 0;
+    }
+    if ((qj = pool.head) != NULL) {
+        pool.head = qj->next;
+        if (pool.head == NULL)
+            pool.tail = NULL;
+    } else if ((qj = pool.ahead_head) != NULL) {
+        pool.ahead_head = qj->next;
+        if (pool.ahead_head == NULL)
+            pool.ahead_tail = NULL;
+        pool.nahead--;
+    }
+    return qj;
+}
+
+static int piece_busy(void) {
+    int i, busy = 0;
+    pthread_mutex_lock(&cache.lock);
+    for (i = 0; i < SLOTS; i++)
+        busy |= cache.slot[i].pending;
+    pthread_mutex_unlock(&cache.lock);
+    return busy;
+}
+
+static void *thread_main(void *arg) {
+    (void)arg;
+    for (;;) {
+        struct qjob *qj;
+        pthread_mutex_lock(&pool.lock);
+        while ((qj = next_job()) == NULL) {
+            if (!pool.stopping) {
+                pthread_cond_wait(&pool.cond, &pool.lock);
+                continue;
+            }
+            /* Stopping with nothing queued: leave, unless a piece is being read (the READs
+             * hung on it come back to the queue when it is). */
+            pthread_mutex_unlock(&pool.lock);
+            if (!piece_busy()) {
+                pthread_mutex_lock(&pool.lock);
+                if (pool.head == NULL)
+                    break;
+                continue;
+            }
+            usleep(1000);
+            pthread_mutex_lock(&pool.lock);
+        }
+        if (qj != NULL)
+            pool.jobs++;
+        pthread_mutex_unlock(&pool.lock);
+        if (qj == NULL)
+            break;
+        if (qj->req != NULL)
+            run_read(qj);
+        else
+            run_ahead(qj);
+        thread_buffers_trim();
+    }
+    free(tstored);
+    free(tout);
+    tstored = tout = NULL;
+    tstored_cap = tout_cap = 0;
+    return NULL;
+}
+
+int fanfs_pool_start(int nthreads, int errfd) {
+    sigset_t all, old;
+    int i;
+    if (pool.nthreads > 0)
+        return 0;
+    if (nthreads < 1 || nthreads > MAX_THREADS)
+        return -EINVAL;
+    if (fanfs_codec_init() != 0)
+        return -ENOENT;
+    pool.errfd = errfd;
+    pool.stopping = 0;
+    /* Signals stay with the interpreter's thread. */
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old);
+    push.running = 1;
+    if (pthread_create(&push.thread, NULL, pusher_main, NULL) != 0)
+        push.running = 0;
+    for (i = 0; i < nthreads; i++) {
+        if (pthread_create(&pool.threads[i], NULL, thread_main, NULL) != 0)
+            break;
+        pool.nthreads++;
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    return pool.nthreads > 0 ? 0 : -EAGAIN;
+}
+
+void fanfs_pool_set_dicts(struct fanfs_dicts *d) { pool.dicts = d; }
+
+static int enqueue(struct fuse_session *se, fuse_req_t req, const struct fanfs_job *job) {
+    struct qjob *qj;
+    if (pool.nthreads == 0 || pool.stopping || fanfs_job_check(job) != 0)
+        return -1;
+    qj = malloc(sizeof *qj);
+    if (qj == NULL)
+        return -1;
+    qj->next = NULL;
+    qj->se = se;
+    qj->req = req;
+    qj->j = *job;
+    pthread_mutex_lock(&pool.lock);
+    if (req != NULL) {
+        if (pool.tail != NULL)
+            pool.tail->next = qj;
+        else
+            pool.head = qj;
+        pool.tail = qj;
+    } else {
+        if (pool.nahead >= AHEAD_MAX) { /* the stalest: the reader has moved past it */
+            struct qjob *old = pool.ahead_head;
+            pool.ahead_head = old->next;
+            if (pool.ahead_head == NULL)
+                pool.ahead_tail = NULL;
+            pool.nahead--;
+            free(old);
+        }
+        if (pool.ahead_tail != NULL)
+            pool.ahead_tail->next = qj;
+        else
+            pool.ahead_head = qj;
+        pool.ahead_tail = qj;
+        pool.nahead++;
+    }
+    pthread_cond_signal(&pool.cond);
+    pthread_mutex_unlock(&pool.lock);
+    return 0;
+}
+
+static struct fuse_session *last_session; /* read-aheads push through the READs' session */
+
+int fanfs_pool_submit(void *session, void *req, const struct fanfs_job *job) {
+    if (req == NULL)
+        return -1;
+    __atomic_store_n(&last_session, (struct fuse_session *)session, __ATOMIC_RELAXED);
+    return enqueue(session, req, job);
+}
+
+int fanfs_pool_read_ahead(const struct fanfs_job *job) {
+    return enqueue(__atomic_load_n(&last_session, __ATOMIC_RELAXED), NULL, job);
+}
+
+void fanfs_pool_drop(void) {
+    int i;
+    pthread_mutex_lock(&cache.lock);
+    for (i = 0; i < SLOTS; i++) {
+        struct slot *s = &cache.slot[i];
+        if (s->buf != NULL && s->refs == 0 && !s->pending) {
+            cache.bytes -= s->size;
+            free(s->buf);
+            s->buf = NULL;
+            s->data = NULL;
+        }
+    }
+    for (i = 0; i < SPARES; i++) {
+        free(cache.spare[i].buf);
+        cache.spare[i].buf = NULL;
+    }
+    pthread_mutex_unlock(&cache.lock);
+}
+
+void fanfs_pool_counters(struct fanfs_pool_stats *out) {
+    pthread_mutex_lock(&pool.lock);
+    out->jobs = pool.jobs;
+    pthread_mutex_unlock(&pool.lock);
+    pthread_mutex_lock(&cache.lock);
+    out->hits = cache.hits;
+    out->misses = cache.misses;
+    pthread_mutex_unlock(&cache.lock);
+    pthread_mutex_lock(&push.lock);
+    out->pushes = push.pushes;
+    out->pushed_bytes = push.bytes;
+    out->push_skipped = push.skipped;
+    pthread_mutex_unlock(&push.lock);
+}
+
+void fanfs_pool_stop(void) {
+    int i;
+    pthread_mutex_lock(&pool.lock);
+    pool.stopping = 1;
+    pthread_cond_broadcast(&pool.cond);
+    pthread_mutex_unlock(&pool.lock);
+    for (i = 0; i < pool.nthreads; i++)
+        pthread_join(pool.threads[i], NULL);
+    pool.nthreads = 0;
+    pthread_mutex_lock(&push.lock);
+    if (push.running) {
+        /* Pushes not made are only speed lost: drop them. */
+        while (push.n > 0) {
+            slot_release(push.q[push.first].slot);
+            push.first = (push.first + 1) % PUSH_MAX;
+            push.n--;
+        }
+        push.running = 0;
+        pthread_cond_signal(&push.cond);
+        pthread_mutex_unlock(&push.lock);
+        pthread_join(push.thread, NULL);
+    } else {
+        pthread_mutex_unlock(&push.lock);
+    }
+    pool.errfd = -1;
+    __atomic_store_n(&last_session, NULL, __ATOMIC_RELAXED);
+    pthread_mutex_lock(&cache.lock);
+    for (i = 0; i < SLOTS; i++) {
+        free(cache.slot[i].buf);
+        memset(&cache.slot[i], 0, sizeof cache.slot[i]);
+    }
+    for (i = 0; i < SPARES; i++) {
+        free(cache.spare[i].buf);
+        cache.spare[i].buf = NULL;
+    }
+    cache.bytes = 0;
+    pthread_mutex_unlock(&cache.lock);
+}

@@ -1,0 +1,213 @@
+"""The native read pool on the Python side: when it runs, and the jobs it is given.
+
+fanfs's C extension (fanfs/native.py, fanfs/csrc/pool.c) answers FUSE READs in its own
+threads: a read handler returns a `NativeJob` tuple instead of bytes, pyfuse3 hands it to the
+extension's read hook (tools/install_pyfuse3.py's patch), and C threads read the stored pieces
+(a whole file, or the frames of a framed file the READ touches), check their CRC-32, decode
+them and answer the kernel without the GIL or the event loop. Then they push what the READ did
+not ask for of the pieces they decoded into the kernel's page cache, so a large file costs one
+or two round trips (the kernel's READs are at most 128 KiB for an unprivileged mount). A
+failure answers EIO and posts an `ERROR_RECORD` on a pipe, which `NativePool.errors` turns
+into the bad-file registry's marks.
+
+`NativePool` says whether the pool runs and decodes (the Reader asks it) and builds the jobs
+from the catalog. Registering the hook with pyfuse3 comes in from fuse_ops (`install_hook`),
+the one module importing pyfuse3.
+
+Concurrency: `start` and `stop` run in the main thread around the trio run (stop while the
+FUSE session still exists, so queued READs are answered); `errors` is a trio task; the rest
+runs in the trio thread (`running` and `decodes` are plain reads, safe anywhere).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import struct
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import trio
+
+from fanfs import catalog as cat
+from fanfs import codec, filters
+from fanfs.errors import CorruptFile
+from fanfs.native import lib
+
+log = logging.getLogger(__name__)
+
+# Pool threads: at least 4 (concurrent disk reads of small files, even on a 2-core node), and
+# one per core up to 32 on bigger nodes, where decoding compressed files is what they do most.
+THREADS = max(4, min(32, os.cpu_count() or 4))
+MAX_PIECES = lib.MAX_PIECES  # stored pieces (frames) one job may span
+# Files stored whole up to this size are answered by the pool also when a READ asks for a part
+# (it keeps the decoded file in its cache of pieces, 64 MiB in all, for the other parts, and
+# pushes them into the kernel's page cache).
+PARTS_LIMIT = 4 << 20
+JOB_FIELDS = lib.JOB_FIELDS  # a job's header; then 6 numbers per piece
+INODE_BASE = 1  # inode = entry + INODE_BASE (pyfuse3.ROOT_INODE; fuse_ops checks it)
+# The pool's failure record (native byte order): entry, errno, padding.
+ERROR_RECORD = struct.Struct("=qii")
+KIND_RAW, KIND_ZSTD, KIND_FILTERED, KIND_FILTER = (
+    lib.KIND_RAW, lib.KIND_ZSTD, lib.KIND_FILTERED, lib.KIND_FILTER)  # fmt: skip
+# (fd, dfd, entry, inode, base, skip, count, flags), then per stored piece (offset, length,
+# crc, kind, size, cache): the pool reads each piece's `length` stored bytes at `offset` (with
+# O_DIRECT through `dfd` when it is not -1 and the page cache does not hold them), checks them
+# against `crc`, decodes them to `size` bytes (keeping them in its cache when `cache`), and
+# answers with bytes [skip, skip + count) of the pieces' decoded bytes, back to back; the
+# first piece starts at `base` in the file. Flags: lib.JOB_PUSH.
+NativeJob = tuple[int, ...]
+
+
+def job(fd: int, dfd: int, entry: int, base: int, skip: int, count: int, flags: int,
+        pieces: Sequence[tuple[int, ...]]) -> NativeJob:  # fmt: skip
+    """A NativeJob from its pieces, each (offset, length, crc, kind, size, cache)."""
+    return (fd, dfd, entry, entry + INODE_BASE, base, skip, count, flags,
+            *(x for piece in pieces for x in piece))  # fmt: skip
+
+
+def piece_kind(codec_id: int) -> int:
+    """The kind of a file's stored bytes compressed whole (not framed)."""
+    if codec_id == cat.CODEC_RAW:
+        return KIND_RAW
+    if codec_id in (cat.CODEC_ZSTD, cat.CODEC_ZSTD_DICT):
+        return KIND_ZSTD
+    if codec_id == cat.CODEC_ZSTD_DELTA4:
+        return KIND_FILTER + filters.DELTA4
+    return KIND_FILTERED
+
+
+def frame_kind(table: codec.FrameTable, i: int) -> int:
+    """The kind of frame i of a framed file."""
+    fid = int(table.filters[i])
+    if fid:
+        return KIND_FILTER + fid
+    return KIND_RAW if table.stored(i)[1] == table.decoded_len(i) else KIND_ZSTD
+
+
+def frame_piece(c: cat.Catalog, entry: int, table: codec.FrameTable, i: int) -> tuple[int, ...]:
+    """Frame i of a framed file as a job's piece (kept in the pool's cache of pieces)."""
+    off, length = table.stored(i)
+    return (int(c.data_off[entry]) + off, length, int(table.crcs[i]), frame_kind(table, i),
+            table.decoded_len(i), 1)  # fmt: skip
+
+
+class NativePool:
+    def __init__(self, catalog: cat.Catalog, install_hook: Callable[[Any], None] | None,
+                 failed: Callable[[int, BaseException], None], decode: bool = True,
+                 push: bool = True):  # fmt: skip
+        """`install_hook(capsule)`: registers the pool's read hook with pyfuse3 (None where
+        pyfuse3 has no read hook: the Reader then reads in Python); `failed(entry, error)`: a
+        file the pool found bad (the bad-file registry's `mark`); `decode`: False keeps
+        compressed files in Python (FANFS_NATIVE_DECODE=0); `push`: False never pushes the
+        rest of a piece into the page cache (FANFS_PUSH=0)."""
+        self.catalog = catalog
+        self.install_hook = install_hook
+        self.failed = failed
+        self._decode = decode
+        self.flags = lib.JOB_PUSH if push else 0
+        self._rfd = self._wfd = -1
+        self.running = False
+        self.crc32 = lib.CRC_LIBRARY  # the library the pool checks CRCs with
+        self.can_decode = False  # libzstd found and the image's dictionaries taken
+        self.jobs = 0  # READs handed to the pool
+
+    @property
+    def decodes(self) -> bool:
+        """Whether compressed pieces go to the pool now."""
+        return self.running and self.can_decode and self._decode
+
+    def start(self, stack: contextlib.ExitStack) -> bool:
+        """Start the pool with the image's dictionaries; False (and a warning) if this pyfuse3
+        has no read hook or the pool cannot start. Without libzstd it runs for raw pieces."""
+        if self.install_hook is None:
+            return False
+        rfd, wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        stack.callback(os.close, rfd)  # runs once trio is done with it
+        try:
+            lib.pool_start(THREADS, wfd)
+        except OSError as e:
+            os.close(wfd)
+            log.warning("native read pool unavailable, reading in Python: %s", e)
+            return False
+        self._rfd, self._wfd = rfd, wfd  # wfd closes in stop, once the pool has stopped
+        self.running = True
+        stack.callback(self.stop)
+        if self.crc32 != "isa-l":
+            log.info("native read pool: CRC-32 by zlib (install libisal2 for a faster one)")
+        try:
+            if lib.DECODES:
+                lib.pool_dicts(codec.dictionaries(tuple(self.catalog.dicts)))
+                self.can_decode = True
+        except OSError as e:
+            log.warning("native read pool cannot take the image's dictionaries: %s", e)
+        if not self.can_decode:
+            log.info("native read pool: compressed files decoded in Python (no libzstd1)")
+        self.install_hook(lib.read_hook())
+        return True
+
+    async def errors(self) -> None:
+        """Mark every file the pool reports as bad, until the pool stops."""
+        while True:
+            await trio.lowlevel.wait_readable(self._rfd)
+            try:
+                records = os.read(self._rfd, ERROR_RECORD.size * 256)
+            except BlockingIOError:
+                continue
+            if not records:
+                return  # the pool has stopped and its end is closed
+            for entry, err, _ in ERROR_RECORD.iter_unpack(records):
+                if 0 <= entry < self.catalog.n_entries:
+                    self.failed(entry, CorruptFile(lib.failure_reason(err)))
+                else:  # a record the pool would never write: not worth ending the daemon
+                    log.error("native read pool reported entry %d, errno %d", entry, err)
+
+    def stop(self) -> None:
+        """Answer what is queued, stop the threads, close the record pipe's write end."""
+        if self.running:
+            self.running = False
+            assert self.install_hook is not None
+            self.install_hook(None)
+            lib.pool_stop()
+            os.close(self._wfd)
+
+    def stats(self) -> dict[str, int]:
+        """The pool's counters (lib.pool_stats) and how its pieces were read (lib.read_stats)."""
+        return {**lib.pool_stats(), **lib.read_stats()}
+
+    def drop(self) -> None:
+        """Empty the pool's cache of decoded pieces (cold measurements)."""
+        lib.pool_drop()
+
+    # -- jobs --------------------------------------------------------------------------------
+
+    def whole(self, fd: int, dfd: int, entry: int, offset: int, size: int) -> NativeJob:
+        """A job answering [offset, offset + size) of a file stored whole: the pool reads,
+        checks and decodes all of it; when the request is a part it keeps the file in its
+        cache of pieces (the rest is likely asked next) and pushes the rest to the kernel."""
+        c = self.catalog
+        length = int(c.size[entry])
+        whole = offset == 0 and size == length
+        piece = (int(c.data_off[entry]), int(c.stored_len[entry]), int(c.crc[entry]),
+                 piece_kind(int(c.codec[entry])), length, 0 if whole else 1)  # fmt: skip
+        self.jobs += 1
+        return job(fd, dfd, entry, 0, offset, size, 0 if whole else self.flags, [piece])
+
+    def frames(self, fd: int, dfd: int, entry: int, table: codec.FrameTable, offset: int,
+               size: int, ahead: range) -> NativeJob | None:  # fmt: skip
+        """A job answering [offset, offset + size) of a framed file from the frames it
+        touches (None: more than MAX_PIECES), after queueing read-aheads of the frames in
+        `ahead` (one job each, so that idle threads take them in parallel; pushed into the
+        page cache too, as the kernel's own readahead would bring them)."""
+        fs = table.frame_size
+        first, last = offset // fs, (offset + size - 1) // fs
+        if last - first >= MAX_PIECES:
+            return None
+        if self.running:
+            for i in ahead:
+                lib.pool_read_ahead(job(fd, dfd, entry, i * fs, 0, 0, self.flags,
+                                        [frame_piece(self.catalog, entry, table, i)]))  # fmt: skip
+        pieces = [frame_piece(self.catalog, entry, table, i) for i in range(first, last + 1)]
+        self.jobs += 1
+        return job(fd, dfd, entry, first * fs, offset - first * fs, size, self.flags, pieces)

@@ -1,0 +1,34 @@
+"""Builds fanfs's one extension module, fanfs._native (fanfs/_native.pyx and fanfs/csrc/).
+
+Everything else is in pyproject.toml. The extension links libfuse3 (its pool replies to FUSE
+requests itself); the headers come from pkg-config, as pyfuse3's own build finds them
+(tools/setup_system.sh installs libfuse3-dev).
+"""
+
+import shlex
+import subprocess
+
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+
+def fuse3(flag: str) -> list[str]:
+    try:
+        out = subprocess.run(["pkg-config", flag, "fuse3"], capture_output=True, text=True,
+                             check=True).stdout  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        raise SystemExit("fanfs: libfuse3's headers are missing (apt-get install libfuse3-dev "
+                         "pkg-config, or run tools/setup_system.sh)") from None
+    return shlex.split(out)
+
+
+cflags = fuse3("--cflags")
+native = Extension(
+    "fanfs._native",
+    ["fanfs/_native.pyx", "fanfs/csrc/codec.c", "fanfs/csrc/pool.c"],
+    include_dirs=["fanfs/csrc", *(f[2:] for f in cflags if f.startswith("-I"))],
+    extra_compile_args=[f for f in cflags if not f.startswith("-I")] + ["-O2", "-Wall"],
+    extra_link_args=fuse3("--libs") + ["-ldl", "-lpthread"],
+    depends=["fanfs/csrc/fanfs_native.h"],
+)
+setup(ext_modules=cythonize([native], language_level=3, quiet=True))

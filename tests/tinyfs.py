@@ -1,0 +1,98 @@
+"""A file system of five files on pyfuse3 alone (not fanfs), to test fanfs's pyfuse3 patch.
+
+    python tests/tinyfs.py BACKING MOUNTPOINT
+
+- `whoami`: its read answers the file handle it was given (no_open: the patch's inode);
+- `plain`: bytes from the handler, as stock pyfuse3 answers;
+- `hooked`: the handler returns a job tuple (fanfs/node/pool.py's layout) for BACKING's bytes,
+  which the read hook registered with `pyfuse3.set_read_hook` answers from C threads;
+- `broken`: the handler returns a tuple no hook takes (the reader must get EIO, not a hang);
+- `spins`: the session loop's spin counters, as JSON.
+
+Runs until unmounted; prints "ready" once mounted.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+import sys
+import zlib
+
+import pyfuse3
+import trio
+
+from fanfs.native import lib
+
+NAMES = [b"whoami", b"plain", b"hooked", b"broken", b"spins"]
+PLAIN = bytes(range(256)) * 1000
+
+
+class Tiny(pyfuse3.Operations):
+    def __init__(self, backing: str):
+        super().__init__()
+        self.fd = os.open(backing, os.O_RDONLY)
+        self.data = os.pread(self.fd, 1 << 30, 0)
+        self.crc = zlib.crc32(self.data)
+
+    def _attr(self, inode: int) -> pyfuse3.EntryAttributes:
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = inode
+        if inode == pyfuse3.ROOT_INODE:
+            a.st_mode = stat.S_IFDIR | 0o755
+            return a
+        a.st_mode = stat.S_IFREG | 0o644
+        sizes = {"plain": len(PLAIN), "hooked": len(self.data), "broken": 10}
+        a.st_size = sizes.get(NAMES[inode - 2].decode(), 4096)
+        return a
+
+    async def lookup(self, parent: int, name: bytes, ctx: pyfuse3.RequestContext
+                     ) -> pyfuse3.EntryAttributes:  # fmt: skip
+        if parent != pyfuse3.ROOT_INODE or name not in NAMES:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return self._attr(NAMES.index(name) + 2)
+
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self._attr(inode)
+
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        raise pyfuse3.FUSEError(errno.ENOSYS)  # no_open: READs then come with handle 0
+
+    async def read(self, fh: int, off: int, size: int) -> object:  # type: ignore[override]
+        name = NAMES[fh - 2] if 2 <= fh < 2 + len(NAMES) else b"?"
+        if name == b"whoami":
+            return str(fh).encode().ljust(4096)[off : off + size]
+        if name == b"plain":
+            return PLAIN[off : off + size]
+        if name == b"hooked":
+            size = max(0, min(size, len(self.data) - off))
+            return (self.fd, -1, fh - 2, fh, 0, off, size, 0,
+                    0, len(self.data), self.crc, lib.KIND_RAW, len(self.data), 1)  # fmt: skip
+        if name == b"broken":
+            return (1, 2, 3)
+        spins = json.dumps(list(pyfuse3.fanfs_spins)).encode()  # type: ignore[attr-defined]
+        return spins.ljust(4096)[off : off + size]
+
+
+def main() -> None:
+    backing, mountpoint = sys.argv[1], sys.argv[2]
+    ops = Tiny(backing)
+    rfd, wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    pyfuse3.init(ops, mountpoint, {"fsname=tinyfs", "ro"})
+    lib.pool_start(2, wfd)
+    pyfuse3.set_read_hook(lib.read_hook())  # type: ignore[attr-defined]
+    print("ready", flush=True)
+    try:
+        trio.run(pyfuse3.main)
+    finally:
+        lib.pool_stop()
+        pyfuse3.set_read_hook(None)  # type: ignore[attr-defined]
+        pyfuse3.close(unmount=True)
+        os.close(wfd)
+        os.close(rfd)
+
+
+if __name__ == "__main__":
+    main()

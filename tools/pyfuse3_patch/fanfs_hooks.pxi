@@ -1,0 +1,108 @@
+# fanfs's hooks in pyfuse3, included in its __init__.pyx by tools/install_pyfuse3.py. Generic:
+# nothing here knows fanfs (its read path is its own extension, fanfs/_native.pyx).
+#
+# - A read hook: a C function registered with set_read_hook(capsule) that a read handler may
+#   hand its request to, by returning a tuple instead of bytes; the function answers the
+#   request (from any thread) or returns nonzero, and pyfuse3 answers EIO.
+# - The session loop's spin: after a request, the loop polls the (non-blocking) FUSE fd for a
+#   while before it waits through trio (set_spin_us), since a reader that just sent a request
+#   is likely to send the next within microseconds.
+
+from cpython.pycapsule cimport PyCapsule_GetPointer
+from libc.stdint cimport int64_t, uint64_t
+
+cdef extern from *:
+    """
+    #include <sched.h>
+    #include <time.h>
+    typedef int (*pyfuse3_read_hook_t)(void *, void *, uint64_t, PyObject *);
+
+    static int64_t fanfs_now_ns(void) {
+        struct timespec t;
+        clock_gettime(CLOCK_MONOTONIC, &t);
+        return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+    }
+
+    /* Poll `se` until a request arrives (its size), `until` passes or `chunk_ns` have been
+     * spent (-EAGAIN), or an error. Called without the GIL. */
+    static int fanfs_spin_receive(struct fuse_session *se, struct fuse_buf *buf,
+                                  int64_t chunk_ns, int64_t until) {
+        int64_t end = fanfs_now_ns() + chunk_ns;
+        int res;
+        if (end > until)
+            end = until;
+        do {
+            sched_yield();
+            res = fuse_session_receive_buf(se, buf);
+            if (res != -EAGAIN)
+                return res;
+        } while (fanfs_now_ns() < end);
+        return -EAGAIN;
+    }
+    """
+    ctypedef int (*pyfuse3_read_hook_t)(void *, void *, uint64_t, object) noexcept
+    int64_t fanfs_now_ns() nogil
+    int fanfs_spin_receive(fuse_session *se, fuse_buf *buf, int64_t chunk_ns, int64_t until) nogil
+
+FANFS_PATCH = @PATCH_LEVEL@  # written in by tools/install_pyfuse3.py
+
+cdef pyfuse3_read_hook_t _read_hook = NULL
+_read_hook_capsule = None  # kept alive while registered
+
+
+def set_read_hook(capsule):
+    '''Register the C function a read handler hands its request to by returning a tuple:
+    `int hook(void *session, void *req, uint64_t ino, PyObject *reply)`, in a capsule named
+    "pyfuse3.read_hook", called with the GIL; 0 means it answers the request. None removes it.'''
+    global _read_hook, _read_hook_capsule
+    if capsule is None:
+        _read_hook = NULL
+    else:
+        _read_hook = <pyfuse3_read_hook_t>PyCapsule_GetPointer(capsule, b"pyfuse3.read_hook")
+    _read_hook_capsule = capsule
+
+
+cdef int _hand_to_hook(fuse_req_t req, uint64_t ino, object reply):
+    '''0: the hook took the request; -1: the caller answers EIO. Never raises.'''
+    if _read_hook == NULL:
+        return -1
+    return _read_hook(<void *>session, <void *>req, ino, reply)
+
+
+# The spin: poll for up to _fanfs_spin_ns after a request, in chunks of FANFS_SPIN_CHUNK_NS;
+# between chunks trio is asked whether another task wants to run, and if so the spin stops
+# (`*busy` set) so the loop lets it run first and spins on.
+cdef enum:
+    FANFS_SPIN_CHUNK_NS = 20000
+cdef int64_t _fanfs_spin_ns = 500000
+cdef int64_t _fanfs_last_request = 0
+fanfs_spins = [0, 0, 0]  # requests caught by a spin, spins that ended empty, stopped for trio
+
+
+cdef int _fanfs_spin(fuse_buf *buf, bint *busy):
+    cdef int64_t until = _fanfs_last_request + _fanfs_spin_ns
+    cdef int res = -errno.EAGAIN
+    busy[0] = False
+    while fanfs_now_ns() < until and not fuse_session_exited(session):
+        stats = trio.lowlevel.current_statistics()
+        if stats.tasks_runnable or stats.run_sync_soon_queue_size:
+            busy[0] = True
+            fanfs_spins[2] += 1
+            return res
+        with nogil:
+            res = fanfs_spin_receive(session, buf, FANFS_SPIN_CHUNK_NS, until)
+        if res != -errno.EAGAIN:
+            break
+    fanfs_spins[0 if res > 0 else 1] += 1
+    return res
+
+
+cdef void _fanfs_request_seen():
+    global _fanfs_last_request
+    _fanfs_last_request = fanfs_now_ns()
+
+
+def set_spin_us(int us):
+    '''How long after a request the session loop polls for the next one (0: never).'''
+    global _fanfs_spin_ns
+    _fanfs_spin_ns = max(0, us) * 1000
