@@ -12,7 +12,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "fanfs"
 
 # Lower numbers are lower layers; a module may import only its own layer or lower ones.
 LAYERS = {
-    "errors": 0, "progress": 0, "status": 0, "logs": 0, "checksum": 0, "projection": 0,
+    "errors": 0, "progress": 0, "status": 0, "logs": 0, "native": 0, "checksum": 0,
+    "projection": 0,
     "format": 0, "catalog_check": 1, "catalog": 1, "placement": 1, "mounts": 1,
     "pagecache": 1, "filters": 1,
     "plan": 2, "paths": 2, "codec": 2, "compare": 2, "datagen": 2, "imagedir": 2, "world": 2,
@@ -21,18 +22,21 @@ LAYERS = {
     "prepare.fanout": 4, "prepare.publish": 4, "prepare": 5,
     # the daemon's wing: everything that runs inside `fanfs mount`
     "node": 2, "node.cache": 2,
-    "node.staging": 2, "node.order": 2, "node.native": 3, "node.store": 3, "node.plans": 3,
+    "node.staging": 2, "node.order": 2, "node.pool": 3, "node.store": 3, "node.plans": 3,
     "node.transport": 3, "node.transport.inbox": 3, "node.transport.mpi": 4,
     "node.transport.inproc": 4, "node.sources": 4, "node.plansocket": 4,
     "node.reader": 5, "node.planner": 5, "node.fuse_ops": 6, "node.assemble": 7,
     "node.daemon": 8,
+    "bench.data": 3, "bench.loader": 0, "bench.squashfs": 2,
     "bench.launch": 8, "bench.epoch": 8, "bench.passes": 8, "bench.report": 8,
     "bench.runs": 9, "bench": 10, "bench.calibrate": 10,
     "cli": 11, "cli.__main__": 12, "cli.options": 9, "cli.image": 11, "cli.mount": 11,
     "cli.bench": 11, "cli.report": 9,
 }  # fmt: skip
+# The C extension (fanfs/_native.pyx) counts as a package of its own: only fanfs/native.py,
+# which checks its API version, may import it.
 ONE_IMPORTER = {"mpi4py": "world", "pyfuse3": "node.fuse_ops", "zstandard": "codec",
-                "isal": "checksum"}  # fmt: skip
+                "_native": "native"}  # fmt: skip
 
 
 def module_name(path: Path) -> str:
@@ -58,7 +62,9 @@ def imports() -> dict[str, set[str]]:
                 found |= {f"{node.module}.{a.name}" for a in node.names}
         targets = set()
         for imp in found:
-            if imp.startswith("fanfs."):
+            if imp == "fanfs._native":
+                targets.add("ext:_native")
+            elif imp.startswith("fanfs."):
                 mod = imp[len("fanfs.") :]
                 while mod and mod not in LAYERS:
                     mod = mod.rpartition(".")[0]

@@ -4,10 +4,11 @@
 set -euo pipefail
 # slurm-wlm, munge, libpmix-dev: the single-machine Slurm cluster of the tests (srun --mpi=pmix).
 # fio, rsync, zip: real clients the tests run through a mount.
-# libisal2: ISA-L's CRC-32, ten times zlib's, for the native read pool (tools/install_pyfuse3.py);
-# libzstd1: the pool decodes compressed files with it (Debian has it; listed to be sure).
+# libisal2: ISA-L's CRC-32, ten times zlib's, for fanfs's C extension
+# (fanfs/csrc, loaded at run time; zlib's is the fallback); libzstd1: it decodes zstd with it.
+# squashfs-tools, squashfuse: `fanfs bench --against squashfs` measures squashfuse_ll beside fanfs.
 want=(libfuse3-dev fuse3 pkg-config gcc openmpi-bin libopenmpi-dev slurm-wlm munge libpmix-dev
-      fio rsync zip libisal2 libzstd1)
+      fio rsync zip libisal2 libzstd1 squashfs-tools squashfuse)
 missing=()
 for pkg in "${want[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")

@@ -3,9 +3,16 @@ loader reads them; the records of a case and its result.
 
 A pass reads every file whole in a given order ("raw": unbuffered into one buffer, as C,
 TensorFlow or DALI readers do; "python": `open(path, "rb").read()`, as PIL, numpy.load and
-torch.load do), cold (the kernel caches dropped first, where permitted) or warm (the files read
-again until the pass has lasted WARM_MIN_S), and reports its wall time, bytes and per-file
-latencies.
+torch.load do; "torch": a PyTorch DataLoader decoding JPEGs, bench/loader.py), cold or warm
+(the files read again until the pass has lasted WARM_MIN_S), and reports its wall time, bytes
+and per-file latencies.
+
+Cold, as whoever runs the bench: `make_cold` empties what a cold pass must not find. As root,
+the kernel drops every cache of the machine (drop_caches). As a user (cluster users are never
+root), the source files' pages are dropped with posix_fadvise(DONTNEED), and each fanfs mount's
+daemon drops its files' pages, its staged copies' pages and its own caches (`fanfs drop`);
+metadata (dentries, inodes) stays cached on both sides. Either way the daemon's own caches are
+dropped: the kernel's drop_caches does not reach them.
 """
 
 from __future__ import annotations
@@ -14,8 +21,8 @@ import multiprocessing as mp
 import os
 import random
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,19 +39,36 @@ WARM_MAX_ROUNDS = 50
 
 
 def size_label(n: int) -> str:
+    """4K, 2M: exact sizes; ~98K: a mean size."""
     for unit, shift in (("M", 20), ("K", 10)):
         if n >= 1 << shift and n % (1 << shift) == 0:
             return f"{n >> shift}{unit}"
+    for unit, shift in (("M", 20), ("K", 10)):
+        if n >= 1 << shift:
+            return f"~{round(n / (1 << shift))}{unit}"
     return str(n)
 
 
 @dataclass(frozen=True, slots=True)
 class Case:
-    size: int
+    size: int  # the files' size (random data), or their mean size
     readers: int
     temp: str  # cold | warm
-    where: str  # local | remote
-    client: str = "raw"  # raw | python: how a file is read (_read_files)
+    where: str  # local | remote | planned | epoch | epoch-planned
+    client: str = "raw"  # raw | python | torch: how a file is read (_read_files, loader)
+    data: str = "random"  # what the files hold (bench/data.py)
+
+
+@dataclass
+class Side:
+    """One way to read a dataset's files, measured against the others in every case: "native"
+    (the source directory), "fanfs", "fanfs-raw" (the same files prepared uncompressed),
+    "squashfs", "squashfs-raw"."""
+
+    name: str
+    root: Path  # where its files are
+    cold: Callable[[], str]  # empties its caches, says how (make_cold)
+    pids: list[int] = field(default_factory=list)  # its daemons, for their CPU time
 
 
 @dataclass
@@ -57,7 +81,9 @@ class Result:
     p50_ms: float
     p99_ms: float
     folio_kib: float | None = None  # mean page-cache folio after the pass (root only)
-    dropped: bool = True  # a cold pass began with the kernel caches dropped (root only)
+    cold_by: str = ""  # how a cold pass was made cold (make_cold); "" when warm
+    daemon_cpu_s: float = 0.0  # CPU time its daemons spent during the pass
+    samples: list[int] | None = None  # torch: each sample's CRC-32, in order
 
     @property
     def files_per_s(self) -> float:
@@ -65,12 +91,50 @@ class Result:
 
 
 def drop_caches() -> bool:
+    """Root's way: the kernel drops every clean cache of the machine. False for a user."""
     try:
         os.sync()
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
         return True
     except OSError:
         return False
+
+
+def evict(paths: Iterable[str | os.PathLike[str]]) -> None:
+    """Drop the page cache's pages of each file (any reader may: posix_fadvise(DONTNEED))."""
+    for p in paths:
+        try:
+            fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            os.fdatasync(fd)  # dirty pages (files just generated) are not dropped
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def make_cold(files: Iterable[str | os.PathLike[str]] = (), mounts: Sequence[Path] = ()) -> str:
+    """Empty what a cold pass must not find: each fanfs mount's daemon drops its caches and its
+    files' pages (`fanfs drop`), then root drops the kernel's caches, or a user `files`' pages.
+    How it was done: "drop_caches" or "fadvise"."""
+    from fanfs import plan
+
+    for m in mounts:
+        plan.Channel(m).drop()
+    if drop_caches():
+        return "drop_caches"
+    evict(files)
+    return "fadvise"
+
+
+COLD_BY = {
+    "drop_caches": "cold passes began with the kernel's caches dropped (root: drop_caches) and "
+    "each daemon's own (fanfs drop)",
+    "fadvise": "cold passes began with the source files' pages dropped (posix_fadvise "
+    "DONTNEED, as the user who ran the bench: no root) and each fanfs daemon's cached pages, "
+    "staged copies' pages and own caches (fanfs drop); directory entries stay cached",
+}
 
 
 def _read_files(
@@ -144,25 +208,38 @@ def make_dataset(root: Path, size: int, count: int, seed: int) -> list[str]:
     return rels
 
 
-def measure(case: Case, reader: str, root: Path, rels: list[str], seed: int) -> Result:
-    """One pass. Case "planned": cold, the directories listed after the caches were dropped
-    (both sides), and fanfs's readers publish their order before reading."""
+def measure(case: Case, side: Side, rels: list[str], seed: int) -> Result:
+    """One pass of `side`'s files. Case "planned": cold, the directories listed after the
+    caches were dropped (both sides), and fanfs's readers publish their order before reading."""
+    from fanfs.bench.epoch import cpu_seconds
+
     order = rels[:]
     random.Random(seed).shuffle(order)
-    paths = [str(root / r) for r in order]
+    paths = [str(side.root / r) for r in order]
     rounds = 1
-    dropped = True
+    cold_by = ""
     planned = case.where == "planned"
     if case.temp == "cold":
-        dropped = drop_caches()
+        cold_by = side.cold()
         if planned:
-            list_dirs(root)
+            list_dirs(side.root)
     else:
-        wall, _, _ = read_all(paths, case.readers, case.client)  # warm up what is measured
+        wall = _pass(paths, case, None)[0]  # warm up what is measured
         rounds = max(1, min(WARM_MAX_ROUNDS, round(WARM_MIN_S / max(wall, 1e-3))))
-    plan = root if planned and reader == "fanfs" else None
-    wall, nbytes, lat = read_all(paths * rounds, case.readers, case.client, plan)
+    plan = side.root if planned and side.name == "fanfs" else None
+    before = cpu_seconds(side.pids) if side.pids else 0.0
+    wall, nbytes, lat, samples = _pass(paths * rounds, case, plan)
+    spent = cpu_seconds(side.pids) - before if side.pids else 0.0
     p50, p99 = np.percentile(np.array(lat) * 1e3, [50, 99])
-    folio = pagecache.folio_kib(paths[:FOLIO_SAMPLE])
-    return Result(case, reader, wall, len(paths) * rounds, nbytes, float(p50), float(p99), folio,
-                  dropped)  # fmt: skip
+    folio = pagecache.folio_kib(paths[:FOLIO_SAMPLE]) if case.client != "torch" else None
+    return Result(case, side.name, wall, len(paths) * rounds, nbytes, float(p50), float(p99),
+                  folio, cold_by, spent, samples)  # fmt: skip
+
+
+def _pass(paths: list[str], case: Case, plan: Path | None
+          ) -> tuple[float, int, list[float], list[int] | None]:  # fmt: skip
+    if case.client == "torch":
+        from fanfs.bench.loader import read_loader
+
+        return read_loader(paths, case.readers)
+    return (*read_all(paths, case.readers, case.client, plan), None)

@@ -9,62 +9,73 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from fanfs.bench.passes import Result, size_label
+from fanfs.bench.passes import COLD_BY, Result, size_label
+
+# Ratios between sides reported beside fanfs/native, when both sides were measured.
+VERSUS = {"vs_squashfs": ("fanfs", "squashfs"), "vs_raw": ("fanfs", "fanfs-raw"),
+          "raw_vs_squashfs_raw": ("fanfs-raw", "squashfs-raw")}  # fmt: skip
 
 
 def summarize(results: list[Result]) -> list[dict[str, Any]]:
     rows = []
     cases = sorted({r.case for r in results},
-                   key=lambda c: (c.where, c.size, c.temp, c.readers))  # fmt: skip
+                   key=lambda c: (c.data, c.where, c.size, c.temp, c.readers))  # fmt: skip
     for case in cases:
-        by = {
-            k: [r for r in results if r.case == case and r.reader == k] for k in ("native", "fanfs")
-        }
-        ratios = [
-            f.files_per_s / n.files_per_s for n, f in zip(by["native"], by["fanfs"], strict=True)
-        ]
+        mine = [r for r in results if r.case == case]
+        by = {k: [r for r in mine if r.reader == k] for k in dict.fromkeys(r.reader for r in mine)}
+        ratios = _ratios(by, "fanfs", "native")
         row: dict[str, Any] = {**asdict(case), "repeats": len(ratios)}
-        # False: the "cold" passes could not drop the kernel caches (not root), so they read
-        # whatever memory still held: a warm-cache figure, not a disk one.
-        row["caches_dropped"] = all(r.dropped for rs in by.values() for r in rs)
+        row["cold_by"] = sorted({r.cold_by for r in mine if r.cold_by})
+        row["caches_dropped"] = row["cold_by"] == ["drop_caches"] or case.temp == "warm"
         for k, rs in by.items():
-            row[f"{k}_files_per_s"] = statistics.median(r.files_per_s for r in rs)
-            row[f"{k}_mb_per_s"] = statistics.median(r.nbytes / r.seconds / 1e6 for r in rs)
-            row[f"{k}_p50_ms"] = statistics.median(r.p50_ms for r in rs)
-            row[f"{k}_p99_ms"] = statistics.median(r.p99_ms for r in rs)
+            key = k.replace("-", "_")
+            row[f"{key}_files_per_s"] = statistics.median(r.files_per_s for r in rs)
+            row[f"{key}_mb_per_s"] = statistics.median(r.nbytes / r.seconds / 1e6 for r in rs)
+            row[f"{key}_p50_ms"] = statistics.median(r.p50_ms for r in rs)
+            row[f"{key}_p99_ms"] = statistics.median(r.p99_ms for r in rs)
             folios = [r.folio_kib for r in rs if r.folio_kib is not None]
-            row[f"{k}_folio_kib"] = statistics.median(folios) if folios else None
+            row[f"{key}_folio_kib"] = statistics.median(folios) if folios else None
         row["ratio"] = statistics.median(ratios)
         row["ratio_min"], row["ratio_max"] = min(ratios), max(ratios)
+        for name, (a, b) in VERSUS.items():
+            if a in by and b in by:
+                row[name] = statistics.median(_ratios(by, a, b))
         rows.append(row)
     return rows
 
 
+def _ratios(by: dict[str, list[Result]], a: str, b: str) -> list[float]:
+    """Side a's speed over side b's, repetition by repetition."""
+    return [x.files_per_s / y.files_per_s for x, y in zip(by[a], by[b], strict=True)]
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'where':13} {'size':>5} {'temp':4} {'rd':>2} {'native f/s':>10} {'fanfs f/s':>10} "
-            f"{'nat MB/s':>8} {'fan MB/s':>8} {'nat p50/p99 ms':>15} {'fan p50/p99 ms':>15} "
-            f"{'folio KiB n/f':>13} {'ratio':>5} {'(min-max)':>11}")  # fmt: skip
+    head = (f"{'where':13} {'data':6} {'size':>5} {'temp':4} {'rd':>2} {'native f/s':>10} "
+            f"{'fanfs f/s':>10} {'nat p50/p99 ms':>15} {'fan p50/p99 ms':>15} {'ratio':>5} "
+            f"{'(min-max)':>11} {'vs sqfs':>7} {'vs raw':>6} {'us/file':>7}")  # fmt: skip
     lines = [head, "-" * len(head)]
     for r in rows:
-        temp = r["temp"] + ("" if r.get("caches_dropped", True) else "*")
+        extra = [f"{r[k]:7.2f}" if k in r else f"{'':7}" for k in ("vs_squashfs",)]
+        extra += [f"{r[k]:6.2f}" if k in r else f"{'':6}" for k in ("vs_raw",)]
+        cpu = r.get("daemon_cpu_us_per_file")
         lines.append(
-            f"{_where(r):13} {size_label(r['size']):>5} {temp:5}{r['readers']:>2} "
+            f"{_where(r):13} {r.get('data', 'random'):6} {size_label(r['size']):>5} "
+            f"{r['temp']:5}{r['readers']:>2} "
             f"{r['native_files_per_s']:10.0f} {r['fanfs_files_per_s']:10.0f} "
-            f"{r['native_mb_per_s']:8.0f} {r['fanfs_mb_per_s']:8.0f} "
             f"{r['native_p50_ms']:7.2f}/{r['native_p99_ms']:<7.2f} "
             f"{r['fanfs_p50_ms']:7.2f}/{r['fanfs_p99_ms']:<7.2f} "
-            f"{_folios(r):>13} {r['ratio']:5.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})"
+            f"{r['ratio']:5.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) {' '.join(extra)} "
+            + (f"{cpu:7.0f}" if cpu is not None else "")
         )
-    if not all(r.get("caches_dropped", True) for r in rows):
-        lines.append(NOT_DROPPED)
+    how = sorted({c for r in rows for c in r.get("cold_by", [])})
+    lines += [f"cold: {COLD_BY[c]}" for c in how if c in COLD_BY]
+    if any(r.get("identical_samples") is False for r in rows):
+        lines.append("!! a DataLoader pass gave other samples than native reads")
+    idle = [r["daemon_idle_cpu_pct"] for r in rows if "daemon_idle_cpu_pct" in r]
+    if idle:
+        lines.append(f"idle daemon: {max(idle):.1f} % of a core at most; us/file: the fanfs "
+                     "daemon's CPU time per file read")  # fmt: skip
     return "\n".join(lines)
-
-
-NOT_DROPPED = (
-    "* cold: the kernel caches could not be dropped (only root may): these passes read what "
-    "memory still held, so they show warm-cache speed, not the disk's; run as root for cold "
-    "figures"
-)
 
 
 def _where(row: dict[str, Any]) -> str:

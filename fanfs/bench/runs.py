@@ -1,31 +1,35 @@
-"""`fanfs bench`'s runs: for each file size, a dataset generated, prepared and mounted (one
-daemon, and N under mpirun with `--ranks`), then every case (reader counts, cold and warm,
-local, remote, planned, a global epoch) measured, native and fanfs alternating."""
+"""`fanfs bench`'s runs: for each kind of data (and each file size of random data), a dataset
+generated, prepared and mounted (one daemon, and N under mpirun with `--ranks`), then every case
+(reader counts, cold and warm, local, remote, planned, a global epoch) measured, each side in
+turn: native reads of the source files, fanfs, and where asked or relevant the same files
+prepared raw (compressible data) and squashfs images under squashfuse_ll (`--against
+squashfs`). Who goes first rotates with the repetition."""
 
 from __future__ import annotations
 
 import contextlib
-import shutil
 import statistics
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import fanfs.bench.data as data
 import fanfs.bench.epoch as global_epoch
+import fanfs.bench.squashfs as squashfs
 from fanfs.bench.launch import Daemons, check, mounted, scratch
 from fanfs.bench.passes import (
     WARM_MAX_ROUNDS,
     WARM_MIN_S,
     Case,
     Result,
+    Side,
     _read_files,
-    drop_caches,
     list_dirs,
-    make_dataset,
+    make_cold,
     measure,
     size_label,
 )
-from fanfs.bench.report import NOT_DROPPED, summarize
+from fanfs.bench.report import summarize
 from fanfs.catalog import Catalog
 from fanfs.placement import place
 
@@ -43,27 +47,31 @@ def run(
     client: str = "raw",
     epoch: str = "none",
     planned: bool = False,
+    kinds: Sequence[str] = ("random",),
+    against: Sequence[str] = (),
 ) -> list[dict[str, Any]]:
     results: list[Result] = []
     extras: dict[Case, dict[str, Any]] = {}
-    if "cold" in temps and not drop_caches():
-        log(f"bench: {NOT_DROPPED[2:]}")
     with scratch(workdir, "fanfs-bench") as work:
-        for size in sizes:
-            got, more = _size_cases(work / size_label(size), size, total_bytes, min_files,
-                                    readers, repeat, ranks, temps, log, client, epoch,
-                                    planned)  # fmt: skip
-            results += got
-            extras.update(more)
+        for kind in kinds:
+            for size in sizes if kind == "random" else [0]:
+                name = size_label(size) if kind == "random" else kind
+                got, more = _dataset_cases(work / name, kind, size, total_bytes, min_files,
+                                           readers, repeat, ranks, temps, log, client, epoch,
+                                           planned, against)  # fmt: skip
+                results += got
+                extras.update(more)
     rows = summarize(results)
     for row in rows:
-        row.update(extras.get(Case(row["size"], row["readers"], row["temp"], row["where"],
-                                   row["client"]), {}))  # fmt: skip
+        key = Case(row["size"], row["readers"], row["temp"], row["where"], row["client"],
+                   row["data"])  # fmt: skip
+        row.update(extras.get(key, {}))
     return rows
 
 
-def _size_cases(
+def _dataset_cases(
     base: Path,
+    kind: str,
     size: int,
     total_bytes: int,
     min_files: int,
@@ -75,41 +83,110 @@ def _size_cases(
     client: str,
     epoch: str,
     planned: bool,
+    against: Sequence[str],
 ) -> tuple[list[Result], dict[Case, dict[str, Any]]]:
-    """Every case at one file size, in `base` (a new directory of the run's scratch)."""
+    """Every case of one dataset, in `base` (a new directory of the run's scratch)."""
     results: list[Result] = []
     extras: dict[Case, dict[str, Any]] = {}
-    count = max(min_files, total_bytes // size)
     base.mkdir()
-    log(f"bench: {count} files of {size_label(size)}: generate, prepare, mount")
-    rels = make_dataset(base / "src", size, count, seed=size)
-    check("-q", "prepare", base / "src", base / "img", timeout=600)
+    src = base / "src"
+    log(f"bench: {kind} data{f' of {size_label(size)}' if kind == 'random' else ''}: "
+        "generate, prepare, mount")  # fmt: skip
+    rels = data.make(kind, src, size, total_bytes, min_files, seed=size or len(kind))
+    mean = sum((src / r).stat().st_size for r in rels) // len(rels)
+    check("-q", "prepare", src, base / "img", timeout=1800)
+    raw = kind in data.COMPRESSIBLE  # also measured against the same files stored raw
+    if raw:
+        check("-q", "prepare", src, base / "img-raw", "--compress", "none", timeout=1800)
+    images = []
+    if "squashfs" in against:
+        squashfs.build(src, base / "img.sqfs", compressed=raw)
+        images.append(("squashfs", base / "img.sqfs"))
+        if raw:
+            squashfs.build(src, base / "img-raw.sqfs", compressed=False)
+            images.append(("squashfs-raw", base / "img-raw.sqfs"))
+    natives = [str(src / r) for r in rels]
     plan = (readers, temps, repeat, log, client)
-    with serving(base / "img", base / "one", 1) as d:
-        results += _cases(size, "local", base / "src", d.mnts[0], rels, *plan)
+    with contextlib.ExitStack() as stack:
+        d = stack.enter_context(serving(base / "img", base / "one", 1))
+        sides = [Side("native", src, lambda: make_cold(natives)), _fanfs_side("fanfs", d)]
+        if raw:
+            sides.append(_fanfs_side("fanfs-raw", stack.enter_context(
+                serving(base / "img-raw", base / "raw", 1))))  # fmt: skip
+        for name, image in images:
+            sq = stack.enter_context(squashfs.mounted(image, base / f"mnt-{name}"))
+            sides.append(Side(name, sq.mountpoint, _squash_cold(sq)))
+        idle = global_epoch.idle_cpu_percent(sides[1].pids)
+        got = _cases(mean, kind, "local", sides, rels, *plan)
+        results += got
+        for case in {r.case for r in got}:
+            extras[case] = _extras(case, got, idle)
         if planned and "cold" in temps:
-            results += _cases(size, "planned", base / "src", d.mnts[0], rels, readers,
-                              ["cold"], repeat, log, client)  # fmt: skip
+            results += _cases(mean, kind, "planned", sides[:2], rels, readers, ["cold"], repeat,
+                              log, client)  # fmt: skip
     if ranks > 1:
-        catalog, _ = Catalog.load(base / "img")
-        owners = place(catalog.part_size, catalog.part_flags, ranks)
-        entries = {r: catalog.resolve(r.encode()) for r in rels}
-        remote = [r for r, e in entries.items()
-                  if e is not None and 0 not in owners[int(catalog.part[e])]]  # fmt: skip
-        with serving(base / "img", base / "many", ranks) as d:
-            results += _cases(size, "remote", base / "src", d.mnts[0], remote, *plan)
-            if epoch == "global":
-                part_of = [int(catalog.part[entries[r]]) for r in rels]
-                got, more = _epoch_cases(size, base / "src", d, rels, part_of, owners, *plan)
+        got, more = _remote_cases(base, mean, kind, rels, ranks, plan, epoch, planned, temps)
+        results += got
+        extras.update(more)
+    return results, extras
+
+
+def _fanfs_side(name: str, d: Daemons) -> Side:
+    return Side(name, d.mnts[0], lambda: make_cold((), d.mnts),
+                global_epoch.daemon_pids(d))  # fmt: skip
+
+
+def _squash_cold(sq: squashfs.Squash) -> Any:
+    def cold() -> str:
+        sq.cold()
+        return make_cold(())
+
+    return cold
+
+
+def _extras(case: Case, results: list[Result], idle: float) -> dict[str, Any]:
+    """The fanfs daemon's CPU per file read (and while idle), and for DataLoader passes whether
+    every side gave the same samples as native reads."""
+    mine = [r for r in results if r.case == case]
+    fanfs = [r for r in mine if r.reader == "fanfs"]
+    out: dict[str, Any] = {
+        "daemon_cpu_us_per_file": round(statistics.mean(r.daemon_cpu_s / r.files * 1e6
+                                                        for r in fanfs), 1),
+        "daemon_idle_cpu_pct": idle,
+    }  # fmt: skip
+    if case.client == "torch":
+        native = [r.samples for r in mine if r.reader == "native"]
+        out["identical_samples"] = all(r.samples == native[0] for r in mine)
+    return out
+
+
+def _remote_cases(base: Path, mean: int, kind: str, rels: list[str], ranks: int, plan: Any,
+                  epoch: str, planned: bool, temps: Sequence[str],
+                  ) -> tuple[list[Result], dict[Case, dict[str, Any]]]:  # fmt: skip
+    """Reads through daemon 0 of N of the files other daemons own, and the global epochs."""
+    results: list[Result] = []
+    extras: dict[Case, dict[str, Any]] = {}
+    readers, _, repeat, log, client = plan
+    src = base / "src"
+    catalog, _ = Catalog.load(base / "img")
+    owners = place(catalog.part_size, catalog.part_flags, ranks)
+    entries = {r: catalog.resolve(r.encode()) for r in rels}
+    remote = [r for r, e in entries.items()
+              if e is not None and 0 not in owners[int(catalog.part[e])]]  # fmt: skip
+    natives = [str(src / r) for r in remote]
+    with serving(base / "img", base / "many", ranks) as d:
+        sides = [Side("native", src, lambda: make_cold(natives)), _fanfs_side("fanfs", d)]
+        results += _cases(mean, kind, "remote", sides, remote, *plan)
+        if epoch == "global":
+            part_of = [int(catalog.part[entries[r]]) for r in rels]
+            got, more = _epoch_cases(mean, kind, src, d, rels, part_of, owners, *plan)
+            results += got
+            extras.update(more)
+            if planned and "cold" in temps:
+                got, more = _epoch_cases(mean, kind, src, d, rels, part_of, owners, readers,
+                                         ["cold"], repeat, log, client, planned=True)  # fmt: skip
                 results += got
                 extras.update(more)
-                if planned and "cold" in temps:
-                    got, more = _epoch_cases(size, base / "src", d, rels, part_of, owners,
-                                             readers, ["cold"], repeat, log, client,
-                                             planned=True)  # fmt: skip
-                    results += got
-                    extras.update(more)
-    shutil.rmtree(base, ignore_errors=True)  # made here, inside the run's own scratch
     return results, extras
 
 
@@ -124,9 +201,9 @@ def serving(image: Path, base: Path, ranks: int) -> Iterator[Daemons]:
 
 def _cases(
     size: int,
+    kind: str,
     where: str,
-    src: Path,
-    mnt: Path,
+    sides: list[Side],
     files: list[str],
     readers: Sequence[int],
     temps: Sequence[str],
@@ -134,31 +211,36 @@ def _cases(
     log: Any,
     client: str,
 ) -> list[Result]:
-    """Every reader count and temperature at one size and place (local or remote), native and
-    fanfs alternating, `repeat` times."""
+    """Every reader count and temperature at one place, each side in turn (the first one
+    rotating with the repetition: a pass may find the machine busier, or quieter, for a reason
+    of the previous one's making), `repeat` times."""
     results: list[Result] = []
     for n in readers:
         for temp in temps:
-            case = Case(size, n, temp, where, client)
+            case = Case(size, n, temp, where, client, kind)
             for i in range(repeat):
-                # Who goes first alternates: the second pass may find the machine busier
-                # (or quieter) for a reason of the first one's making.
-                sides = [("native", src), ("fanfs", mnt)]
-                for reader, root in sides if i % 2 == 0 else sides[::-1]:
-                    results.append(measure(case, reader, root, files, seed=i))
+                for k in range(len(sides)):
+                    side = sides[(i + k) % len(sides)]
+                    results.append(measure(case, side, files, seed=i))
             log("  " + _short(results, case))
     return results
 
 
 def _short(results: list[Result], case: Case) -> str:
     row = summarize([r for r in results if r.case == case])[0]
-    return (f"{case.where} {size_label(case.size)} {case.temp} {case.readers} readers: "
-            f"fanfs/native {row['ratio']:.2f} ({row['native_files_per_s']:.0f} vs "
+    text = (f"{case.where} {case.data} {size_label(case.size)} {case.temp} {case.readers} "
+            f"readers: fanfs/native {row['ratio']:.2f} ({row['native_files_per_s']:.0f} vs "
             f"{row['fanfs_files_per_s']:.0f} files/s)")  # fmt: skip
+    for key, what in (("vs_raw", "fanfs/raw"), ("vs_squashfs", "fanfs/squashfs"),
+                      ("raw_vs_squashfs_raw", "raw/squashfs-raw")):  # fmt: skip
+        if key in row:
+            text += f", {what} {row[key]:.2f}"
+    return text
 
 
 def _epoch_cases(
     size: int,
+    kind: str,
     src: Path,
     d: Daemons,
     rels: list[str],
@@ -179,9 +261,10 @@ def _epoch_cases(
     idle = global_epoch.idle_cpu_percent(pids)
     results: list[Result] = []
     extras: dict[Case, dict[str, Any]] = {}
+    natives = [str(src / r) for r in rels]
     for n in readers:
         for temp in temps:
-            case = Case(size, n, temp, "epoch-planned" if planned else "epoch", client)
+            case = Case(size, n, temp, "epoch-planned" if planned else "epoch", client, kind)
             cpu_per_file, remote = [], []
             for i in range(repeat):
                 split = global_epoch.shares(len(rels), d.ranks, seed=i)
@@ -189,9 +272,9 @@ def _epoch_cases(
                 sides = [("native", [src] * d.ranks), ("fanfs", d.mnts)]
                 for reader, roots in sides if i % 2 == 0 else sides[::-1]:
                     groups = global_epoch.epoch_paths(roots, rels, split)
-                    rounds, dropped = 1, True
+                    rounds, cold_by = 1, ""
                     if temp == "cold":
-                        dropped = drop_caches()
+                        cold_by = make_cold(natives, d.mnts if reader == "fanfs" else ())
                         if planned:
                             for root in set(roots):
                                 list_dirs(root)
@@ -209,7 +292,7 @@ def _epoch_cases(
                     s = global_epoch.summary(got, files)
                     results.append(Result(case, reader, s["seconds"], int(s["files"]),
                                           int(s["nbytes"]), s["p50_ms"], s["p99_ms"], None,
-                                          dropped))  # fmt: skip
+                                          cold_by, spent))  # fmt: skip
                     if reader == "fanfs":
                         cpu_per_file.append(spent / max(1, sum(files)) * 1e6)
             extras[case] = {

@@ -55,20 +55,38 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return ExitCode.OK
     if args.epoch == "global" and args.ranks < 2:
         raise UsageError("bench: --epoch global needs --ranks 2 or more")
+    if args.client == "torch" and args.data != ["jpeg"]:
+        raise UsageError("bench: --client torch decodes images: use it with --data jpeg")
+    if args.client == "torch" and (args.ranks > 1 or args.plan):
+        raise UsageError("bench: --client torch measures local reads only (no --ranks, --plan)")
+    if args.client == "torch" and not _importable("torch", "PIL"):
+        raise UsageError("bench: --client torch needs torch and Pillow (pip install -e '.[test]')")
+    if "squashfs" in args.against:
+        from fanfs.bench import squashfs
+
+        if not squashfs.available():
+            raise UsageError("bench: --against squashfs needs mksquashfs and squashfuse_ll "
+                             "(Debian: apt-get install squashfs-tools squashfuse)")  # fmt: skip
     writable(args.report, "--report")
     writable(args.plot, "--plot")
     rows = bench.run(workdir, args.sizes, args.total, args.min_files, args.readers, args.repeat,
                      args.ranks, args.temps, log=_log, client=args.client, epoch=args.epoch,
-                     planned=args.plan)  # fmt: skip
+                     planned=args.plan, kinds=args.data, against=args.against)  # fmt: skip
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": os.uname().nodename,
-              "cpus": os.cpu_count(), "argv": sys.argv[1:],
-              "caches_dropped": all(r["caches_dropped"] for r in rows), "rows": rows}  # fmt: skip
+              "cpus": os.cpu_count(), "argv": sys.argv[1:], "uid": os.geteuid(),
+              "cold_by": sorted({c for r in rows for c in r["cold_by"]}), "rows": rows}  # fmt: skip
     print(json.dumps(report, indent=2) if args.json else bench.format_table(rows))
     Path(args.report).write_text(json.dumps(report, indent=2))
     plotted = bench.plot(rows, Path(args.plot))
     _log(f"bench: wrote {args.report}"
          + (f" and {args.plot}" if plotted else " (no matplotlib: no plot)"))  # fmt: skip
     return ExitCode.OK
+
+
+def _importable(*names: str) -> bool:
+    import importlib.util
+
+    return all(importlib.util.find_spec(n) is not None for n in names)
 
 
 def _calibration(path: str) -> Any:
@@ -176,9 +194,19 @@ def add_parsers(sub: Subparsers) -> None:
         help="cold, warm or both (default: %(default)s)",
     )
     p.add_argument("--repeat", type=positive_int, default=3, help="repetitions (default: 3)")
-    p.add_argument("--client", choices=("raw", "python"), default="raw",
-                   help="how files are read: raw (unbuffered into one buffer, like C readers) "
-                   "or python (open(path, 'rb').read(), like PIL and numpy) "
+    p.add_argument("--data", type=listed(choice("random", "arrays", "text", "jpeg")),
+                   default="random",
+                   help="what the files hold: random (incompressible, one dataset per size), "
+                   "arrays (float32), text (CSV), jpeg (500x375 images); compressible kinds "
+                   "are also measured prepared raw (default: %(default)s)")  # fmt: skip
+    p.add_argument("--against", type=listed(choice("squashfs")), default=[],
+                   help="also measure squashfs: a squashfs image of the same files under "
+                   "squashfuse_ll, compressed where fanfs compresses (needs squashfs-tools and "
+                   "squashfuse)")  # fmt: skip
+    p.add_argument("--client", choices=("raw", "python", "torch"), default="raw",
+                   help="how files are read: raw (unbuffered into one buffer, like C readers), "
+                   "python (open(path, 'rb').read(), like PIL and numpy) or torch (a PyTorch "
+                   "DataLoader decoding JPEGs, READERS workers; with --data jpeg) "
                    "(default: %(default)s)")  # fmt: skip
     p.add_argument(
         "--ranks",
