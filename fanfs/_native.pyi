@@ -2,6 +2,7 @@
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 from typing_extensions import Buffer
 
 API_VERSION: int
@@ -16,6 +17,7 @@ FILTERS: dict[str, int]
 JOB_FIELDS: int
 CRC_LIBRARY: str
 DECODES: bool
+FAST_NO: int
 
 class CorruptPiece(ValueError):
     errno: int
@@ -50,3 +52,11 @@ def pool_read_ahead(job: tuple[int, ...]) -> bool: ...
 def pool_drop() -> None: ...
 def pool_stats() -> dict[str, int]: ...
 def read_hook() -> Any: ...
+def pool_fast(
+    size: np.ndarray, part: np.ndarray, data_off: np.ndarray, stored_len: np.ndarray,
+    crc: np.ndarray, kind: np.ndarray, nparts: int, flags: int, parts_limit: int,
+) -> None: ...  # fmt: skip
+def pool_fast_part(part: int, fd: int, dfd: int) -> None: ...
+def pool_fast_enable(on: bool) -> None: ...
+def pool_fast_count() -> int: ...
+def fast_read_hook() -> Any: ...

@@ -84,8 +84,25 @@ cdef extern from "fanfs_native.h" nogil:
     int fanfs_pool_read_ahead(const fanfs_job *job)
     void fanfs_pool_drop()
     void fanfs_pool_counters(fanfs_pool_stats *out)
+    struct fanfs_fast_table:
+        uint64_t n
+        const char *size
+        const char *part
+        const char *off
+        const char *stored
+        const char *crc
+        const uint8_t *kind
+        uint32_t nparts, flags
+        uint64_t parts_limit
+    int fanfs_pool_fast_set(const fanfs_fast_table *t)
+    void fanfs_pool_fast_part(uint32_t part, int fd, int dfd)
+    void fanfs_pool_fast_enable(int on)
+    int fanfs_pool_fast_read(void *session, void *req, uint64_t ino, int64_t off, uint64_t size)
+    uint64_t fanfs_pool_fast_count()
     int fanfs_run_job(const fanfs_dicts *dicts, const fanfs_job *job, char *out)
     int fanfs_job_check(const fanfs_job *job)
+    enum:
+        FANFS_FAST_NO
 
 API_VERSION = FANFS_NATIVE_API
 MAX_PIECES = FANFS_MAX_PIECES
@@ -95,6 +112,7 @@ KIND_RAW = FANFS_KIND_RAW
 KIND_ZSTD = FANFS_KIND_ZSTD
 KIND_FILTERED = FANFS_KIND_FILTERED
 KIND_FILTER = FANFS_KIND_FILTER
+FAST_NO = FANFS_FAST_NO
 # The filters the C decodes (fanfs/filters.py must name the same ids: tests/test_codec.py).
 FILTERS = {"shuffle4": FANFS_SHUFFLE4, "shuffle8": FANFS_SHUFFLE8, "delta8": FANFS_DELTA8,
            "decimal4": FANFS_DECIMAL4, "decimal8": FANFS_DECIMAL8, "delta4": FANFS_DELTA4}
@@ -382,3 +400,60 @@ cdef int _read_hook(void *session, void *req, uint64_t ino, object reply) noexce
 def read_hook():
     """The capsule to give pyfuse3.set_read_hook: read handlers may then return job tuples."""
     return PyCapsule_New(<void *>_read_hook, b"pyfuse3.read_hook", NULL)
+
+
+_fast_columns = None  # the arrays the fast path reads (kept alive here)
+
+
+def pool_fast(size, part, data_off, stored_len, crc, kind, int nparts, unsigned int flags,
+              uint64_t parts_limit):
+    """Give the fast path the catalog's columns (contiguous arrays of one length: size, data_off
+    and stored_len <u8, part and crc <u4) and `kind`, one uint8 per entry (a piece kind, or
+    FAST_NO). They are kept alive here. Off until pool_fast_enable."""
+    cdef fanfs_fast_table t
+    cols = {"size": (size, "<u8"), "part": (part, "<u4"), "data_off": (data_off, "<u8"),
+            "stored_len": (stored_len, "<u8"), "crc": (crc, "<u4"), "kind": (kind, "|u1")}
+    for name, (a, want) in cols.items():
+        if (a.ndim != 1 or len(a) != len(size) or a.dtype.str != want
+                or not a.flags.c_contiguous):
+            raise ValueError(f"pool_fast: column {name} is not a contiguous {want} array")
+    t.n = len(size)
+    t.size = <const char *><uintptr_t>size.ctypes.data
+    t.part = <const char *><uintptr_t>part.ctypes.data
+    t.off = <const char *><uintptr_t>data_off.ctypes.data
+    t.stored = <const char *><uintptr_t>stored_len.ctypes.data
+    t.crc = <const char *><uintptr_t>crc.ctypes.data
+    t.kind = <const uint8_t *><uintptr_t>kind.ctypes.data
+    t.nparts = nparts
+    t.flags = flags
+    t.parts_limit = parts_limit
+    cdef int ret = fanfs_pool_fast_set(&t)
+    if ret != 0:
+        raise OSError(-ret, "pool_fast: " + os.strerror(-ret))
+    global _fast_columns
+    _fast_columns = tuple(a for a, _ in cols.values())
+
+
+def pool_fast_part(unsigned int part, int fd, int dfd):
+    """Partition `part` is staged: the fast path reads it through `fd` (`dfd`: O_DIRECT)."""
+    fanfs_pool_fast_part(part, fd, dfd)
+
+
+def pool_fast_enable(bint on):
+    fanfs_pool_fast_enable(on)
+
+
+def pool_fast_count():
+    """READs the fast path answered."""
+    return fanfs_pool_fast_count()
+
+
+cdef int _fast_read_hook(void *session, void *req, uint64_t ino, int64_t off,
+                         uint64_t size) noexcept:
+    return fanfs_pool_fast_read(session, req, ino, off, size)
+
+
+def fast_read_hook():
+    """The capsule to give pyfuse3.set_fast_read_hook: READs the pool can answer from the
+    catalog alone never reach Python."""
+    return PyCapsule_New(<void *>_fast_read_hook, b"pyfuse3.fast_read_hook", NULL)

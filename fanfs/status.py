@@ -131,6 +131,7 @@ class Status:
     native_pushed_bytes: int
     native_direct_reads: int
     native_cached_reads: int
+    native_fast_reads: int  # READs the pool answered with no Python (not in reader.reads)
     # The session loop's spin (tools/pyfuse3_patch): requests it caught without a trip through
     # trio's epoll, spins that ended with none, and spins cut short because trio had work.
     spin_caught: int
@@ -212,7 +213,8 @@ def render(s: Status) -> str:
     ]
     if s.native_read_pool:
         lines.append(
-            f"native:   {rd.native_jobs} reads answered in C (CRC-32 {s.native_crc32}, "
+            f"native:   {rd.native_jobs + s.native_fast_reads} reads answered in C "
+            f"({s.native_fast_reads} with no Python; CRC-32 {s.native_crc32}, "
             f"{'decoding zstd' if s.native_decodes else 'raw files only'}), piece cache "
             f"{s.native_frame_hits} hits / {s.native_frame_misses} misses; "
             f"{human_bytes(s.native_pushed_bytes)} pushed to the page cache; "

@@ -12,7 +12,9 @@
  * without the event loop: pyfuse3 hands it the request (its read hook), a thread reads,
  * checks, decodes and replies, and pushes what the READ did not ask for of the pieces it
  * decoded into the kernel's page cache (notify_store), so that a large file costs one or two
- * round trips, not one per 128 KiB.
+ * round trips, not one per 128 KiB. And READs of files stored whole on this node are
+ * answered with no Python at all (fanfs_pool_fast_read): pyfuse3's fast read hook gives the
+ * pool the inode and range, and the pool builds the job from the catalog's own columns.
  */
 #ifndef FANFS_NATIVE_H
 #define FANFS_NATIVE_H
@@ -21,7 +23,7 @@
 #include <stdint.h>
 #include <sys/uio.h>
 
-#define FANFS_NATIVE_API 1
+#define FANFS_NATIVE_API 2
 
 /* What a piece's stored bytes are (fanfs/node/native.py names the same numbers). */
 enum {
@@ -143,6 +145,37 @@ struct fanfs_pool_stats {
     uint64_t jobs, hits, misses, pushes, pushed_bytes, push_skipped;
 };
 void fanfs_pool_counters(struct fanfs_pool_stats *out);
+
+/* -- READs answered with no Python: the catalog's columns, read in place ----------------- */
+
+#define FANFS_FAST_NO 255 /* in `kind`: this entry's READs go to Python */
+
+/* The catalog's columns (contiguous, little-endian and maybe unaligned, as in the image) and
+ * which entries the pool may answer alone. The memory must outlive the pool (the daemon's
+ * catalog does). */
+struct fanfs_fast_table {
+    uint64_t n;       /* entries; inode = entry + 1 */
+    const char *size; /* u64: decoded size */
+    const char *part; /* u32: partition */
+    const char *off;  /* u64: offset of the stored bytes in the partition */
+    const char *stored; /* u64: stored length */
+    const char *crc;  /* u32: CRC-32 of the stored bytes */
+    const uint8_t *kind; /* one byte per entry: a piece kind, or FANFS_FAST_NO */
+    uint32_t nparts;
+    uint32_t flags;   /* job flags of a READ for part of a file (FANFS_JOB_PUSH) */
+    uint64_t parts_limit; /* files up to this size are answered in parts (and kept, pushed) */
+};
+/* Take the table (copied; -ENOMEM, -EINVAL). Until a partition is given an fd, its READs go
+ * to Python. */
+int fanfs_pool_fast_set(const struct fanfs_fast_table *t);
+/* Partition `part` is staged here: read it through `fd` (and `dfd` with O_DIRECT, or -1). */
+void fanfs_pool_fast_part(uint32_t part, int fd, int dfd);
+/* Turn the fast path on or off (off: a planned epoch, whose READs Python must see). */
+void fanfs_pool_fast_enable(int on);
+/* Answer a READ of inode `ino` if the table allows it: 0 (queued), or -1 (Python answers).
+ * Entries whose job failed once go to Python from then on (which knows them bad). */
+int fanfs_pool_fast_read(void *session, void *req, uint64_t ino, int64_t off, uint64_t size);
+uint64_t fanfs_pool_fast_count(void); /* READs answered by it */
 
 /* Run a job in the calling thread with the same code as the pool, the reply copied to `out`
  * (`count` bytes); 0 or an errno. For Python callers and unit tests. */

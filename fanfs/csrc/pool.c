@@ -23,6 +23,7 @@
  */
 #define _GNU_SOURCE
 #define FUSE_USE_VERSION 35
+#include <endian.h>
 #include <errno.h>
 #include <fuse_lowlevel.h>
 #include <pthread.h>
@@ -504,13 +505,25 @@ static int gather(struct qjob *qj, const struct fanfs_job *j, const struct fanfs
     return 0;
 }
 
+/* The fast path's table (fanfs_pool_fast_set) and its state. */
+static struct {
+    struct fanfs_fast_table t;
+    int on;
+    int *fd, *dfd;  /* per partition, -1 until staged */
+    uint8_t *bad;   /* per entry: a job failed, Python answers from now on */
+    uint64_t taken;
+} fast;
+
 static void post_error(int64_t entry, int err) {
     /* A full pipe loses the record; the file is still answered EIO on every read. */
     struct {
         int64_t entry;
         int32_t err, pad;
     } rec = {entry, err, 0};
-    ssize_t posted = pool.errfd >= 0 ? write(pool.errfd, &rec, sizeof rec) : 0;
+    ssize_t posted;
+    if (fast.bad != NULL && entry >= 0 && (uint64_t)entry < fast.t.n)
+        __atomic_store_n(&fast.bad[entry], 1, __ATOMIC_RELAXED);
+    posted = pool.errfd >= 0 ? write(pool.errfd, &rec, sizeof rec) : 0;
     (void)posted;
 }
 
@@ -799,6 +812,7 @@ void fanfs_pool_counters(struct fanfs_pool_stats *out) {
 
 void fanfs_pool_stop(void) {
     int i;
+    fanfs_pool_fast_enable(0); /* READs from now on go to Python */
     pthread_mutex_lock(&pool.lock);
     pool.stopping = 1;
     pthread_cond_broadcast(&pool.cond);
@@ -834,4 +848,105 @@ void fanfs_pool_stop(void) {
     }
     cache.bytes = 0;
     pthread_mutex_unlock(&cache.lock);
+}
+
+/* -- READs answered with no Python ------------------------------------------------------- */
+
+static uint64_t field64(const char *col, uint64_t e) {
+    uint64_t v;
+    memcpy(&v, col + e * sizeof v, sizeof v);
+    return le64toh(v);
+}
+
+static uint32_t field32(const char *col, uint64_t e) {
+    uint32_t v;
+    memcpy(&v, col + e * sizeof v, sizeof v);
+    return le32toh(v);
+}
+
+int fanfs_pool_fast_set(const struct fanfs_fast_table *t) {
+    uint32_t i;
+    if (__atomic_load_n(&fast.on, __ATOMIC_ACQUIRE) || t->n == 0 || t->nparts == 0)
+        return -EINVAL; /* never while READs may be reading it */
+    free(fast.fd);
+    free(fast.dfd);
+    free(fast.bad);
+    fast.fd = malloc(t->nparts * sizeof(int));
+    fast.dfd = malloc(t->nparts * sizeof(int));
+    fast.bad = calloc(t->n, 1);
+    if (fast.fd == NULL || fast.dfd == NULL || fast.bad == NULL) {
+        free(fast.fd);
+        free(fast.dfd);
+        free(fast.bad);
+        fast.fd = fast.dfd = NULL;
+        fast.bad = NULL;
+        return -ENOMEM;
+    }
+    for (i = 0; i < t->nparts; i++)
+        fast.fd[i] = fast.dfd[i] = -1;
+    fast.t = *t;
+    return 0;
+}
+
+void fanfs_pool_fast_part(uint32_t part, int fd, int dfd) {
+    if (fast.fd == NULL || part >= fast.t.nparts)
+        return;
+    __atomic_store_n(&fast.dfd[part], dfd, __ATOMIC_RELAXED);
+    __atomic_store_n(&fast.fd[part], fd, __ATOMIC_RELEASE);
+}
+
+void fanfs_pool_fast_enable(int on) { __atomic_store_n(&fast.on, on, __ATOMIC_RELEASE); }
+
+uint64_t fanfs_pool_fast_count(void) { return __atomic_load_n(&fast.taken, __ATOMIC_RELAXED); }
+
+int fanfs_pool_fast_read(void *session, void *req, uint64_t ino, int64_t off, uint64_t size) {
+    struct fanfs_job j;
+    uint64_t e, length, stored;
+    uint32_t part;
+    int fd, whole;
+    uint8_t kind;
+
+    if (!__atomic_load_n(&fast.on, __ATOMIC_ACQUIRE) || fast.fd == NULL || ino < 1)
+        return -1;
+    e = ino - 1;
+    if (e >= fast.t.n || fast.t.kind[e] == FANFS_FAST_NO ||
+        __atomic_load_n(&fast.bad[e], __ATOMIC_RELAXED))
+        return -1;
+    kind = fast.t.kind[e];
+    part = field32(fast.t.part, e);
+    if (part >= fast.t.nparts)
+        return -1;
+    fd = __atomic_load_n(&fast.fd[part], __ATOMIC_ACQUIRE);
+    if (fd < 0)
+        return -1;
+    length = field64(fast.t.size, e);
+    stored = field64(fast.t.stored, e);
+    if (off < 0 || (uint64_t)off >= length || size == 0 || length > FANFS_PIECE_MAX ||
+        stored > FANFS_PIECE_MAX)
+        return -1; /* EOF, or not a piece: Python answers */
+    if (size > length - (uint64_t)off)
+        size = length - (uint64_t)off;
+    whole = off == 0 && size == length;
+    if (!whole && length > fast.t.parts_limit)
+        return -1;
+    memset(&j, 0, sizeof j);
+    j.fd = fd;
+    j.dfd = __atomic_load_n(&fast.dfd[part], __ATOMIC_RELAXED);
+    j.entry = (int64_t)e;
+    j.ino = ino;
+    j.base = 0;
+    j.skip = (uint32_t)off;
+    j.count = (uint32_t)size;
+    j.flags = whole ? 0 : fast.t.flags;
+    j.npieces = 1;
+    j.pieces[0].off = (int64_t)field64(fast.t.off, e);
+    j.pieces[0].len = (uint32_t)stored;
+    j.pieces[0].crc = field32(fast.t.crc, e);
+    j.pieces[0].size = (uint32_t)length;
+    j.pieces[0].kind = kind;
+    j.pieces[0].cache = !whole;
+    if (fanfs_job_check(&j) != 0 || fanfs_pool_submit(session, req, &j) != 0)
+        return -1;
+    __atomic_add_fetch(&fast.taken, 1, __ATOMIC_RELAXED);
+    return 0;
 }

@@ -78,9 +78,10 @@ def build(catalog: Catalog, store: PartitionStore, owners: list[tuple[int, ...]]
         bad.mark,
         decode=env_on("FANFS_NATIVE_DECODE"),
         push=env_on("FANFS_PUSH"),
+        fast=env_on("FANFS_FAST"),
     )
     budget = cfg.prefetch_bytes if cfg.prefetch_bytes is not None else default_budget()
-    plans = Plans(catalog, budget)
+    plans = Plans(catalog, budget, pool.planned)
     reader = Reader(catalog, sources, cfg.cache_bytes, bad, pool, plans)
     read_ahead = ReadAhead(catalog, plans, sources, fuse_ops.push_to_kernel, reader.cached)
     plan_server = PlanServer(
@@ -151,6 +152,7 @@ def report(node: Node, *, image: str, mountpoint: str, rank: int, size: int, rep
         native_pushed_bytes=pool["pushed_bytes"],
         native_direct_reads=pool["direct"],
         native_cached_reads=pool["cached"],
+        native_fast_reads=pool["fast"],
         spin_caught=spins[0],
         spin_empty=spins[1],
         spin_yielded=spins[2],

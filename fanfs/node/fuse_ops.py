@@ -41,7 +41,7 @@ ROOT = pyfuse3.ROOT_INODE  # inode = entry + ROOT (entry 0 is the root directory
 assert ROOT == INODE_BASE  # the native pool's jobs name inodes the same way
 # The level of tools/install_pyfuse3.py's patch this fanfs needs (its one definition: the
 # installer reads it from here and writes it into the build as pyfuse3.FANFS_PATCH).
-PATCH_LEVEL = 7
+PATCH_LEVEL = 8
 PATCHED = bool(getattr(pyfuse3, "FANFS_READ_PASSES_INODE", False))
 # pyfuse3 can hand READs to the native read pool (its read hook).
 READ_HOOK = getattr(pyfuse3, "FANFS_PATCH", 0) >= PATCH_LEVEL and hasattr(pyfuse3, "set_read_hook")
@@ -288,8 +288,10 @@ def push_to_kernel(entry: int, offset: int, data: bytes) -> bool:
         return False
 
 
-def _install_hook(capsule: Any) -> None:
-    """Register the native read pool's hook with pyfuse3 (None: remove it)."""
+def _install_hook(capsule: Any, fast: Any) -> None:
+    """Register the native read pool's hooks with pyfuse3: the one read handlers hand jobs to,
+    and the one offered every READ first (`fast`); None removes a hook."""
+    pyfuse3.set_fast_read_hook(fast)  # type: ignore[attr-defined]
     pyfuse3.set_read_hook(capsule)  # type: ignore[attr-defined]
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -127,9 +128,12 @@ class Held:
 
 
 class Plans:
-    def __init__(self, catalog: cat.Catalog, budget: int):
+    def __init__(self, catalog: cat.Catalog, budget: int,
+                 on_install: Callable[[], None] = lambda: None):  # fmt: skip
+        """`on_install`: called when a plan comes in (READs must reach the planner)."""
         self.catalog = catalog
         self.budget = budget
+        self.on_install = on_install
         self.shares: dict[int, Share] = {}
         n = catalog.n_entries
         self._share_of = np.full(n, -1, dtype=np.int32)  # the latest share naming each entry
@@ -161,6 +165,7 @@ class Plans:
     def install(self, share: int, plan: ShareOrder, missing: int = 0) -> None:
         """Replace `share`'s plan (a new epoch; `missing`: its paths that named no file); the
         job's lag carries over."""
+        self.on_install()
         old = self.shares.pop(share, None)
         lag = 0
         if old is not None:

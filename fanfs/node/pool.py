@@ -28,6 +28,7 @@ import struct
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import trio
 
 from fanfs import catalog as cat
@@ -93,19 +94,41 @@ def frame_piece(c: cat.Catalog, entry: int, table: codec.FrameTable, i: int) -> 
             table.decoded_len(i), 1)  # fmt: skip
 
 
+# Codecs of files stored whole, which the fast path answers (framed files go to Python,
+# which keeps their frame tables).
+WHOLE_CODECS = (cat.CODEC_RAW, cat.CODEC_ZSTD, cat.CODEC_ZSTD_DICT, cat.CODEC_ZSTD_DELTA4,
+                cat.CODEC_ZSTD_FILTERED)  # fmt: skip
+
+
+def fast_kinds(c: cat.Catalog, decodes: bool) -> np.ndarray:
+    """Per entry, the piece kind the fast path reads it as, or lib.FAST_NO: a non-empty file
+    stored whole, of at most PIECE_MAX bytes stored and decoded (compressed ones only when
+    the pool decodes)."""
+    kind = np.full(c.n_entries, lib.FAST_NO, dtype=np.uint8)
+    files = c.is_file & (c.size > 0) & (c.size <= lib.PIECE_MAX) & (c.stored_len <= lib.PIECE_MAX)
+    for codec_id in WHOLE_CODECS if decodes else (cat.CODEC_RAW,):
+        kind[files & (c.codec == codec_id)] = piece_kind(codec_id)
+    return kind
+
+
 class NativePool:
-    def __init__(self, catalog: cat.Catalog, install_hook: Callable[[Any], None] | None,
+    def __init__(self, catalog: cat.Catalog,
+                 install_hook: Callable[[Any, Any], None] | None,
                  failed: Callable[[int, BaseException], None], decode: bool = True,
-                 push: bool = True):  # fmt: skip
-        """`install_hook(capsule)`: registers the pool's read hook with pyfuse3 (None where
-        pyfuse3 has no read hook: the Reader then reads in Python); `failed(entry, error)`: a
-        file the pool found bad (the bad-file registry's `mark`); `decode`: False keeps
-        compressed files in Python (FANFS_NATIVE_DECODE=0); `push`: False never pushes the
-        rest of a piece into the page cache (FANFS_PUSH=0)."""
+                 push: bool = True, fast: bool = True):  # fmt: skip
+        """`install_hook(read_hook, fast_read_hook)`: registers the pool's hooks with pyfuse3
+        (None where pyfuse3 has no read hook: the Reader then reads in Python);
+        `failed(entry, error)`: a file the pool found bad (the bad-file registry's `mark`);
+        `decode`: False keeps compressed files in Python (FANFS_NATIVE_DECODE=0); `push`: False
+        never pushes the rest of a piece into the page cache (FANFS_PUSH=0); `fast`: False
+        sends every READ through Python (FANFS_FAST=0)."""
         self.catalog = catalog
         self.install_hook = install_hook
         self.failed = failed
         self._decode = decode
+        self._fast = fast
+        self.fast = False  # READs of staged files answered with no Python (pool_fast)
+        self._fast_parts: set[int] = set()
         self.flags = lib.JOB_PUSH if push else 0
         self._rfd = self._wfd = -1
         self.running = False
@@ -144,8 +167,31 @@ class NativePool:
             log.warning("native read pool cannot take the image's dictionaries: %s", e)
         if not self.can_decode:
             log.info("native read pool: compressed files decoded in Python (no libzstd1)")
-        self.install_hook(lib.read_hook())
+        fast_hook = None
+        if self._fast:
+            c = self.catalog
+            lib.pool_fast(c.size, c.part, c.data_off, c.stored_len, c.crc,
+                          fast_kinds(c, self.decodes), c.n_partitions, self.flags,
+                          PARTS_LIMIT)  # fmt: skip
+            lib.pool_fast_enable(True)
+            self.fast = True
+            fast_hook = lib.fast_read_hook()
+        self.install_hook(lib.read_hook(), fast_hook)
         return True
+
+    def fast_part(self, part: int, fd: int, dfd: int) -> None:
+        """Partition `part` is staged: the fast path answers its files' READs from now on."""
+        if self.fast and part not in self._fast_parts:
+            self._fast_parts.add(part)
+            lib.pool_fast_part(part, fd, dfd)
+
+    def planned(self) -> None:
+        """A planned epoch began: its READs must reach Python (the plan follows them), so
+        the fast path stops for the rest of the mount."""
+        if self.fast:
+            self.fast = False
+            lib.pool_fast_enable(False)
+            log.info("planned epoch: every READ goes through the planner from now on")
 
     async def errors(self) -> None:
         """Mark every file the pool reports as bad, until the pool stops."""
@@ -168,13 +214,13 @@ class NativePool:
         if self.running:
             self.running = False
             assert self.install_hook is not None
-            self.install_hook(None)
+            self.install_hook(None, None)
             lib.pool_stop()
             os.close(self._wfd)
 
     def stats(self) -> dict[str, int]:
         """The pool's counters (lib.pool_stats) and how its pieces were read (lib.read_stats)."""
-        return {**lib.pool_stats(), **lib.read_stats()}
+        return {**lib.pool_stats(), **lib.read_stats(), "fast": lib.pool_fast_count()}
 
     def drop(self) -> None:
         """Empty the pool's cache of decoded pieces (cold measurements)."""

@@ -227,7 +227,10 @@ class Reader:
                 self.local.record(began, length)
                 return memoryview(cached)
         self.local.native(part, int(c.stored_len[entry]))
-        return self.pool.whole(self.local.fd(part), self.local.dfd(part), entry, offset, size)
+        fd, dfd = self.local.fd(part), self.local.dfd(part)
+        if self.local.staged(part):  # from now on the pool answers its files' READs alone
+            self.pool.fast_part(part, fd, dfd)
+        return self.pool.whole(fd, dfd, entry, offset, size)
 
     def _native_frames(self, entry: int, table: codec.FrameTable, offset: int,
                        size: int) -> NativeJob | None:  # fmt: skip

@@ -125,6 +125,9 @@ class Local:
         """The partition's staged copy opened O_DIRECT, or -1 (fanfs/node/store.py)."""
         return self.store.dfd(part)
 
+    def staged(self, part: int) -> bool:
+        return self.store.staged(part)
+
     def advise(self, entry: int) -> None:
         """Ask the kernel to start reading a file this daemon holds (never waits for it)."""
         if self.mine(entry):

@@ -127,6 +127,10 @@ class PartitionStore:
         """Partition `part`'s staged copy opened O_DIRECT, or -1."""
         return self._dfds[part]
 
+    def staged(self, part: int) -> bool:
+        """Whether `fd(part)` is the staged copy (for good: it is never swapped again)."""
+        return self._staged_set[part]
+
     def pread_cached(self, part: int, offset: int, length: int) -> bytearray | None:
         """The bytes if the page cache holds them all (never blocks on the disk), else None.
 

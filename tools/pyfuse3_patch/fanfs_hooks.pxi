@@ -4,6 +4,9 @@
 # - A read hook: a C function registered with set_read_hook(capsule) that a read handler may
 #   hand its request to, by returning a tuple instead of bytes; the function answers the
 #   request (from any thread) or returns nonzero, and pyfuse3 answers EIO.
+# - A fast read hook: a C function registered with set_fast_read_hook(capsule) that is offered
+#   every READ (inode, offset, size) before any Python runs; it answers the request itself
+#   (returning 0) or declines (nonzero), and the READ goes to the read handler as usual.
 # - The session loop's spin: after a request, the loop polls the (non-blocking) FUSE fd for a
 #   while before it waits through trio (set_spin_us), since a reader that just sent a request
 #   is likely to send the next within microseconds.
@@ -16,6 +19,7 @@ cdef extern from *:
     #include <sched.h>
     #include <time.h>
     typedef int (*pyfuse3_read_hook_t)(void *, void *, uint64_t, PyObject *);
+    typedef int (*pyfuse3_fast_read_hook_t)(void *, void *, uint64_t, int64_t, uint64_t);
 
     static int64_t fanfs_now_ns(void) {
         struct timespec t;
@@ -41,6 +45,7 @@ cdef extern from *:
     }
     """
     ctypedef int (*pyfuse3_read_hook_t)(void *, void *, uint64_t, object) noexcept
+    ctypedef int (*pyfuse3_fast_read_hook_t)(void *, void *, uint64_t, int64_t, uint64_t) noexcept
     int64_t fanfs_now_ns() nogil
     int fanfs_spin_receive(fuse_session *se, fuse_buf *buf, int64_t chunk_ns, int64_t until) nogil
 
@@ -67,6 +72,31 @@ cdef int _hand_to_hook(fuse_req_t req, uint64_t ino, object reply):
     if _read_hook == NULL:
         return -1
     return _read_hook(<void *>session, <void *>req, ino, reply)
+
+
+cdef pyfuse3_fast_read_hook_t _fast_read_hook = NULL
+_fast_read_hook_capsule = None
+
+
+def set_fast_read_hook(capsule):
+    '''Register the C function offered every READ before Python sees it:
+    `int hook(void *session, void *req, uint64_t ino, int64_t off, uint64_t size)`, in a
+    capsule named "pyfuse3.fast_read_hook", called with the GIL; 0 means it answers the
+    request, anything else that the read handler does. None removes it.'''
+    global _fast_read_hook, _fast_read_hook_capsule
+    if capsule is None:
+        _fast_read_hook = NULL
+    else:
+        _fast_read_hook = <pyfuse3_fast_read_hook_t>PyCapsule_GetPointer(
+            capsule, b"pyfuse3.fast_read_hook")
+    _fast_read_hook_capsule = capsule
+
+
+cdef inline int _fast_read(fuse_req_t req, uint64_t ino, int64_t off, uint64_t size):
+    '''0: the fast hook took the request.'''
+    if _fast_read_hook == NULL:
+        return -1
+    return _fast_read_hook(<void *>session, <void *>req, ino, off, size)
 
 
 # The spin: poll for up to _fanfs_spin_ns after a request, in chunks of FANFS_SPIN_CHUNK_NS;
