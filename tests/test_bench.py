@@ -72,6 +72,40 @@ def test_bench_python_client(tmp_path: Path) -> None:
     assert "local/py" in done.stdout
 
 
+def test_bench_compressible_data_against_raw_and_squashfs(tmp_path: Path) -> None:
+    """Text is prepared compressed and raw, and a squashfs image of each is measured beside."""
+    out_json = tmp_path / "bench.json"
+    done = fanfs("bench", "--data", "text", "--total", "2M", "--min-files", "16", "--readers",
+                 "1", "--temps", "cold", "--repeat", "1", "--against", "squashfs", "--workdir",
+                 tmp_path / "work", "--report", out_json, "--plot", tmp_path / "b.png",
+                 timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    (row,) = json.loads(out_json.read_text())["rows"]
+    assert row["data"] == "text" and row["temp"] == "cold"
+    for side in ("native", "fanfs", "fanfs_raw", "squashfs", "squashfs_raw"):
+        assert row[f"{side}_files_per_s"] > 0, row
+    assert row["vs_squashfs"] > 0 and row["vs_raw"] > 0 and row["daemon_cpu_us_per_file"] > 0
+    assert "fanfs/squashfs" in done.stderr and not mounts_left(tmp_path / "work")
+
+
+def test_bench_torch_loader_gives_every_side_the_same_samples(tmp_path: Path) -> None:
+    """Two repetitions read the files in two orders; the samples still compare equal."""
+    out_json = tmp_path / "bench.json"
+    done = fanfs("bench", "--data", "jpeg", "--client", "torch", "--total", "2M", "--min-files",
+                 "16", "--readers", "1", "--temps", "cold", "--repeat", "2", "--workdir",
+                 tmp_path / "work", "--report", out_json, "--plot", tmp_path / "b.png",
+                 timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    (row,) = json.loads(out_json.read_text())["rows"]
+    assert row["client"] == "torch" and row["identical_samples"] is True, row
+    assert "other samples" not in done.stderr
+
+
+def mounts_left(work: Path) -> list[str]:
+    return [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()
+            if str(work) in line.split()[1]]  # fmt: skip
+
+
 def test_bench_rejects_bad_options(tmp_path: Path) -> None:
     done = fanfs("bench", "--sizes", "lots", "--workdir", tmp_path)
     assert done.returncode == ExitCode.USAGE

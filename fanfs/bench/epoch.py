@@ -80,11 +80,16 @@ def read_groups(
              [v for x in items for v in x[3]]) for _, items in sorted(got.items())]  # fmt: skip
 
 
+# Each daemon thread's CPU time when last seen (ns, by (pid, thread id)): a thread that ended
+# keeps counting what it had used, so the total never goes down.
+_THREAD_NS: dict[tuple[int, str], int] = {}
+
+
 def cpu_seconds(pids: Sequence[int]) -> float:
-    """CPU time the processes' threads have used so far: each live thread's time on a CPU in
+    """CPU time the processes' threads have used so far: each thread's time on a CPU in
     nanoseconds (schedstat), since /proc/PID/stat counts in 10 ms ticks, coarser than a pass
-    over a few small files; that where schedstat is missing. Exited threads are not counted
-    (a daemon's threads live as long as it does)."""
+    over a few small files; that where schedstat is missing. A thread's time since it was last
+    seen is lost when it ends (a daemon's own threads live as long as it does)."""
     total = 0.0
     for pid in pids:
         if not os.path.exists(f"/proc/{pid}/schedstat"):
@@ -93,12 +98,10 @@ def cpu_seconds(pids: Sequence[int]) -> float:
             total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
             continue
         for task in os.listdir(f"/proc/{pid}/task"):
-            # (a thread that just ended is gone)
-            with (
-                contextlib.suppress(FileNotFoundError),
-                open(f"/proc/{pid}/task/{task}/schedstat") as f,
-            ):
-                total += int(f.read().split()[0]) / 1e9
+            stat = f"/proc/{pid}/task/{task}/schedstat"
+            with contextlib.suppress(FileNotFoundError), open(stat) as f:  # ended: gone
+                _THREAD_NS[pid, task] = int(f.read().split()[0])
+        total += sum(ns for (p, _), ns in _THREAD_NS.items() if p == pid) / 1e9
     return total
 
 

@@ -83,7 +83,7 @@ class Result:
     folio_kib: float | None = None  # mean page-cache folio after the pass (root only)
     cold_by: str = ""  # how a cold pass was made cold (make_cold); "" when warm
     daemon_cpu_s: float = 0.0  # CPU time its daemons spent during the pass
-    samples: list[int] | None = None  # torch: each sample's CRC-32, in order
+    samples: list[int] | None = None  # torch: each sample's CRC-32, by file name
 
     @property
     def files_per_s(self) -> float:
@@ -230,6 +230,8 @@ def measure(case: Case, side: Side, rels: list[str], seed: int) -> Result:
     before = cpu_seconds(side.pids) if side.pids else 0.0
     wall, nbytes, lat, samples = _pass(paths * rounds, case, plan)
     spent = cpu_seconds(side.pids) - before if side.pids else 0.0
+    if samples is not None:  # in the order of the files' names, so that sides compare
+        samples = [crc for _, crc in sorted(zip(order * rounds, samples, strict=True))]
     p50, p99 = np.percentile(np.array(lat) * 1e3, [50, 99])
     folio = pagecache.folio_kib(paths[:FOLIO_SAMPLE]) if case.client != "torch" else None
     return Result(case, side.name, wall, len(paths) * rounds, nbytes, float(p50), float(p99),

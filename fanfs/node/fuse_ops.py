@@ -41,7 +41,7 @@ ROOT = pyfuse3.ROOT_INODE  # inode = entry + ROOT (entry 0 is the root directory
 assert ROOT == INODE_BASE  # the native pool's jobs name inodes the same way
 # The level of tools/install_pyfuse3.py's patch this fanfs needs (its one definition: the
 # installer reads it from here and writes it into the build as pyfuse3.FANFS_PATCH).
-PATCH_LEVEL = 8
+PATCH_LEVEL = 9
 PATCHED = bool(getattr(pyfuse3, "FANFS_READ_PASSES_INODE", False))
 # pyfuse3 can hand READs to the native read pool (its read hook).
 READ_HOOK = getattr(pyfuse3, "FANFS_PATCH", 0) >= PATCH_LEVEL and hasattr(pyfuse3, "set_read_hook")
@@ -323,5 +323,5 @@ def set_spin_us(us: int) -> None:
 def spin_counts() -> tuple[int, int, int]:
     """The session loop's spin: (requests caught, spins that ended empty, spins cut short for
     trio); zeros on a build without it."""
-    caught, empty, yielded = getattr(pyfuse3, "fanfs_spins", (0, 0, 0))
+    caught, empty, yielded = getattr(pyfuse3, "fanfs_spins", (0, 0, 0))[:3]
     return int(caught), int(empty), int(yielded)

@@ -106,13 +106,36 @@ cdef enum:
     FANFS_SPIN_CHUNK_NS = 20000
 cdef int64_t _fanfs_spin_ns = 500000
 cdef int64_t _fanfs_last_request = 0
-fanfs_spins = [0, 0, 0]  # requests caught by a spin, spins that ended empty, stopped for trio
+# requests caught by a spin, spins that ended empty, stopped for trio, not tried (not paying)
+fanfs_spins = [0, 0, 0, 0]
+
+
+# Whether spinning pays, learnt as it goes: a spin that catches a request saved a wake-up, one
+# that ends empty burnt its whole window on a core the readers may need (a data loader whose
+# workers decode for milliseconds between two requests). `_fanfs_spin_score` is the recent
+# share of spins that caught (in 1/256, moving 1/8 of the way each time); below a half the
+# loop does not spin, except one request in FANFS_SPIN_PROBE, to notice when it pays again.
+cdef enum:
+    FANFS_SPIN_PROBE = 16
+cdef int _fanfs_spin_score = 256
+cdef int _fanfs_spin_skipped = 0
+
+
+cdef inline void _fanfs_spin_learn(bint caught):
+    global _fanfs_spin_score
+    _fanfs_spin_score += ((256 if caught else 0) - _fanfs_spin_score) // 8
 
 
 cdef int _fanfs_spin(fuse_buf *buf, bint *busy):
+    global _fanfs_spin_skipped
     cdef int64_t until = _fanfs_last_request + _fanfs_spin_ns
     cdef int res = -errno.EAGAIN
     busy[0] = False
+    if _fanfs_spin_score < 128:
+        _fanfs_spin_skipped += 1
+        if _fanfs_spin_skipped % FANFS_SPIN_PROBE:
+            fanfs_spins[3] += 1
+            return res
     while fanfs_now_ns() < until and not fuse_session_exited(session):
         stats = trio.lowlevel.current_statistics()
         if stats.tasks_runnable or stats.run_sync_soon_queue_size:
@@ -124,6 +147,7 @@ cdef int _fanfs_spin(fuse_buf *buf, bint *busy):
         if res != -errno.EAGAIN:
             break
     fanfs_spins[0 if res > 0 else 1] += 1
+    _fanfs_spin_learn(res > 0)
     return res
 
 
