@@ -9,11 +9,15 @@ session loop takes queued requests itself (its spin counters move)."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import errno
+import fcntl
 import json
 import os
 import subprocess
 import sys
+import termios
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -88,5 +92,36 @@ def test_many_readers_at_once_are_all_answered(tiny: tuple[Path, bytes]) -> None
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         assert all(pool.map(read, range(400)))
-    caught, _, _ = json.loads((mnt / "spins").read_bytes())
+    caught = json.loads((mnt / "spins").read_bytes())[0]
     assert caught > 0  # requests taken straight from the fd, without a wait through trio
+
+
+def test_the_spin_stops_while_it_does_not_pay_and_comes_back(tiny: tuple[Path, bytes]) -> None:
+    """Requests 3 ms apart (a loader decoding between two): spins end empty, so the loop stops
+    spinning after a few; back-to-back requests: its probes catch them, and it spins again."""
+    mnt, _ = tiny
+
+    def spins() -> list[int]:
+        with open(mnt / "spins", "rb", buffering=0) as f:  # not cached: a READ each time
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            return [int(n) for n in json.loads(f.read(4096))]
+
+    fd = os.open(mnt / "plain", os.O_RDONLY)
+    try:
+
+        def ask() -> None:  # an ioctl reaches the daemon every time (libfuse answers it)
+            with contextlib.suppress(OSError):
+                fcntl.ioctl(fd, termios.TCGETS, bytes(64))
+
+        before = spins()
+        for _ in range(60):
+            ask()
+            time.sleep(0.003)
+        slow = [a - b for a, b in zip(spins(), before, strict=True)]
+        assert slow[3] >= 30 and slow[1] < 30, slow  # mostly not tried, a few empty
+        for _ in range(2000):
+            ask()
+        fast = [a - b for a, b in zip(spins(), before, strict=True)]
+        assert fast[0] - slow[0] > 50, (slow, fast)  # caught again
+    finally:
+        os.close(fd)

@@ -130,8 +130,9 @@ cdef int _fanfs_spin(fuse_buf *buf, bint *busy):
     global _fanfs_spin_skipped
     cdef int64_t until = _fanfs_last_request + _fanfs_spin_ns
     cdef int res = -errno.EAGAIN
+    cdef bint resumed = busy[0]  # called again after trio ran: the same spin goes on
     busy[0] = False
-    if _fanfs_spin_score < 128:
+    if _fanfs_spin_score < 128 and not resumed:
         _fanfs_spin_skipped += 1
         if _fanfs_spin_skipped % FANFS_SPIN_PROBE:
             fanfs_spins[3] += 1
