@@ -41,7 +41,7 @@ ROOT = pyfuse3.ROOT_INODE  # inode = entry + ROOT (entry 0 is the root directory
 assert ROOT == INODE_BASE  # the native pool's jobs name inodes the same way
 # The level of tools/install_pyfuse3.py's patch this fanfs needs (its one definition: the
 # installer reads it from here and writes it into the build as pyfuse3.FANFS_PATCH).
-PATCH_LEVEL = 9
+PATCH_LEVEL = 11
 PATCHED = bool(getattr(pyfuse3, "FANFS_READ_PASSES_INODE", False))
 # pyfuse3 can hand READs to the native read pool (its read hook).
 READ_HOOK = getattr(pyfuse3, "FANFS_PATCH", 0) >= PATCH_LEVEL and hasattr(pyfuse3, "set_read_hook")

@@ -16,8 +16,12 @@ from libc.stdint cimport int64_t, uint64_t
 
 cdef extern from *:
     """
+    #include <fcntl.h>
     #include <sched.h>
+    #include <stdlib.h>
+    #include <string.h>
     #include <time.h>
+    #include <unistd.h>
     typedef int (*pyfuse3_read_hook_t)(void *, void *, uint64_t, PyObject *);
     typedef int (*pyfuse3_fast_read_hook_t)(void *, void *, uint64_t, int64_t, uint64_t);
 
@@ -25,6 +29,38 @@ cdef extern from *:
         struct timespec t;
         clock_gettime(CLOCK_MONOTONIC, &t);
         return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+    }
+
+    /* Whether threads waited for a CPU in more than a tenth of the last ~100 ms (the kernel's
+     * CPU pressure, /proc/pressure/cpu "some"): spinning then takes a core from someone.
+     * Read at most every 100 ms; a reading more than 200 ms old is only a new baseline (what
+     * happened while the loop was idle says nothing about now). 0 when the kernel has no PSI. */
+    static int fanfs_cpu_pressed(void) {
+        static int64_t last_ns, last_stall_us = -1;
+        static int pressed;
+        int64_t now = fanfs_now_ns(), stall_us;
+        char buf[256], *at;
+        ssize_t n;
+        int fd;
+        if (now - last_ns < 100000000)
+            return pressed;
+        fd = open("/proc/pressure/cpu", O_RDONLY | O_CLOEXEC);
+        if (fd < 0)
+            return pressed = 0;
+        n = read(fd, buf, sizeof buf - 1);
+        close(fd);
+        if (n <= 0)
+            return pressed = 0;
+        buf[n] = 0;
+        at = strstr(buf, "total=");
+        if (at == NULL)
+            return pressed = 0;
+        stall_us = strtoll(at + 6, NULL, 10);
+        pressed = last_stall_us >= 0 && now - last_ns <= 200000000 &&
+                  (stall_us - last_stall_us) * 1000 * 10 > (now - last_ns);
+        last_stall_us = stall_us;
+        last_ns = now;
+        return pressed;
     }
 
     /* Poll `se` until a request arrives (its size), `until` passes or `chunk_ns` have been
@@ -47,6 +83,7 @@ cdef extern from *:
     ctypedef int (*pyfuse3_read_hook_t)(void *, void *, uint64_t, object) noexcept
     ctypedef int (*pyfuse3_fast_read_hook_t)(void *, void *, uint64_t, int64_t, uint64_t) noexcept
     int64_t fanfs_now_ns() nogil
+    int fanfs_cpu_pressed() nogil
     int fanfs_spin_receive(fuse_session *se, fuse_buf *buf, int64_t chunk_ns, int64_t until) nogil
 
 FANFS_PATCH = @PATCH_LEVEL@  # written in by tools/install_pyfuse3.py
@@ -106,37 +143,25 @@ cdef enum:
     FANFS_SPIN_CHUNK_NS = 20000
 cdef int64_t _fanfs_spin_ns = 500000
 cdef int64_t _fanfs_last_request = 0
-# requests caught by a spin, spins that ended empty, stopped for trio, not tried (not paying)
+# requests caught by a spin, spins that ended empty, stopped for trio, not tried (CPU wanted)
 fanfs_spins = [0, 0, 0, 0]
 
 
-# Whether spinning pays, learnt as it goes: a spin that catches a request saved a wake-up, one
-# that ends empty burnt its whole window on a core the readers may need (a data loader whose
-# workers decode for milliseconds between two requests). `_fanfs_spin_score` is the recent
-# share of spins that caught (in 1/256, moving 1/8 of the way each time); below a half the
-# loop does not spin, except one request in FANFS_SPIN_PROBE, to notice when it pays again.
-cdef enum:
-    FANFS_SPIN_PROBE = 16
-cdef int _fanfs_spin_score = 256
-cdef int _fanfs_spin_skipped = 0
-
-
-cdef inline void _fanfs_spin_learn(bint caught):
-    global _fanfs_spin_score
-    _fanfs_spin_score += ((256 if caught else 0) - _fanfs_spin_score) // 8
-
-
+# Whether to spin: a spin that catches a request saves a wake-up (on a VM an idle CPU halts,
+# and waking it costs hundreds of microseconds); one that ends empty burns its window, which
+# costs nothing while a CPU is idle but takes a core from the readers while every core is
+# wanted (a data loader whose workers decode between two requests, more readers than cores).
+# So the loop does not spin while threads are waiting for a CPU (fanfs_cpu_pressed). Whether
+# spins catch requests says nothing here: a spinning thread that is preempted for a few
+# milliseconds "catches" the next request when it runs again.
 cdef int _fanfs_spin(fuse_buf *buf, bint *busy):
-    global _fanfs_spin_skipped
     cdef int64_t until = _fanfs_last_request + _fanfs_spin_ns
     cdef int res = -errno.EAGAIN
     cdef bint resumed = busy[0]  # called again after trio ran: the same spin goes on
     busy[0] = False
-    if _fanfs_spin_score < 128 and not resumed:
-        _fanfs_spin_skipped += 1
-        if _fanfs_spin_skipped % FANFS_SPIN_PROBE:
-            fanfs_spins[3] += 1
-            return res
+    if not resumed and fanfs_cpu_pressed():
+        fanfs_spins[3] += 1
+        return res
     while fanfs_now_ns() < until and not fuse_session_exited(session):
         stats = trio.lowlevel.current_statistics()
         if stats.tasks_runnable or stats.run_sync_soon_queue_size:
@@ -148,7 +173,6 @@ cdef int _fanfs_spin(fuse_buf *buf, bint *busy):
         if res != -errno.EAGAIN:
             break
     fanfs_spins[0 if res > 0 else 1] += 1
-    _fanfs_spin_learn(res > 0)
     return res
 
 
