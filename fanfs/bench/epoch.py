@@ -62,14 +62,15 @@ def read_groups(
     start, out, plan)`, all groups at once; per group (wall seconds, bytes, per-file latencies).
     With `plans` (group g's mount point), process i of group g publishes its order as share i."""
     ctx = mp.get_context("fork")
-    start, out = ctx.Event(), ctx.Queue()
+    out = ctx.Queue()
+    start = ctx.Barrier(len(groups) * readers + 1)  # every reader ready, then all at once
     procs = [ctx.Process(target=read_files, args=(paths[i::readers], client, start,
                                                    _Tagged(out, g),
                                                    None if plans is None else (plans[g], i)))
              for g, paths in enumerate(groups) for i in range(readers)]  # fmt: skip
     for p in procs:
         p.start()
-    start.set()
+    start.wait(timeout=600)
     got: dict[int, list[Any]] = {g: [] for g in range(len(groups))}
     for _ in procs:
         tag, item = out.get(timeout=3600)

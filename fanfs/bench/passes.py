@@ -141,7 +141,9 @@ def _read_files(
     paths: Sequence[str], client: str, start: Any, out: Any, plan: tuple[Path, int] | None = None
 ) -> None:
     """Read `paths` whole, in order. With `plan` (mount point, share), first hand the daemon
-    that order (fanfs.plan, timed with the reads) and report progress as PlannedSampler does."""
+    that order (fanfs.plan, timed with the reads) and report progress as PlannedSampler does.
+    `start` is a barrier the process waits at once its buffer is made: zeroing 64 MiB costs a
+    process tens of milliseconds of CPU, which must not overlap another reader's timed pass."""
     buf = bytearray(64 << 20)
     lat = []
     total = 0
@@ -174,14 +176,14 @@ def read_all(
     """Read every path whole with `readers` processes; (wall seconds, bytes, latencies). With
     `plan` (a mount point) each process first publishes its order as its own share."""
     ctx = mp.get_context("fork")
-    start = ctx.Event()
+    start = ctx.Barrier(readers + 1)  # every reader ready, then all start at once
     out = ctx.Queue()
     procs = [ctx.Process(target=_read_files, args=(paths[i::readers], client, start, out,
                                                    None if plan is None else (plan, i)))
              for i in range(readers)]  # fmt: skip
     for p in procs:
         p.start()
-    start.set()
+    start.wait(timeout=600)
     got = [out.get(timeout=3600) for _ in procs]
     for p in procs:
         p.join()
