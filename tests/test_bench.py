@@ -139,13 +139,16 @@ def test_calibrate_then_validate_the_projection(tmp_path: Path) -> None:
         "local_daemon_s",
         "remote_daemon_s",
         "local_cpu_s",
-        "warm_s",
         "decode_s_per_byte",
         "disk_bytes_per_s",
         "stage_bytes_per_s",
         "request_s",
     ):
         assert got[key] > 0, key  # fmt: skip
+    # A warm read is mostly a copy: how the two-size fit splits its time between a fixed part
+    # and a part per byte is within this machine's noise (the fixed part came out 0 once in
+    # CI), but a warm 64 KiB file costs time.
+    assert got["warm_s"] >= 0 and got["warm_s"] + got["warm_s_per_byte"] * (64 << 10) > 0
     assert got["local_s"] < 0.05 and got["request_s"] < 0.01 and got["disk_bytes_per_s"] > 1e7
     assert "calibration of" in done.stdout and "daemon loop" in done.stdout
     out = tmp_path / "val.json"
