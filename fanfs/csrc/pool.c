@@ -783,14 +783,10 @@ void fanfs_pool_drop(void) {
         struct slot *s = &cache.slot[i];
         if (s->buf != NULL && s->refs == 0 && !s->pending) {
             cache.bytes -= s->size;
-            free(s->buf);
+            piece_free_locked(s->buf, s->cap);
             s->buf = NULL;
             s->data = NULL;
         }
-    }
-    for (i = 0; i < SPARES; i++) {
-        free(cache.spare[i].buf);
-        cache.spare[i].buf = NULL;
     }
     pthread_mutex_unlock(&cache.lock);
 }
