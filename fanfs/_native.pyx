@@ -103,6 +103,35 @@ cdef extern from "fanfs_native.h" nogil:
     int fanfs_job_check(const fanfs_job *job)
     enum:
         FANFS_FAST_NO
+    void fanfs_lookahead_counters(uint64_t *out)
+    struct fanfs_meta:
+        uint64_t n
+        const char *mode
+        const char *mtime
+        const char *size
+        const char *name_off
+        const char *name_len
+        const char *child_start
+        const char *child_count
+        const char *part
+        const uint32_t *nlink
+        const char *strings
+        uint64_t strings_len
+        const uint8_t *part_local
+        uint32_t nparts, uid, gid, blksize
+        uint64_t timeout_s
+    struct fuse_buf:
+        pass
+    enum: FANFS_FRONT_COUNTS
+    int fanfs_meta_set(const fanfs_meta *m)
+    int fanfs_front_start(int fd, int nthreads, int spin_us)
+    int fanfs_front_receive(void *session, fuse_buf *buf)
+    void fanfs_front_drain()
+    void fanfs_front_stop()
+    void fanfs_front_close()
+    void fanfs_front_counters(uint64_t *out)
+    int fanfs_meta_attr(uint64_t e, uint64_t *out)
+    int64_t fanfs_meta_lookup(uint64_t parent, const char *name, size_t len)
 
 API_VERSION = FANFS_NATIVE_API
 MAX_PIECES = FANFS_MAX_PIECES
@@ -457,3 +486,109 @@ def fast_read_hook():
     """The capsule to give pyfuse3.set_fast_read_hook: READs the pool can answer from the
     catalog alone never reach Python."""
     return PyCapsule_New(<void *>_fast_read_hook, b"pyfuse3.fast_read_hook", NULL)
+
+
+# -- the front: requests taken from the FUSE device by C threads ------------------------------
+
+_meta_columns = None  # the arrays the front reads (kept alive here)
+META_COLUMNS = {"mode": "<u4", "mtime_ns": "<i8", "size": "<u8", "name_off": "<u8",
+                "name_len": "<u4", "child_start": "<u4", "child_count": "<u4", "part": "<u4",
+                "nlink": "=u4"}
+ATTR_FIELDS = ("ino", "size", "blocks", "mtime", "mtimensec", "mode", "nlink", "uid", "gid",
+               "blksize", "atime", "ctime")
+
+
+def meta_set(columns, strings, part_local, unsigned int uid, unsigned int gid,
+             unsigned int blksize, uint64_t timeout_s):
+    """Give the front the catalog: `columns` maps each name of META_COLUMNS to a contiguous
+    array of that type, one per entry; `strings` the catalog's string table (bytes);
+    `part_local` one uint8 per partition, 1 where this node holds it. Kept alive here."""
+    cdef fanfs_meta m
+    n = len(columns["mode"])
+    for name, want in META_COLUMNS.items():
+        a = columns[name]
+        if (a.ndim != 1 or len(a) != n or a.dtype.str.replace("<", "=") != want.replace("<", "=")
+                or not a.flags.c_contiguous):
+            raise ValueError(f"meta_set: column {name} is not a contiguous {want} array")
+    if (part_local.ndim != 1 or part_local.dtype.str != "|u1"
+            or not part_local.flags.c_contiguous or not isinstance(strings, bytes)):
+        raise ValueError("meta_set: part_local must be contiguous uint8, strings bytes")
+    m.n = n
+    m.mode = <const char *><uintptr_t>columns["mode"].ctypes.data
+    m.mtime = <const char *><uintptr_t>columns["mtime_ns"].ctypes.data
+    m.size = <const char *><uintptr_t>columns["size"].ctypes.data
+    m.name_off = <const char *><uintptr_t>columns["name_off"].ctypes.data
+    m.name_len = <const char *><uintptr_t>columns["name_len"].ctypes.data
+    m.child_start = <const char *><uintptr_t>columns["child_start"].ctypes.data
+    m.child_count = <const char *><uintptr_t>columns["child_count"].ctypes.data
+    m.part = <const char *><uintptr_t>columns["part"].ctypes.data
+    m.nlink = <const uint32_t *><uintptr_t>columns["nlink"].ctypes.data
+    m.strings = PyBytes_AS_STRING(strings)
+    m.strings_len = len(strings)
+    m.part_local = <const uint8_t *><uintptr_t>part_local.ctypes.data
+    m.nparts = len(part_local)
+    m.uid, m.gid, m.blksize, m.timeout_s = uid, gid, blksize, timeout_s
+    cdef int ret = fanfs_meta_set(&m)
+    if ret != 0:
+        raise OSError(-ret, "meta_set: " + os.strerror(-ret))
+    global _meta_columns
+    _meta_columns = (dict(columns), strings, part_local)
+
+
+def meta_attr(uint64_t entry):
+    """The attributes the front answers for `entry` (a dict of ATTR_FIELDS); None when it is
+    out of range."""
+    cdef uint64_t out[12]
+    if fanfs_meta_attr(entry, out) != 0:
+        return None
+    return {name: out[i] for i, name in enumerate(ATTR_FIELDS)}
+
+
+def meta_lookup(uint64_t parent, bytes name):
+    """The front's lookup: the entry named `name` in directory `parent`, or None (no such
+    name), or -1 (`parent` is no directory)."""
+    cdef int64_t e = fanfs_meta_lookup(parent, PyBytes_AS_STRING(name), len(name))
+    return None if e == -2 else (-1 if e < 0 else e)
+
+
+def front_start(int fd, int threads, int spin_us):
+    """Start the front's threads on the FUSE session's fd (the leader polls the device for
+    `spin_us` after a request): the fd pyfuse3's receiver waits on. OSError if they cannot
+    start."""
+    cdef int ret = fanfs_front_start(fd, threads, spin_us)
+    if ret < 0:
+        raise OSError(-ret, "front: " + os.strerror(-ret))
+    return ret
+
+
+def front_drain():
+    """pyfuse3's loop has ended: what the front would forward is answered EIO from now on."""
+    fanfs_front_drain()
+
+
+def front_stop():
+    """Stop and join the front's threads (requests still forwarded are answered EIO)."""
+    with nogil:
+        fanfs_front_stop()
+
+
+def front_close():
+    """Close the receiver's fd, once pyfuse3 no longer waits on it."""
+    fanfs_front_close()
+
+
+def receiver():
+    """The capsule to give pyfuse3.set_receiver."""
+    return PyCapsule_New(<void *>fanfs_front_receive, b"pyfuse3.receiver", NULL)
+
+
+def front_stats():
+    """Requests the front answered (lookups, getattrs, reads, others) and forwarded, and the
+    reads it started at LOOKUP (started, then read, never read)."""
+    cdef uint64_t c[8]
+    cdef uint64_t la[3]
+    fanfs_front_counters(c)
+    fanfs_lookahead_counters(la)
+    return {"lookups": c[0], "getattrs": c[1], "reads": c[2], "others": c[3],
+            "forwarded": c[4], "waits": c[5], "lookahead_started": la[0], "lookahead_used": la[1],
+            "lookahead_unused": la[2]}

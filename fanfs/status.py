@@ -109,6 +109,25 @@ NO_PLAN = PlanStatus(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
 
 
 @dataclass(frozen=True, slots=True)
+class FrontStatus:
+    """The front (fanfs/csrc/front.c): requests its threads took from the FUSE device."""
+
+    running: bool
+    lookups: int  # LOOKUPs answered from the catalog in C
+    getattrs: int
+    reads: int  # READs answered in the thread that took them
+    others: int  # IOCTL, FORGET, INTERRUPT: answered or dropped
+    forwarded: int  # handed to pyfuse3's session loop
+    waits: int  # times the leader slept (no request within its poll)
+    lookahead_started: int  # files read into the pool's cache at their LOOKUP
+    lookahead_used: int  # ... then READ
+    lookahead_unused: int  # ... never READ while remembered (a stat walk)
+
+
+NO_FRONT = FrontStatus(False, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+
+
+@dataclass(frozen=True, slots=True)
 class Status:
     pid: int
     image: str
@@ -137,6 +156,7 @@ class Status:
     spin_caught: int
     spin_empty: int
     spin_yielded: int
+    front: FrontStatus
     uptime_s: float
     catalog: CatalogStatus
     store: StoreStatus
@@ -148,7 +168,7 @@ class Status:
     def to_json(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["catalog"], d["store"] = asdict(self.catalog), asdict(self.store)
-        d["plan"] = asdict(self.plan)
+        d["plan"], d["front"] = asdict(self.plan), asdict(self.front)
         d["reader"] = _flat(self.reader)
         peers = d.pop("peers")
         if peers is not None:
@@ -170,9 +190,9 @@ class Status:
                 peers = PeerStatus(**part)
             reader["fetch_ms"] = Percentiles.unflat(reader, "fetch_ms")
             catalog, store = CatalogStatus(**d.pop("catalog")), StoreStatus(**d.pop("store"))
-            plan = PlanStatus(**d.pop("plan"))
+            plan, front = PlanStatus(**d.pop("plan")), FrontStatus(**d.pop("front"))
             return cls(**d, catalog=catalog, store=store, reader=ReaderStatus(**reader),
-                       peers=peers, plan=plan)  # fmt: skip
+                       peers=peers, plan=plan, front=front)  # fmt: skip
         except (KeyError, TypeError) as e:
             raise ValueError(f"not a status this fanfs knows: {e}") from None
 
@@ -219,6 +239,13 @@ def render(s: Status) -> str:
             f"{s.native_frame_hits} hits / {s.native_frame_misses} misses; "
             f"{human_bytes(s.native_pushed_bytes)} pushed to the page cache; "
             f"{s.native_direct_reads} direct reads; loop spin caught {s.spin_caught} requests"
+        )
+    f = s.front
+    if f.running:
+        lines.append(
+            f"front:    {f.lookups} lookups, {f.getattrs} getattrs, {f.reads} reads answered "
+            f"in C with no event loop, {f.forwarded} forwarded; {f.lookahead_started} reads "
+            f"started at lookup ({f.lookahead_used} read, {f.lookahead_unused} never)"
         )
     if p is not None:
         lines.append(

@@ -55,6 +55,7 @@ TIERS = {
     "test_plan": "mount",
     "test_signals": "mount",
     "test_pyfuse3_patch": "mount",
+    "test_front": "mount",
     "test_memory": "memory",
     "test_mpi": "mpi",
     "test_slurm": "slurm",

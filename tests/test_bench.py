@@ -136,7 +136,6 @@ def test_calibrate_then_validate_the_projection(tmp_path: Path) -> None:
     assert got["cores"] == os.cpu_count()
     for key in (
         "local_s",
-        "local_daemon_s",
         "remote_daemon_s",
         "local_cpu_s",
         "decode_s_per_byte",
@@ -149,6 +148,8 @@ def test_calibrate_then_validate_the_projection(tmp_path: Path) -> None:
     # and a part per byte is within this machine's noise (the fixed part came out 0 once in
     # CI), but a warm 64 KiB file costs time.
     assert got["warm_s"] >= 0 and got["warm_s"] + got["warm_s_per_byte"] * (64 << 10) > 0
+    # A local file costs the event loop nothing when the front answers it (fanfs/csrc/front.c).
+    assert got["local_daemon_s"] >= 0
     assert got["local_s"] < 0.05 and got["request_s"] < 0.01 and got["disk_bytes_per_s"] > 1e7
     assert "calibration of" in done.stdout and "daemon loop" in done.stdout
     out = tmp_path / "val.json"

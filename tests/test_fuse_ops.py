@@ -8,6 +8,7 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import parts
 import pyfuse3
 import pytest
@@ -84,3 +85,62 @@ async def test_whole_file_requests_are_not_cached(ops: FanfsOperations, awkward_
     assert ops.reader.statistics().cache_bytes > len(want)  # later chunks come from memory
     assert bytes(await ops.read(mixed.st_ino, 131072, 131072)) == want[131072:262144]
     assert ops.reader.statistics().cache_hits == 1
+
+
+# -- the front's catalog answers (fanfs/csrc/front.c) are the adapter's ---------------------
+
+
+def _front_for(c: cat.Catalog) -> None:
+    from fanfs.node.fuse_ops import BLKSIZE, CACHE_TIMEOUT_S
+    from fanfs.node.pool import Front
+
+    mine = np.ones(c.n_partitions, dtype=np.uint8)
+    Front(lambda *a: None, lambda: -1, BLKSIZE, int(CACHE_TIMEOUT_S), mine, 0).give_catalog(c)
+
+
+async def test_the_front_looks_up_and_answers_attributes_as_the_adapter_does(
+    tmp_path: Path,
+) -> None:
+    """Every entry of a tree with names that sort awkwardly (prefixes, bytes above 0x7f, the
+    longest name, 300 siblings): the C lookup finds what the catalog's finds, misses what it
+    misses, and its attributes are the ones the adapter replies with."""
+    from conftest import prepare
+
+    from fanfs.native import lib
+
+    src = tmp_path / "src"
+    names = [b"a", b"a.b", b"ab", b"a\xff", b"a\x01", b"b", b"A", b"L" * 255, b"caf\xc3\xa9"]
+    names += [b"s%03d" % i for i in range(300)]
+    for d in (b"", b"sub/", b"sub/deeper/"):
+        for n in names:
+            path = os.path.join(os.fsencode(src), d + n)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(n * 3)
+    os.symlink("a", src / "link")
+    c, _ = cat.Catalog.load(prepare(src, tmp_path / "img", "--partitions", "2"))
+    _front_for(c)
+    store = PartitionStore(tmp_path / "img", c, tmp_path / "local", range(c.n_partitions))
+    try:
+        ops = FanfsOperations(c, parts.reader(c, store), lambda: {})
+        for entry in range(c.n_entries):
+            a = ops._attrs(entry)
+            got = lib.meta_attr(entry)
+            assert got == {"ino": a.st_ino, "size": a.st_size, "blocks": a.st_blocks,
+                           "mtime": a.st_mtime_ns // 10**9, "mtimensec": a.st_mtime_ns % 10**9,
+                           "mode": a.st_mode, "nlink": a.st_nlink, "uid": a.st_uid,
+                           "gid": a.st_gid, "blksize": a.st_blksize,
+                           "atime": a.st_atime_ns // 10**9,
+                           "ctime": a.st_ctime_ns // 10**9}, entry  # fmt: skip
+            if entry:
+                parent, name = int(c.parent[entry]), c.name(entry)
+                assert lib.meta_lookup(parent, name) == entry
+                assert (await ops.lookup(parent + ROOT, name, CTX)).st_ino == entry + ROOT
+                for missing in (name + b"\x00x", name[:-1] + b"~", b"zz" + name):
+                    if c.lookup(parent, missing) is None:
+                        assert lib.meta_lookup(parent, missing) is None, missing
+                if not c.is_dir[entry]:
+                    assert lib.meta_lookup(entry, b"a") == -1  # not a directory
+        assert lib.meta_attr(c.n_entries) is None
+    finally:
+        store.close()

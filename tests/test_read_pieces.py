@@ -133,6 +133,7 @@ async def test_sources_choose_local_peer_or_image_and_say_what_is_checked(
 def test_status_round_trips_and_refuses_an_unknown_layout() -> None:
     from fanfs.status import (
         CatalogStatus,
+        FrontStatus,
         PeerStatus,
         Percentiles,
         PlanStatus,
@@ -145,7 +146,8 @@ def test_status_round_trips_and_refuses_an_unknown_layout() -> None:
     reader = ReaderStatus(1, 2, 3, 4, 5, 6, 7, 0, 1, 0, 2, 5, 4, 1, Percentiles(0.1, 0.2, 0.3))
     peers = PeerStatus(9, 10, Percentiles(1.0, 2.0, 3.0), 0, 4, 3, 5, 0, 0, [2], [1])
     status = Status(7, "/img", "/mnt", 0, 3, 1, "vm", "n1", True, True, True, "isa-l", True, 5, 2,
-                    6, 7 << 20, 8, 9, 11, 40, 3, 1, 1.5,
+                    6, 7 << 20, 8, 9, 11, 40, 3, 1,
+                    FrontStatus(True, 12, 13, 14, 1, 2, 3, 4, 3, 1), 1.5,
                     CatalogStatus(10, 8, 1000), StoreStatus("/tmp/s", 2, 2, 100, 100, True,
                                                             0.1, 3), reader, peers,
                     PlanStatus(2, 800, 1, 300, 400, 390, 5 << 20, 1 << 20, 10, 2, 0, 0, 1, 1 << 30),
@@ -163,6 +165,8 @@ def test_status_round_trips_and_refuses_an_unknown_layout() -> None:
         "loop spin caught 40"
     ) in render(status)
     assert "plan:     2 shares, 800 planned (1 missing)" in render(status)
+    assert "front:    12 lookups, 13 getattrs, 14 reads answered in C" in render(status)
+    assert "4 reads started at lookup (3 read, 1 never)" in render(status)
     broken = dict(flat, reader={k: v for k, v in flat["reader"].items() if k != "reads"})
     with pytest.raises(ValueError, match="not a status"):
         Status.from_json(broken)

@@ -75,6 +75,14 @@ REPLY_REPLACEMENT = """    else:
             PyBuffer_Release(&pybuf)
 """
 HANDLERS_INCLUDE = 'include "handlers.pxi"'
+# terminate() wakes the loop's wait: with a receiver that is a wait on the receiver's fd.
+TERMINATE_ANCHOR = """    fuse_session_exit(session)
+    trio.lowlevel.notify_closing(session_fd)
+"""
+TERMINATE_REPLACEMENT = """    fuse_session_exit(session)
+    trio.lowlevel.notify_closing(session_fd)
+    _fanfs_notify_closing()
+"""
 
 # pyfuse3 3.5.0's session loop waits for the FUSE fd through trio (a lock, an epoll_ctl and an
 # epoll_wait) before every request, even when the next one is already queued. Pairs of (anchor
@@ -104,7 +112,8 @@ LOOP_PATCHES = (
         # fanfs: the fd is non-blocking; take a request that is already queued at once
         # and wait through trio only when there is none. Yield to other tasks every 16
         # requests taken without waiting (a handler that does not suspend is no checkpoint).
-        res = fuse_session_receive_buf(session, &buf)
+        # With a receiver (fanfs_hooks.pxi), requests come from it instead of the fd.
+        res = _fanfs_receive(&buf)
         if res == -errno.EAGAIN:
             # fanfs_hooks.pxi: the next request is likely to come within microseconds;
             # poll for it a while, letting other tasks run first when they want to.
@@ -116,7 +125,7 @@ LOOP_PATCHES = (
                 streak = 0
                 if not await _wait_fuse_readable():
                     break
-                res = fuse_session_receive_buf(session, &buf)
+                res = _fanfs_receive(&buf)
         if res > 0:
             _fanfs_request_seen()
             # Requests taken without waiting through trio (queued, or caught by the poll) do
@@ -126,6 +135,14 @@ LOOP_PATCHES = (
             if streak >= 16:
                 streak = 0
                 await trio.lowlevel.cancel_shielded_checkpoint()
+""",
+    ),
+    (
+        """\
+            await trio.lowlevel.wait_readable(session_fd)
+""",
+        """\
+            await trio.lowlevel.wait_readable(_fanfs_wait_fd())  # fanfs: or the receiver's
 """,
     ),
     (
@@ -206,6 +223,7 @@ def main() -> int:
         reply_at = text.find("async def fuse_read_async")
         if (text.count(ANCHOR) != 1 or text.find(REPLY_ANCHOR, reply_at) < 0
                 or init_text.count(HANDLERS_INCLUDE) != 1
+                or init_text.count(TERMINATE_ANCHOR) != 1
                 or any(loop.count(a) != 1 for a, _ in LOOP_PATCHES)):  # fmt: skip
             sys.exit(
                 f"install_pyfuse3: unexpected pyfuse3 source in {sdist.name}; patch not applied"
@@ -220,7 +238,7 @@ def main() -> int:
         (src / HOOKS.name).write_text(text)
         init_text = init_text.replace(
             HANDLERS_INCLUDE, f'include "{HOOKS.name}"\n{HANDLERS_INCLUDE}'
-        )
+        ).replace(TERMINATE_ANCHOR, TERMINATE_REPLACEMENT)
         init.write_text(init_text + f"\n{MARKER} = True\nFANFS_PATCH_DIGEST = {DIGEST!r}\n")
         print(f"fanfs setup: building patched pyfuse3 {VERSION} (about 30 s)", flush=True)
         subprocess.run(

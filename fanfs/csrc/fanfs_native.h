@@ -23,7 +23,7 @@
 #include <stdint.h>
 #include <sys/uio.h>
 
-#define FANFS_NATIVE_API 2
+#define FANFS_NATIVE_API 3
 
 /* What a piece's stored bytes are (fanfs/node/native.py names the same numbers). */
 enum {
@@ -177,6 +177,22 @@ void fanfs_pool_fast_enable(int on);
 int fanfs_pool_fast_read(void *session, void *req, uint64_t ino, int64_t off, uint64_t size);
 uint64_t fanfs_pool_fast_count(void); /* READs answered by it */
 
+/* The fast path's job for a READ of inode `ino` (what fanfs_pool_fast_read would queue): 0,
+ * or -1 when Python must answer it. */
+int fanfs_pool_fast_job(uint64_t ino, int64_t off, uint64_t size, struct fanfs_job *j);
+int fanfs_pool_fast_on(void); /* whether the fast path is on */
+/* Answer a READ of inode `ino` taken from the FUSE device `fd` (request `unique`) with the
+ * fast path's job, in the calling thread: the reply (or EIO, and the failure posted as the
+ * pool's are) written to `fd`, the rest of fresh pieces pushed when the job says so. 0, or -1
+ * when Python must answer it. fanfs_pool_stop waits for the answers in progress. */
+int fanfs_pool_fast_answer(int fd, uint64_t unique, uint64_t ino, int64_t off, uint64_t size);
+/* Inode `ino` (a file stored whole here) was looked up: its READ is likely next, so the pool
+ * may start reading it now (into its cache of pieces), while lookups keep being followed by
+ * reads. */
+void fanfs_pool_looked_up(uint64_t ino);
+/* Reads started at LOOKUP: started, then read by their READ, or never read. */
+void fanfs_lookahead_counters(uint64_t out[3]);
+
 /* Run a job in the calling thread with the same code as the pool, the reply copied to `out`
  * (`count` bytes); 0 or an errno. For Python callers and unit tests. */
 int fanfs_run_job(const struct fanfs_dicts *dicts, const struct fanfs_job *job, char *out);
@@ -184,5 +200,63 @@ int fanfs_run_job(const struct fanfs_dicts *dicts, const struct fanfs_job *job, 
 /* Check a job's shape: 0, or -1 if it is malformed (pieces over the limits or empty, a range
  * outside the pieces, or a piece that holds none of the range). */
 int fanfs_job_check(const struct fanfs_job *job);
+
+/* -- front.c: threads that take requests from the FUSE device themselves ------------------ */
+
+/* The catalog as the front reads it: columns as in the image (little-endian, maybe
+ * unaligned), nlink and which partitions this node holds computed at load. Must outlive the
+ * front. */
+struct fanfs_meta {
+    uint64_t n;          /* entries; inode = entry + 1 */
+    const char *mode;    /* u32 */
+    const char *mtime;   /* i64, nanoseconds */
+    const char *size;    /* u64 */
+    const char *name_off, *name_len;        /* u64, u32: into strings */
+    const char *child_start, *child_count;  /* u32: a directory's children, sorted by name */
+    const char *part;    /* u32 */
+    const uint32_t *nlink; /* native order */
+    const char *strings;
+    uint64_t strings_len;
+    const uint8_t *part_local; /* per partition: 1 if this node holds it */
+    uint32_t nparts;
+    uint32_t uid, gid, blksize;
+    uint64_t timeout_s;  /* how long the kernel may keep entries and attributes */
+};
+
+/* libfuse's buffer size for requests (256 pages and a header page): the front reads with it
+ * and hands pyfuse3 buffers of it. */
+#define FANFS_FRONT_BUFSIZE (256 * 4096 + 4096)
+
+/* The catalog the front answers from (copied; -EBUSY while it runs). */
+int fanfs_meta_set(const struct fanfs_meta *m);
+/* Start `nthreads` front threads on the FUSE session's fd (non-blocking), whose leader polls
+ * the device for `spin_us` after a request before it sleeps: the fd pyfuse3's receiver must
+ * wait on (readable while forwarded requests wait), or -errno. */
+int fanfs_front_start(int fd, int nthreads, int spin_us);
+/* pyfuse3's receiver: the next forwarded request into `buf` (its size), -EAGAIN if none, 0
+ * once the session has ended. */
+struct fuse_buf;
+int fanfs_front_receive(void *session, struct fuse_buf *buf);
+/* pyfuse3's loop has ended: requests forwarded and not taken, and every one the threads
+ * would forward from now on, are answered EIO (the threads go on answering the rest). Call it
+ * before stopping the pool: its pusher may wait for a page that a READ in the kernel's queue
+ * holds, and only the front can answer that READ then. */
+void fanfs_front_drain(void);
+/* Drain, stop and join the threads; then fanfs_front_close closes the receiver's fd. */
+void fanfs_front_stop(void);
+void fanfs_front_close(void);
+/* Requests answered by the front, by kind, and forwarded; then how often the leader slept. */
+enum { FANFS_FRONT_LOOKUPS, FANFS_FRONT_GETATTRS, FANFS_FRONT_READS, FANFS_FRONT_OTHERS,
+       FANFS_FRONT_FORWARDED, FANFS_FRONT_COUNTS, FANFS_FRONT_WAITS = FANFS_FRONT_COUNTS };
+void fanfs_front_counters(uint64_t out[FANFS_FRONT_COUNTS + 1]);
+/* The attributes the front answers for entry `e` (ino, size, blocks, mtime, mtimensec, mode,
+ * nlink, uid, gid, blksize, atime, ctime), and its lookup (the entry; -2: no such name; -1:
+ * not a directory), from the catalog given to fanfs_meta_set: for the tests. */
+int fanfs_meta_attr(uint64_t e, uint64_t out[12]);
+int64_t fanfs_meta_lookup(uint64_t parent, const char *name, size_t len);
+
+/* Raw messages to the FUSE device: a reply (error `err`, or the data), a notify_store. */
+int fanfs_raw_reply(int fd, uint64_t unique, int err, const struct iovec *iov, int n);
+int fanfs_raw_notify_store(int fd, uint64_t ino, uint64_t off, const void *data, uint32_t len);
 
 #endif

@@ -43,12 +43,37 @@
 #define PUSH_MAX 64       /* queued pushes; beyond, a piece is not pushed (the kernel READs it) */
 #define WAITING (1 << 30) /* piece_get: the job was hung on a piece being read */
 
+/* Where a READ's answer goes: through libfuse (`req`, a request pyfuse3 took), or written to
+ * the FUSE device `fd` for request `unique` (one the front took itself). */
+struct target {
+    struct fuse_session *se; /* for pushes through libfuse; NULL with `fd` */
+    fuse_req_t req;
+    int fd;
+    uint64_t unique;
+};
+
 struct qjob {
     struct qjob *next;
-    struct fuse_session *se;
-    fuse_req_t req; /* NULL: a read-ahead */
+    struct target t; /* t.req NULL and t.fd < 0: a read-ahead */
+    int lookahead;   /* a read-ahead started at LOOKUP: run only while its READ is to come */
     struct fanfs_job j;
 };
+
+static int is_read(const struct qjob *qj) { return qj->t.req != NULL || qj->t.fd >= 0; }
+
+static void reply_iov(const struct target *t, const struct iovec *iov, int n) {
+    if (t->req != NULL)
+        fuse_reply_iov(t->req, iov, n);
+    else
+        fanfs_raw_reply(t->fd, t->unique, 0, iov, n);
+}
+
+static void reply_err(const struct target *t, int err) {
+    if (t->req != NULL)
+        fuse_reply_err(t->req, err);
+    else
+        fanfs_raw_reply(t->fd, t->unique, err, NULL, 0);
+}
 
 /* -- the cache of decoded pieces ---------------------------------------------------------- */
 struct slot {
@@ -61,6 +86,7 @@ struct slot {
     const char *data;      /* its decoded bytes, inside buf */
     int refs;              /* replies and pushes using it: never evicted while > 0 */
     int pending;           /* a thread is reading it */
+    int unpushed;          /* read ahead with no push: the first READ of it pushes the rest */
     uint64_t used;
     struct qjob *waiters;  /* READs hung on it until it is read */
 };
@@ -89,7 +115,8 @@ static struct {
 } pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .cond = PTHREAD_COND_INITIALIZER, .errfd = -1};
 
 struct push {
-    struct fuse_session *se;
+    struct fuse_session *se; /* through libfuse, or NULL: written to `fd` */
+    int fd;
     uint64_t ino;
     int slot;
     int64_t pos; /* where the slot's decoded bytes start in the file */
@@ -292,7 +319,36 @@ static int piece_get(struct qjob *qj, const struct fanfs_job *j, int k,
     g->own = NULL;
     g->fresh = 0;
     if (!p->cache) {
-        /* A file asked for whole: nobody asks for it again (the kernel keeps it). */
+        /* A file asked for whole: nobody asks for it again (the kernel keeps it), so it is not
+         * cached, unless it is there already (read ahead at its LOOKUP). */
+        pthread_mutex_lock(&cache.lock);
+        for (;;) {
+            found = -1;
+            for (i = 0; i < SLOTS; i++)
+                if (slot_is(&cache.slot[i], j->fd, p))
+                    found = i;
+            if (found < 0 || !cache.slot[found].pending)
+                break;
+            if (qj != NULL) {
+                qj->next = cache.slot[found].waiters;
+                cache.slot[found].waiters = qj;
+                pthread_mutex_unlock(&cache.lock);
+                return WAITING;
+            }
+            pthread_cond_wait(&cache.ready, &cache.lock);
+        }
+        if (found >= 0) {
+            struct slot *s = &cache.slot[found];
+            s->refs++;
+            s->used = ++cache.clock;
+            s->unpushed = 0;
+            cache.hits++;
+            pthread_mutex_unlock(&cache.lock);
+            g->slot = found;
+            g->data = s->data;
+            return 0;
+        }
+        pthread_mutex_unlock(&cache.lock);
         err = fanfs_read_stored(j->fd, j->dfd, p, &tstored, &tstored_cap, &at);
         if (err != 0)
             return err;
@@ -338,6 +394,8 @@ static int piece_get(struct qjob *qj, const struct fanfs_job *j, int k,
         struct slot *s = &cache.slot[found];
         s->refs++;
         s->used = ++cache.clock;
+        g->fresh = s->unpushed; /* read ahead at LOOKUP: this first READ pushes the rest */
+        s->unpushed = 0;
         cache.hits++;
         pthread_mutex_unlock(&cache.lock);
         g->slot = found;
@@ -356,6 +414,7 @@ static int piece_get(struct qjob *qj, const struct fanfs_job *j, int k,
         s->kind = p->kind;
         s->used = ++cache.clock;
         s->pending = 1;
+        s->unpushed = 0;
         s->refs = 1; /* ours */
         s->waiters = NULL;
         cache.bytes += p->size; /* counted now: the room is taken */
@@ -391,14 +450,14 @@ static void piece_done(struct got *g) {
 /* -- pushes ------------------------------------------------------------------------------- */
 
 /* Queue a push of bytes [from, to) of slot i (a reference taken for it). */
-static void push_queue(struct fuse_session *se, uint64_t ino, int i, int64_t pos, uint32_t from,
+static void push_queue(const struct target *t, uint64_t ino, int i, int64_t pos, uint32_t from,
                        uint32_t to) {
-    if (to <= from)
+    if (to <= from || (t->se == NULL && t->fd < 0))
         return;
     pthread_mutex_lock(&push.lock);
     if (push.running && push.n < PUSH_MAX) {
         struct push *q = &push.q[(push.first + push.n) % PUSH_MAX];
-        *q = (struct push){se, ino, i, pos, from, to};
+        *q = (struct push){t->se, t->fd, ino, i, pos, from, to};
         push.n++;
         pthread_mutex_lock(&cache.lock);
         cache.slot[i].refs++;
@@ -427,7 +486,10 @@ static void *pusher_main(void *arg) {
         bv.buf[0].size = q.to - q.from;
         bv.buf[0].mem = (void *)(cache.slot[q.slot].data + q.from);
         /* ENOENT (the kernel forgot the inode) and the like: the kernel READs it instead. */
-        if (fuse_lowlevel_notify_store(q.se, q.ino, (off_t)(q.pos + q.from), &bv, 0) == 0) {
+        if ((q.se != NULL
+                 ? fuse_lowlevel_notify_store(q.se, q.ino, (off_t)(q.pos + q.from), &bv, 0)
+                 : fanfs_raw_notify_store(q.fd, q.ino, (uint64_t)(q.pos + q.from), bv.buf[0].mem,
+                                          q.to - q.from)) == 0) {
             pthread_mutex_lock(&push.lock);
             push.pushes++;
             push.bytes += q.to - q.from;
@@ -441,7 +503,7 @@ static void *pusher_main(void *arg) {
 }
 
 /* After a reply: push what [lo, hi) of the file did not cover of each piece decoded afresh. */
-static void push_rest(struct fuse_session *se, const struct fanfs_job *j, struct got *got,
+static void push_rest(const struct target *t, const struct fanfs_job *j, struct got *got,
                       const int *held) {
     int k;
     int64_t pos = j->base, lo = j->base + j->skip, hi = lo + j->count;
@@ -449,9 +511,9 @@ static void push_rest(struct fuse_session *se, const struct fanfs_job *j, struct
         int64_t end = pos + j->pieces[k].size;
         if (held[k] && got[k].fresh && got[k].slot >= 0) {
             if (lo > pos)
-                push_queue(se, j->ino, got[k].slot, pos, 0, (uint32_t)((lo < end ? lo : end) - pos));
+                push_queue(t, j->ino, got[k].slot, pos, 0, (uint32_t)((lo < end ? lo : end) - pos));
             if (hi < end)
-                push_queue(se, j->ino, got[k].slot, pos, (uint32_t)((hi > pos ? hi : pos) - pos),
+                push_queue(t, j->ino, got[k].slot, pos, (uint32_t)((hi > pos ? hi : pos) - pos),
                            j->pieces[k].size);
         }
         pos = end;
@@ -527,8 +589,9 @@ static void post_error(int64_t entry, int err) {
     (void)posted;
 }
 
-static void run_read(struct qjob *qj) {
-    const struct fanfs_job *j = &qj->j;
+/* Answer a READ: 0, or WAITING when `qj` (a queued READ; NULL: the caller waits instead)
+ * was hung on a piece another thread is reading. */
+static int answer(struct qjob *qj, const struct target *t, const struct fanfs_job *j) {
     struct got got[FANFS_MAX_PIECES];
     struct iovec iov[FANFS_MAX_PIECES];
     int held[FANFS_MAX_PIECES] = {0}, niov, k, err;
@@ -538,21 +601,46 @@ static void run_read(struct qjob *qj) {
         for (k = 0; k < j->npieces; k++) /* let go of what it holds; it starts over */
             if (held[k])
                 piece_done(&got[k]);
-        return; /* qj is hung on a piece: queued again when it is read */
+        return WAITING;
     }
     if (err == 0) {
-        fuse_reply_iov(qj->req, iov, niov);
-        if ((j->flags & FANFS_JOB_PUSH) && j->ino != 0 && qj->se != NULL)
-            push_rest(qj->se, j, got, held);
+        reply_iov(t, iov, niov);
+        if ((j->flags & FANFS_JOB_PUSH) && j->ino != 0)
+            push_rest(t, j, got, held);
     }
     for (k = 0; k < j->npieces; k++)
         if (held[k])
             piece_done(&got[k]);
     if (err != 0) {
-        fuse_reply_err(qj->req, EIO);
+        reply_err(t, EIO);
         post_error(j->entry, err);
     }
-    free(qj);
+    return 0;
+}
+
+static void run_read(struct qjob *qj) {
+    if (answer(qj, &qj->t, &qj->j) != WAITING)
+        free(qj); /* else it is hung on a piece: queued again when the piece is read */
+}
+
+static int lookahead_wanted(uint64_t ino);
+
+/* READs answered by fanfs_pool_fast_answer right now: the pool's stop waits for them before
+ * it frees the cache they may hold pieces of. */
+static int answering;
+
+int fanfs_pool_fast_answer(int fd, uint64_t unique, uint64_t ino, int64_t off, uint64_t size) {
+    struct target t = {NULL, NULL, fd, unique};
+    struct fanfs_job j;
+    __atomic_add_fetch(&answering, 1, __ATOMIC_SEQ_CST); /* before the check of fast.on */
+    if (fanfs_pool_fast_job(ino, off, size, &j) != 0) {
+        __atomic_sub_fetch(&answering, 1, __ATOMIC_SEQ_CST);
+        return -1;
+    }
+    answer(NULL, &t, &j);
+    thread_buffers_trim();
+    __atomic_sub_fetch(&answering, 1, __ATOMIC_SEQ_CST);
+    return 0;
 }
 
 /* A read-ahead: decode each piece nobody holds into the cache (and push it, if asked). */
@@ -560,6 +648,10 @@ static void run_ahead(struct qjob *qj) {
     const struct fanfs_job *j = &qj->j;
     int k, i, held, slot;
     int64_t pos = j->base;
+    if (qj->lookahead && !lookahead_wanted(j->ino)) {
+        free(qj); /* its READ came first and read it */
+        return;
+    }
     for (k = 0; k < j->npieces; k++) {
         const struct fanfs_piece *p = &j->pieces[k];
         char *buf = NULL;
@@ -580,6 +672,7 @@ static void run_ahead(struct qjob *qj) {
             s->kind = p->kind;
             s->used = ++cache.clock;
             s->pending = 1;
+            s->unpushed = !(j->flags & FANFS_JOB_PUSH) || j->ino == 0;
             s->refs = 1;
             s->waiters = NULL;
             cache.bytes += p->size;
@@ -592,8 +685,8 @@ static void run_ahead(struct qjob *qj) {
                 slot_fill(slot, NULL, 0, NULL); /* its READ reads it and reports it */
             } else {
                 slot_fill(slot, buf, cap, data);
-                if ((j->flags & FANFS_JOB_PUSH) && j->ino != 0 && qj->se != NULL)
-                    push_queue(qj->se, j->ino, slot, pos, 0, p->size);
+                if ((j->flags & FANFS_JOB_PUSH) && j->ino != 0)
+                    push_queue(&qj->t, j->ino, slot, pos, 0, p->size);
                 slot_release(slot);
             }
         }
@@ -683,7 +776,7 @@ static void *thread_main(void *arg) {
         pthread_mutex_unlock(&pool.lock);
         if (qj == NULL)
             break;
-        if (qj->req != NULL)
+        if (is_read(qj))
             run_read(qj);
         else
             run_ahead(qj);
@@ -724,7 +817,7 @@ int fanfs_pool_start(int nthreads, int errfd) {
 
 void fanfs_pool_set_dicts(struct fanfs_dicts *d) { pool.dicts = d; }
 
-static int enqueue(struct fuse_session *se, fuse_req_t req, const struct fanfs_job *job) {
+static int enqueue(const struct target *t, int lookahead, const struct fanfs_job *job) {
     struct qjob *qj;
     if (pool.nthreads == 0 || pool.stopping || fanfs_job_check(job) != 0)
         return -1;
@@ -732,11 +825,11 @@ static int enqueue(struct fuse_session *se, fuse_req_t req, const struct fanfs_j
     if (qj == NULL)
         return -1;
     qj->next = NULL;
-    qj->se = se;
-    qj->req = req;
+    qj->t = *t;
+    qj->lookahead = lookahead;
     qj->j = *job;
     pthread_mutex_lock(&pool.lock);
-    if (req != NULL) {
+    if (is_read(qj)) {
         if (pool.tail != NULL)
             pool.tail->next = qj;
         else
@@ -768,12 +861,14 @@ static struct fuse_session *last_session; /* read-aheads push through the READs'
 int fanfs_pool_submit(void *session, void *req, const struct fanfs_job *job) {
     if (req == NULL)
         return -1;
+    struct target t = {(struct fuse_session *)session, (fuse_req_t)req, -1, 0};
     __atomic_store_n(&last_session, (struct fuse_session *)session, __ATOMIC_RELAXED);
-    return enqueue(session, req, job);
+    return enqueue(&t, 0, job);
 }
 
 int fanfs_pool_read_ahead(const struct fanfs_job *job) {
-    return enqueue(__atomic_load_n(&last_session, __ATOMIC_RELAXED), NULL, job);
+    struct target t = {__atomic_load_n(&last_session, __ATOMIC_RELAXED), NULL, -1, 0};
+    return enqueue(&t, 0, job);
 }
 
 void fanfs_pool_drop(void) {
@@ -808,7 +903,9 @@ void fanfs_pool_counters(struct fanfs_pool_stats *out) {
 
 void fanfs_pool_stop(void) {
     int i;
-    fanfs_pool_fast_enable(0); /* READs from now on go to Python */
+    fanfs_pool_fast_enable(0); /* READs from now on go to Python (or the front's drain) */
+    while (__atomic_load_n(&answering, __ATOMIC_SEQ_CST) > 0)
+        usleep(100); /* the front's READs in flight finish with the cache */
     pthread_mutex_lock(&pool.lock);
     pool.stopping = 1;
     pthread_cond_broadcast(&pool.cond);
@@ -891,18 +988,22 @@ void fanfs_pool_fast_part(uint32_t part, int fd, int dfd) {
     __atomic_store_n(&fast.fd[part], fd, __ATOMIC_RELEASE);
 }
 
-void fanfs_pool_fast_enable(int on) { __atomic_store_n(&fast.on, on, __ATOMIC_RELEASE); }
+void fanfs_pool_fast_enable(int on) { __atomic_store_n(&fast.on, on, __ATOMIC_SEQ_CST); }
 
 uint64_t fanfs_pool_fast_count(void) { return __atomic_load_n(&fast.taken, __ATOMIC_RELAXED); }
 
-int fanfs_pool_fast_read(void *session, void *req, uint64_t ino, int64_t off, uint64_t size) {
-    struct fanfs_job j;
+int fanfs_pool_fast_on(void) { return __atomic_load_n(&fast.on, __ATOMIC_SEQ_CST); }
+
+static void lookahead_read(uint64_t ino);
+
+/* The fast path's job for [off, off + size) of inode `ino`: 0, or -1 (Python answers). */
+static int fast_build(uint64_t ino, int64_t off, uint64_t size, struct fanfs_job *j) {
     uint64_t e, length, stored;
     uint32_t part;
     int fd, whole;
     uint8_t kind;
 
-    if (!__atomic_load_n(&fast.on, __ATOMIC_ACQUIRE) || fast.fd == NULL || ino < 1)
+    if (!__atomic_load_n(&fast.on, __ATOMIC_SEQ_CST) || fast.fd == NULL || ino < 1)
         return -1;
     e = ino - 1;
     if (e >= fast.t.n || fast.t.kind[e] == FANFS_FAST_NO ||
@@ -925,24 +1026,137 @@ int fanfs_pool_fast_read(void *session, void *req, uint64_t ino, int64_t off, ui
     whole = off == 0 && size == length;
     if (!whole && length > fast.t.parts_limit)
         return -1;
-    memset(&j, 0, sizeof j);
-    j.fd = fd;
-    j.dfd = __atomic_load_n(&fast.dfd[part], __ATOMIC_RELAXED);
-    j.entry = (int64_t)e;
-    j.ino = ino;
-    j.base = 0;
-    j.skip = (uint32_t)off;
-    j.count = (uint32_t)size;
-    j.flags = whole ? 0 : fast.t.flags;
-    j.npieces = 1;
-    j.pieces[0].off = (int64_t)field64(fast.t.off, e);
-    j.pieces[0].len = (uint32_t)stored;
-    j.pieces[0].crc = field32(fast.t.crc, e);
-    j.pieces[0].size = (uint32_t)length;
-    j.pieces[0].kind = kind;
-    j.pieces[0].cache = !whole;
-    if (fanfs_job_check(&j) != 0 || fanfs_pool_submit(session, req, &j) != 0)
+    memset(j, 0, sizeof *j);
+    j->fd = fd;
+    j->dfd = __atomic_load_n(&fast.dfd[part], __ATOMIC_RELAXED);
+    j->entry = (int64_t)e;
+    j->ino = ino;
+    j->base = 0;
+    j->skip = (uint32_t)off;
+    j->count = (uint32_t)size;
+    j->flags = whole ? 0 : fast.t.flags;
+    j->npieces = 1;
+    j->pieces[0].off = (int64_t)field64(fast.t.off, e);
+    j->pieces[0].len = (uint32_t)stored;
+    j->pieces[0].crc = field32(fast.t.crc, e);
+    j->pieces[0].size = (uint32_t)length;
+    j->pieces[0].kind = kind;
+    j->pieces[0].cache = !whole;
+    return fanfs_job_check(j);
+}
+
+int fanfs_pool_fast_job(uint64_t ino, int64_t off, uint64_t size, struct fanfs_job *j) {
+    if (fast_build(ino, off, size, j) != 0)
         return -1;
+    if (off == 0)
+        lookahead_read(ino);
     __atomic_add_fetch(&fast.taken, 1, __ATOMIC_RELAXED);
     return 0;
+}
+
+int fanfs_pool_fast_read(void *session, void *req, uint64_t ino, int64_t off, uint64_t size) {
+    struct fanfs_job j;
+    if (fanfs_pool_fast_job(ino, off, size, &j) != 0)
+        return -1;
+    return fanfs_pool_submit(session, req, &j);
+}
+
+/* -- reads started at LOOKUP ------------------------------------------------------------------
+ * A LOOKUP of a file stored here is most often its open(), and its first READ follows within
+ * microseconds: the pool starts reading it then, into its cache of pieces, where the READ
+ * finds it (waiting for it if it is still being read). A stat walk (ls -l, du) looks files up
+ * that nobody reads: the last LA_RING lookups are remembered, with whether a READ followed
+ * (la.share, the recent share of lookups that were read, in 1/256), and files are read ahead
+ * only while most are. A file larger than the pool's parts limit is not read ahead. */
+#define LA_RING 64
+static struct {
+    pthread_mutex_t lock;
+    uint64_t ino[LA_RING];
+    uint8_t fetched[LA_RING];
+    int n;      /* entries, oldest first */
+    int share;  /* 1/256 */
+    uint64_t started, used, unused;
+} la = {.lock = PTHREAD_MUTEX_INITIALIZER, .share = 256};
+
+static void la_outcome(int read, int fetched) {
+    la.share += ((read ? 256 : 0) - la.share) / 16;
+    if (fetched) {
+        la.used += read;
+        la.unused += !read;
+    }
+}
+
+static int la_find(uint64_t ino) {
+    int i;
+    for (i = la.n - 1; i >= 0; i--)
+        if (la.ino[i] == ino)
+            return i;
+    return -1;
+}
+
+static void la_remove(int i) {
+    memmove(&la.ino[i], &la.ino[i + 1], (size_t)(la.n - i - 1) * sizeof la.ino[0]);
+    memmove(&la.fetched[i], &la.fetched[i + 1], (size_t)(la.n - i - 1));
+    la.n--;
+}
+
+static void lookahead_read(uint64_t ino) {
+    int i;
+    pthread_mutex_lock(&la.lock);
+    if ((i = la_find(ino)) >= 0) {
+        la_outcome(1, la.fetched[i]);
+        la_remove(i);
+    }
+    pthread_mutex_unlock(&la.lock);
+}
+
+static int lookahead_wanted(uint64_t ino) {
+    int i, wanted;
+    pthread_mutex_lock(&la.lock);
+    i = la_find(ino);
+    wanted = i >= 0 && la.fetched[i];
+    pthread_mutex_unlock(&la.lock);
+    return wanted;
+}
+
+void fanfs_pool_looked_up(uint64_t ino) {
+    struct fanfs_job j;
+    struct target none = {NULL, NULL, -1, 0};
+    int i, fetch;
+    uint64_t e = ino - 1;
+    if (!__atomic_load_n(&fast.on, __ATOMIC_ACQUIRE) || fast.fd == NULL || ino < 1 ||
+        e >= fast.t.n || field64(fast.t.size, e) > fast.t.parts_limit)
+        return;
+    pthread_mutex_lock(&la.lock);
+    if ((i = la_find(ino)) >= 0)
+        la_remove(i); /* looked up again before it was read: counted once */
+    if (la.n == LA_RING) {
+        la_outcome(0, la.fetched[0]); /* never read while remembered */
+        la_remove(0);
+    }
+    fetch = la.share >= 128;
+    la.ino[la.n] = ino;
+    la.fetched[la.n] = (uint8_t)fetch;
+    la.n++;
+    pthread_mutex_unlock(&la.lock);
+    if (!fetch)
+        return;
+    if (fast_build(ino, 0, field64(fast.t.size, e), &j) != 0)
+        return;
+    j.count = 0; /* no READ: the piece goes into the cache, for the READ to come */
+    j.flags = 0;
+    j.pieces[0].cache = 1;
+    if (enqueue(&none, 1, &j) == 0) {
+        pthread_mutex_lock(&la.lock);
+        la.started++;
+        pthread_mutex_unlock(&la.lock);
+    }
+}
+
+void fanfs_lookahead_counters(uint64_t out[3]) {
+    pthread_mutex_lock(&la.lock);
+    out[0] = la.started;
+    out[1] = la.used;
+    out[2] = la.unused;
+    pthread_mutex_unlock(&la.lock);
 }

@@ -14,6 +14,7 @@ another object's attributes.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
@@ -30,12 +31,14 @@ from fanfs.node.order import default_budget
 from fanfs.node.planner import ReadAhead
 from fanfs.node.plans import Plans
 from fanfs.node.plansocket import PlanServer
-from fanfs.node.pool import NativePool
+from fanfs.node.pool import Front, NativePool
 from fanfs.node.reader import BadFiles, Reader
 from fanfs.node.sources import WHOLE_FILE_LIMIT, Local, PeerServer, Sources
 from fanfs.node.store import PartitionStore
 from fanfs.node.transport import PeerTransport
 from fanfs.status import CatalogStatus, Status
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,9 @@ def build(catalog: Catalog, store: PartitionStore, owners: list[tuple[int, ...]]
         transport = MpiTransport(world, cfg.peer_timeout, server)
     sources = Sources(catalog, local, owners, transport)
     bad = BadFiles(catalog)
+    front = None
+    if fuse_ops.RECEIVER is not None and env_on("FANFS_FRONT"):
+        front = Front(*fuse_ops.RECEIVER, *fuse_ops.FRONT_ATTRS, mine, spin_us())
     pool = NativePool(
         catalog,
         fuse_ops.INSTALL_HOOK,
@@ -79,6 +85,7 @@ def build(catalog: Catalog, store: PartitionStore, owners: list[tuple[int, ...]]
         decode=env_on("FANFS_NATIVE_DECODE"),
         push=env_on("FANFS_PUSH"),
         fast=env_on("FANFS_FAST"),
+        front=front,
     )
     budget = cfg.prefetch_bytes if cfg.prefetch_bytes is not None else default_budget()
     plans = Plans(catalog, budget, pool.planned)
@@ -115,10 +122,25 @@ def dropper(catalog: Catalog, store: PartitionStore, pool: NativePool,
     return drop
 
 
+SPIN_US = 500
+
+
+def spin_us() -> int:
+    """FANFS_SPIN_US: how long after a request the front's leader (or pyfuse3's session loop,
+    without the front) polls for the next one before it sleeps (default SPIN_US; 0: never poll,
+    for nodes where a core must never be busy)."""
+    try:
+        return max(0, int(os.environ.get("FANFS_SPIN_US", SPIN_US)))
+    except ValueError:
+        log.warning("FANFS_SPIN_US is not an integer: %r", os.environ["FANFS_SPIN_US"])
+        return SPIN_US
+
+
 def env_on(name: str) -> bool:
     """A switch that is on unless its variable is 0: FANFS_NATIVE_DECODE=0 leaves compressed
     files to Python, FANFS_PUSH=0 stops the pool pushing the rest of what it decoded into the
-    page cache (for comparison, or should either ever be suspected)."""
+    page cache, FANFS_FRONT=0 leaves every request to pyfuse3's session loop (for comparison,
+    or should any ever be suspected)."""
     return os.environ.get(name, "1").strip() != "0"
 
 
@@ -156,6 +178,7 @@ def report(node: Node, *, image: str, mountpoint: str, rank: int, size: int, rep
         spin_caught=spins[0],
         spin_empty=spins[1],
         spin_yielded=spins[2],
+        front=node.pool.front_status(),
         uptime_s=round(time.time() - started, 3),
         catalog=CatalogStatus(
             entries=c.n_entries, files=int(c.is_file.sum()), memory_bytes=c.memory_bytes()

@@ -48,7 +48,6 @@ log = logging.getLogger(__name__)
 READ_AHEAD_KB = 1024
 # The session loop's poll after a request (tools/pyfuse3_patch, README "Second, third"): long
 # enough to cover a reader copying a 2 MiB file out of the page cache between two opens.
-SPIN_US = 500
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -100,16 +99,6 @@ def check_mountpoint(mountpoint: Path, nonempty: bool = False, image: Path | Non
                 f"{mountpoint}: mount point is not empty (holds {held.name!r}); "
                 "use --nonempty to mount over it anyway"
             )
-
-
-def spin_us() -> int:
-    """FANFS_SPIN_US: how long after a request the session loop polls for the next one before
-    it sleeps (default SPIN_US; 0: never poll, for nodes where a core must never be busy)."""
-    try:
-        return max(0, int(os.environ.get("FANFS_SPIN_US", SPIN_US)))
-    except ValueError:
-        log.warning("FANFS_SPIN_US is not an integer: %r", os.environ["FANFS_SPIN_US"])
-        return SPIN_US
 
 
 def _tune_readahead(mountpoint: Path) -> None:
@@ -269,7 +258,7 @@ class Daemon:
                 error = MountFailed(f"{self.mountpoint}: cannot mount: {e}")
             self._agree(error)
             self.node.pool.start(stack)  # stopped before the unmount (the stack is LIFO)
-            fuse_ops.set_spin_us(spin_us())
+            fuse_ops.set_spin_us(assemble.spin_us())
             log.info(
                 "rank %d/%d: %d of %d partitions here (%d bytes), mount %s, local %s",
                 self.rank, self.size, len(owned), catalog.n_partitions,

@@ -41,7 +41,7 @@ ROOT = pyfuse3.ROOT_INODE  # inode = entry + ROOT (entry 0 is the root directory
 assert ROOT == INODE_BASE  # the native pool's jobs name inodes the same way
 # The level of tools/install_pyfuse3.py's patch this fanfs needs (its one definition: the
 # installer reads it from here and writes it into the build as pyfuse3.FANFS_PATCH).
-PATCH_LEVEL = 11
+PATCH_LEVEL = 12
 PATCHED = bool(getattr(pyfuse3, "FANFS_READ_PASSES_INODE", False))
 # pyfuse3 can hand READs to the native read pool (its read hook).
 READ_HOOK = getattr(pyfuse3, "FANFS_PATCH", 0) >= PATCH_LEVEL and hasattr(pyfuse3, "set_read_hook")
@@ -297,6 +297,23 @@ def _install_hook(capsule: Any, fast: Any) -> None:
 
 # How the native read pool gets READs (fanfs/node/pool.py); None when this pyfuse3 cannot.
 INSTALL_HOOK = _install_hook if READ_HOOK else None
+
+
+def _install_receiver(capsule: Any, fd: int) -> None:
+    """Let the front's threads take requests from the FUSE device (capsule, and the fd the
+    session loop waits on for the ones they forward); None: the loop reads the device."""
+    pyfuse3.set_receiver(capsule, fd)  # type: ignore[attr-defined]
+
+
+def _session_fd() -> int:
+    return int(pyfuse3.session_fileno()) if _session_open else -1  # type: ignore[attr-defined]
+
+
+# How the front (fanfs/csrc/front.c) takes requests: (install the receiver, the session's fd);
+# None when this pyfuse3 has no receiver hook.
+RECEIVER = (_install_receiver, _session_fd) if hasattr(pyfuse3, "set_receiver") else None
+# What the front answers in attributes, as `_attrs` does: (blksize, cache timeout in seconds).
+FRONT_ATTRS = (BLKSIZE, int(CACHE_TIMEOUT_S))
 
 
 def forget_pages(entry: int) -> bool:

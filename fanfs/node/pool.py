@@ -35,6 +35,7 @@ from fanfs import catalog as cat
 from fanfs import codec, filters
 from fanfs.errors import CorruptFile
 from fanfs.native import lib
+from fanfs.status import NO_FRONT, FrontStatus
 
 log = logging.getLogger(__name__)
 
@@ -111,22 +112,81 @@ def fast_kinds(c: cat.Catalog, decodes: bool) -> np.ndarray:
     return kind
 
 
+class Front:
+    """What the front (fanfs/csrc/front.c) needs from the FUSE adapter: `install(receiver,
+    fd)` registers (None: removes) pyfuse3's receiver, `session_fd()` is the session's fd, and
+    the attributes the adapter answers with (st_blksize, the cache timeout in seconds, uid,
+    gid); `mine[p]`: this node holds partition p; `spin_us`: how long the leader polls the
+    device after a request."""
+
+    def __init__(self, install: Callable[[Any, int], None], session_fd: Callable[[], int],
+                 blksize: int, timeout_s: int, mine: np.ndarray, spin_us: int):  # fmt: skip
+        self.install = install
+        self.session_fd = session_fd
+        self.blksize = blksize
+        self.timeout_s = timeout_s
+        self.mine = np.ascontiguousarray(mine, dtype=np.uint8)
+        self.spin_us = spin_us
+        self.running = False
+
+    def give_catalog(self, c: cat.Catalog) -> None:
+        """Hand the C the catalog it answers from (also without threads: the unit tests)."""
+        columns = {"mode": c.mode, "mtime_ns": c.mtime_ns, "size": c.size,
+                   "name_off": c.name_off, "name_len": c.name_len, "child_start": c.child_start,
+                   "child_count": c.child_count, "part": c.part, "nlink": c.nlink}  # fmt: skip
+        arrays = {k: np.ascontiguousarray(v) for k, v in columns.items()}
+        lib.meta_set(arrays, c.strings, self.mine, os.getuid(), os.getgid(), self.blksize,
+                     self.timeout_s)  # fmt: skip
+
+    def start(self, catalog: cat.Catalog, stack: contextlib.ExitStack) -> bool:
+        """Start the front's threads on the session's fd and hand pyfuse3 its receiver; False
+        (and a warning) if they cannot start: pyfuse3 reads the device itself."""
+        try:
+            self.give_catalog(catalog)
+            ready = lib.front_start(self.session_fd(), THREADS, self.spin_us)
+        except (OSError, ValueError) as e:
+            log.warning("front threads unavailable, requests go through the event loop: %s", e)
+            return False
+        stack.callback(lib.front_close)  # after trio is done with the receiver's fd
+        self.install(lib.receiver(), ready)
+        self.running = True
+        return True
+
+    def drain(self) -> None:
+        """pyfuse3's loop has ended: requests the threads would hand it are answered EIO,
+        the others as before (the pool's pusher may wait for a READ only they can answer)."""
+        if self.running:
+            lib.front_drain()
+
+    def stop(self) -> None:
+        """pyfuse3 reads the device again; the threads stop."""
+        if self.running:
+            self.running = False
+            self.install(None, -1)
+            lib.front_stop()
+
+    def statistics(self) -> FrontStatus:
+        return FrontStatus(running=self.running, **lib.front_stats())
+
+
 class NativePool:
     def __init__(self, catalog: cat.Catalog,
                  install_hook: Callable[[Any, Any], None] | None,
                  failed: Callable[[int, BaseException], None], decode: bool = True,
-                 push: bool = True, fast: bool = True):  # fmt: skip
+                 push: bool = True, fast: bool = True, front: Front | None = None):  # fmt: skip
         """`install_hook(read_hook, fast_read_hook)`: registers the pool's hooks with pyfuse3
         (None where pyfuse3 has no read hook: the Reader then reads in Python);
         `failed(entry, error)`: a file the pool found bad (the bad-file registry's `mark`);
         `decode`: False keeps compressed files in Python (FANFS_NATIVE_DECODE=0); `push`: False
         never pushes the rest of a piece into the page cache (FANFS_PUSH=0); `fast`: False
-        sends every READ through Python (FANFS_FAST=0)."""
+        sends every READ through Python (FANFS_FAST=0); `front`: threads that take requests
+        from the FUSE device themselves (None, or FANFS_FRONT=0: pyfuse3 takes them all)."""
         self.catalog = catalog
         self.install_hook = install_hook
         self.failed = failed
         self._decode = decode
         self._fast = fast
+        self.front = front
         self.fast = False  # READs of staged files answered with no Python (pool_fast)
         self._fast_parts: set[int] = set()
         self.flags = lib.JOB_PUSH if push else 0
@@ -177,6 +237,8 @@ class NativePool:
             self.fast = True
             fast_hook = lib.fast_read_hook()
         self.install_hook(lib.read_hook(), fast_hook)
+        if self.fast and self.front is not None:
+            self.front.start(self.catalog, stack)
         return True
 
     def fast_part(self, part: int, fd: int, dfd: int) -> None:
@@ -214,13 +276,20 @@ class NativePool:
         if self.running:
             self.running = False
             assert self.install_hook is not None
+            if self.front is not None:
+                self.front.drain()  # the front answers READs until the pusher has stopped
             self.install_hook(None, None)
             lib.pool_stop()
+            if self.front is not None:
+                self.front.stop()
             os.close(self._wfd)
 
     def stats(self) -> dict[str, int]:
         """The pool's counters (lib.pool_stats) and how its pieces were read (lib.read_stats)."""
         return {**lib.pool_stats(), **lib.read_stats(), "fast": lib.pool_fast_count()}
+
+    def front_status(self) -> FrontStatus:
+        return self.front.statistics() if self.front is not None else NO_FRONT
 
     def drop(self) -> None:
         """Empty the pool's cache of decoded pieces (cold measurements)."""

@@ -7,9 +7,13 @@
 # - A fast read hook: a C function registered with set_fast_read_hook(capsule) that is offered
 #   every READ (inode, offset, size) before any Python runs; it answers the request itself
 #   (returning 0) or declines (nonzero), and the READ goes to the read handler as usual.
-# - The session loop's spin: after a request, the loop polls the (non-blocking) FUSE fd for a
-#   while before it waits through trio (set_spin_us), since a reader that just sent a request
-#   is likely to send the next within microseconds.
+# - A receiver: a C function registered with set_receiver(capsule, fd) that takes requests
+#   from the FUSE device itself (in threads of its own, answering what it can) and hands the
+#   session loop the others: the loop calls it instead of fuse_session_receive_buf and waits
+#   for `fd` to become readable instead of the FUSE fd.
+# - The session loop's spin (without a receiver): after a request, the loop polls the
+#   (non-blocking) FUSE fd for a while before it waits through trio (set_spin_us), since a
+#   reader that just sent a request is likely to send the next within microseconds.
 
 from cpython.pycapsule cimport PyCapsule_GetPointer
 from libc.stdint cimport int64_t, uint64_t
@@ -24,6 +28,7 @@ cdef extern from *:
     #include <unistd.h>
     typedef int (*pyfuse3_read_hook_t)(void *, void *, uint64_t, PyObject *);
     typedef int (*pyfuse3_fast_read_hook_t)(void *, void *, uint64_t, int64_t, uint64_t);
+    typedef int (*pyfuse3_receiver_t)(void *, struct fuse_buf *);
 
     static int64_t fanfs_now_ns(void) {
         struct timespec t;
@@ -82,6 +87,7 @@ cdef extern from *:
     """
     ctypedef int (*pyfuse3_read_hook_t)(void *, void *, uint64_t, object) noexcept
     ctypedef int (*pyfuse3_fast_read_hook_t)(void *, void *, uint64_t, int64_t, uint64_t) noexcept
+    ctypedef int (*pyfuse3_receiver_t)(void *, fuse_buf *) noexcept nogil
     int64_t fanfs_now_ns() nogil
     int fanfs_cpu_pressed() nogil
     int fanfs_spin_receive(fuse_session *se, fuse_buf *buf, int64_t chunk_ns, int64_t until) nogil
@@ -136,6 +142,51 @@ cdef inline int _fast_read(fuse_req_t req, uint64_t ino, int64_t off, uint64_t s
     return _fast_read_hook(<void *>session, <void *>req, ino, off, size)
 
 
+cdef pyfuse3_receiver_t _receiver = NULL
+cdef int _receiver_fd = -1
+_receiver_capsule = None
+
+
+def set_receiver(capsule, int fd=-1):
+    '''Register the C function that takes requests from the FUSE device itself:
+    `int receive(void *session, struct fuse_buf *buf)`, in a capsule named "pyfuse3.receiver",
+    called without the GIL: the size of the request it put in `buf` (whose `mem`, when NULL,
+    it allocates with malloc, of libfuse's buffer size), -EAGAIN when it has none, 0 once the
+    session has ended. The session loop waits for `fd` to become readable before it calls it
+    again. None goes back to reading the FUSE device (wake the loop through `fd` after it).'''
+    global _receiver, _receiver_fd, _receiver_capsule
+    if capsule is None:
+        _receiver = NULL
+        _receiver_fd = -1
+    else:
+        _receiver = <pyfuse3_receiver_t>PyCapsule_GetPointer(capsule, b"pyfuse3.receiver")
+        _receiver_fd = fd
+    _receiver_capsule = capsule
+
+
+cdef int _fanfs_receive(fuse_buf *buf):
+    cdef int res
+    if _receiver == NULL:
+        return fuse_session_receive_buf(session, buf)
+    with nogil:
+        res = _receiver(<void *>session, buf)
+    return res
+
+
+cdef int _fanfs_wait_fd():
+    return _receiver_fd if _receiver != NULL else session_fd
+
+
+def session_fileno():
+    '''The FUSE session's fd (-1 without a session).'''
+    return session_fd if session != NULL else -1
+
+
+def _fanfs_notify_closing():
+    if _receiver != NULL:
+        trio.lowlevel.notify_closing(_receiver_fd)
+
+
 # The spin: poll for up to _fanfs_spin_ns after a request, in chunks of FANFS_SPIN_CHUNK_NS;
 # between chunks trio is asked whether another task wants to run, and if so the spin stops
 # (`*busy` set) so the loop lets it run first and spins on.
@@ -159,6 +210,8 @@ cdef int _fanfs_spin(fuse_buf *buf, bint *busy):
     cdef int res = -errno.EAGAIN
     cdef bint resumed = busy[0]  # called again after trio ran: the same spin goes on
     busy[0] = False
+    if _receiver != NULL:  # the receiver's threads wait for requests: no spin
+        return res
     if not resumed and fanfs_cpu_pressed():
         fanfs_spins[3] += 1
         return res
