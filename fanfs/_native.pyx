@@ -9,7 +9,7 @@ a failed read raises OSError.
 
 A job (the pool's unit of work, and `run_job`'s) is a tuple: (fd, dfd, entry, ino, base, skip,
 count, flags), then (offset, length, crc, kind, size, cache) per stored piece. See
-fanfs/node/native.py, which builds them.
+fanfs/node/pool.py, which builds them.
 """
 
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
@@ -97,7 +97,6 @@ cdef extern from "fanfs_native.h" nogil:
     int fanfs_pool_fast_set(const fanfs_fast_table *t)
     void fanfs_pool_fast_part(uint32_t part, int fd, int dfd)
     void fanfs_pool_fast_enable(int on)
-    int fanfs_pool_fast_read(void *session, void *req, uint64_t ino, int64_t off, uint64_t size)
     uint64_t fanfs_pool_fast_count()
     int fanfs_run_job(const fanfs_dicts *dicts, const fanfs_job *job, char *out)
     int fanfs_job_check(const fanfs_job *job)
@@ -475,17 +474,6 @@ def pool_fast_enable(bint on):
 def pool_fast_count():
     """READs the fast path answered."""
     return fanfs_pool_fast_count()
-
-
-cdef int _fast_read_hook(void *session, void *req, uint64_t ino, int64_t off,
-                         uint64_t size) noexcept:
-    return fanfs_pool_fast_read(session, req, ino, off, size)
-
-
-def fast_read_hook():
-    """The capsule to give pyfuse3.set_fast_read_hook: READs the pool can answer from the
-    catalog alone never reach Python."""
-    return PyCapsule_New(<void *>_fast_read_hook, b"pyfuse3.fast_read_hook", NULL)
 
 
 # -- the front: requests taken from the FUSE device by C threads ------------------------------

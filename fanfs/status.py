@@ -150,12 +150,7 @@ class Status:
     native_pushed_bytes: int
     native_direct_reads: int
     native_cached_reads: int
-    native_fast_reads: int  # READs the pool answered with no Python (not in reader.reads)
-    # The session loop's spin (tools/pyfuse3_patch): requests it caught without a trip through
-    # trio's epoll, spins that ended with none, and spins cut short because trio had work.
-    spin_caught: int
-    spin_empty: int
-    spin_yielded: int
+    native_fast_reads: int  # READs the front answered with no Python (not in reader.reads)
     front: FrontStatus
     uptime_s: float
     catalog: CatalogStatus
@@ -238,7 +233,7 @@ def render(s: Status) -> str:
             f"{'decoding zstd' if s.native_decodes else 'raw files only'}), piece cache "
             f"{s.native_frame_hits} hits / {s.native_frame_misses} misses; "
             f"{human_bytes(s.native_pushed_bytes)} pushed to the page cache; "
-            f"{s.native_direct_reads} direct reads; loop spin caught {s.spin_caught} requests"
+            f"{s.native_direct_reads} direct reads"
         )
     f = s.front
     if f.running:

@@ -3,16 +3,21 @@
 Through a real mount: lookups, attributes, reads of staged files and terminal checks are
 answered with no request reaching Python (the daemon's status counts what the front answered
 and what it forwarded), every byte is the source's, files looked up are read ahead into the
-pool's cache and their READs find them, a stat walk stops the reads ahead, and with the front
-off (FANFS_FRONT=0) pyfuse3's loop answers everything, as before.
+pool's cache and their READs find them, a stat walk stops the reads ahead, the leader polls
+for the next request only while a core is free, and with the front off (FANFS_FRONT=0)
+pyfuse3's loop answers everything.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
+import subprocess
+import sys
 import termios
+import time
 from pathlib import Path
 
 import numpy as np
@@ -132,3 +137,36 @@ def test_with_the_front_off_the_event_loop_answers_everything(
         assert not st["front"]["running"] and st["front"]["lookups"] == 0
     finally:
         m.stop()
+
+
+def test_the_leader_polls_only_while_a_core_is_free(tree: tuple[Path, Path],
+                                                    tmp_path: Path) -> None:  # fmt: skip
+    """Requests 0.2 ms apart: the leader's poll catches them (it seldom sleeps). The same
+    while more threads want a CPU than there are cores (a loader's workers decoding between
+    two requests): a poll would take a core from someone, so it sleeps after each."""
+    src, image = tree
+    with mounted(image, tmp_path / "mnt", tmp_path / "local") as m:
+        fd = os.open(m.mountpoint / files(src)[0].relative_to(src), os.O_RDONLY)
+
+        def sleeps_over(n: int, gap_s: float) -> int:
+            before = m.status()["front"]["waits"]
+            for _ in range(n):
+                with contextlib.suppress(OSError):  # ENOTTY, answered by the front
+                    fcntl.ioctl(fd, termios.TCGETS, bytes(64))
+                time.sleep(gap_s)
+            return int(m.status()["front"]["waits"]) - before - 1  # less the status call
+
+        burners: list[subprocess.Popen[bytes]] = []
+        try:
+            time.sleep(0.3)  # an idle machine: no CPU pressure
+            idle = sleeps_over(300, 0.0002)
+            burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                       for _ in range(2 * (os.cpu_count() or 2))]  # fmt: skip
+            time.sleep(0.3)  # the kernel's CPU pressure rises
+            busy = sleeps_over(200, 0.003)
+        finally:
+            os.close(fd)
+            for p in burners:
+                p.kill()
+                p.wait()
+        assert idle < 100 and busy > 150, (idle, busy)

@@ -1,15 +1,17 @@
 """A file system of five files on pyfuse3 alone (not fanfs), to test fanfs's pyfuse3 patch.
 
-    python tests/tinyfs.py BACKING MOUNTPOINT
+    python tests/tinyfs.py BACKING MOUNTPOINT [--receiver]
 
 - `whoami`: its read answers the file handle it was given (no_open: the patch's inode);
 - `plain`: bytes from the handler, as stock pyfuse3 answers;
 - `hooked`: the handler returns a job tuple (fanfs/node/pool.py's layout) for BACKING's bytes,
   which the read hook registered with `pyfuse3.set_read_hook` answers from C threads;
 - `broken`: the handler returns a tuple no hook takes (the reader must get EIO, not a hang);
-- `spins`: the session loop's spin counters, as JSON.
+- `stats`: with --receiver, the receiver's counters as JSON.
 
-Runs until unmounted; prints "ready" once mounted.
+With --receiver, requests come to the session loop through `pyfuse3.set_receiver`: fanfs's
+front (fanfs/csrc/front.c) takes them from the device and, given no catalog to answer from,
+forwards every one. Runs until unmounted; prints "ready" once mounted.
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ import stat
 import sys
 import zlib
 
+import numpy as np
 import pyfuse3
 import trio
 
 from fanfs.native import lib
 
-NAMES = [b"whoami", b"plain", b"hooked", b"broken", b"spins"]
+NAMES = [b"whoami", b"plain", b"hooked", b"broken", b"stats"]
 PLAIN = bytes(range(256)) * 1000
 
 
@@ -72,8 +75,8 @@ class Tiny(pyfuse3.Operations):
                     0, len(self.data), self.crc, lib.KIND_RAW, len(self.data), 1)  # fmt: skip
         if name == b"broken":
             return (1, 2, 3)
-        spins = json.dumps(list(pyfuse3.fanfs_spins)).encode()  # type: ignore[attr-defined]
-        return spins.ljust(4096)[off : off + size]
+        stats = json.dumps(lib.front_stats()).encode()
+        return stats.ljust(4096)[off : off + size]
 
 
 def main() -> None:
@@ -83,13 +86,25 @@ def main() -> None:
     pyfuse3.init(ops, mountpoint, {"fsname=tinyfs", "ro"})
     lib.pool_start(2, wfd)
     pyfuse3.set_read_hook(lib.read_hook())  # type: ignore[attr-defined]
+    receiver = "--receiver" in sys.argv[3:]
+    if receiver:  # a one-entry catalog and the fast path off: the front forwards everything
+        one = {name: np.zeros(1, dtype=dtype.replace("=", "<")) for name, dtype in
+               lib.META_COLUMNS.items()}  # fmt: skip
+        lib.meta_set(one, b"", np.zeros(1, dtype=np.uint8), os.getuid(), os.getgid(), 4096, 1)
+        ready = lib.front_start(pyfuse3.session_fileno(), 2, 0)  # type: ignore[attr-defined]
+        pyfuse3.set_receiver(lib.receiver(), ready)  # type: ignore[attr-defined]
     print("ready", flush=True)
     try:
         trio.run(pyfuse3.main)
     finally:
+        if receiver:
+            pyfuse3.set_receiver(None)  # type: ignore[attr-defined]
+            lib.front_stop()
         lib.pool_stop()
         pyfuse3.set_read_hook(None)  # type: ignore[attr-defined]
         pyfuse3.close(unmount=True)
+        if receiver:
+            lib.front_close()
         os.close(wfd)
         os.close(rfd)
 

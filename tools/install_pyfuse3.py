@@ -11,14 +11,17 @@ file handle 0, and stock pyfuse3 passes only the handle to `Operations.read`. Pa
 gets the inode when the handle is 0 (fanfs's own handles always equal the inode).
 
 2. A read hook: `pyfuse3.set_read_hook(capsule)` registers a C function; a read handler that
-returns a tuple instead of bytes hands it the request (with the session and the inode), and the
-function answers it from its own threads, without the GIL or the event loop. Nonzero from the
-function, or no function: pyfuse3 answers EIO (a request is never left unanswered).
+returns a tuple instead of bytes hands it the request (with the session and the inode), and
+the function answers it from its own threads, without the GIL or the event loop. Nonzero from
+the function, or no function: pyfuse3 answers EIO (a request is never left unanswered).
 
-3. The session loop takes a request that is already queued straight from the (non-blocking)
-FUSE fd, going through trio's wait for readability (a lock, an epoll_ctl, an epoll_wait) only
-when there is none, and after a request polls the fd briefly first (`set_spin_us`): several
-readers keep a queue, and each wait cost the daemon's one thread CPU it shares with them.
+3. A receiver: `pyfuse3.set_receiver(capsule, fd)` registers a C function that takes requests
+from the FUSE device in threads of its own (answering what it can) and hands the session loop
+the others; the loop calls it instead of reading the device and waits for `fd` instead of the
+device's fd (`terminate` wakes that wait too). `session_fileno()` gives it the device.
+
+4. The session loop takes a request that is already queued at once, going through trio's wait
+for readability (a lock, an epoll_ctl, an epoll_wait) only when there is none.
 
 Idempotent: does nothing when the patched build is already installed in this interpreter (its
 patch level and the digest of the patch's sources, this script included, both match).
@@ -50,9 +53,6 @@ ANCHOR = """    c.off = off
     c.fh = fi.fh
     save_retval(fuse_read_async(c))"""
 REPLACEMENT = """    c.off = off
-    # fanfs: a C function may answer the READ before any Python runs (fanfs_hooks.pxi).
-    if _fast_read(req, ino, off, size) == 0:
-        return
     # fanfs: with no_open the kernel sends fh 0; hand the inode to read() instead.
     c.fh = fi.fh if fi.fh != 0 else ino
     c.ino = ino  # for the read hook
@@ -96,7 +96,6 @@ LOOP_PATCHES = (
         """\
     buf.flags = 0
     cdef int streak = 0
-    cdef bint busy = False
     os.set_blocking(session_fd, False)  # fanfs: see below
     while not fuse_session_exited(session):
 """,
@@ -110,27 +109,17 @@ LOOP_PATCHES = (
 """,
         """\
         # fanfs: the fd is non-blocking; take a request that is already queued at once
-        # and wait through trio only when there is none. Yield to other tasks every 16
-        # requests taken without waiting (a handler that does not suspend is no checkpoint).
-        # With a receiver (fanfs_hooks.pxi), requests come from it instead of the fd.
+        # and wait through trio only when there is none. With a receiver
+        # (fanfs_hooks.pxi), requests come from it instead of the fd.
         res = _fanfs_receive(&buf)
         if res == -errno.EAGAIN:
-            # fanfs_hooks.pxi: the next request is likely to come within microseconds;
-            # poll for it a while, letting other tasks run first when they want to.
-            res = _fanfs_spin(&buf, &busy)
-            while busy:
-                await trio.lowlevel.cancel_shielded_checkpoint()
-                res = _fanfs_spin(&buf, &busy)
-            if res == -errno.EAGAIN:
-                streak = 0
-                if not await _wait_fuse_readable():
-                    break
-                res = _fanfs_receive(&buf)
-        if res > 0:
-            _fanfs_request_seen()
-            # Requests taken without waiting through trio (queued, or caught by the poll) do
-            # not let trio look at its other file descriptors (signals, pipes, sockets):
-            # yield to it every 16 of them, which polls them.
+            streak = 0
+            if not await _wait_fuse_readable():
+                break
+            res = _fanfs_receive(&buf)
+        elif res > 0:
+            # Requests taken without waiting through trio do not let it look at its other
+            # file descriptors (signals, pipes, sockets): yield to it every 16 of them.
             streak += 1
             if streak >= 16:
                 streak = 0

@@ -1,7 +1,7 @@
 /*
- * fanfs's native read path: the one contract between its C (codec.c, pool.c), the Cython
- * module that exposes it to Python (fanfs/_native.pyx) and the Python that builds its jobs
- * (fanfs/node/native.py). Anything changed here changes FANFS_NATIVE_API, which the module
+ * fanfs's native read path: the one contract between its C (codec.c, pool.c, front.c), the
+ * Cython module that exposes it to Python (fanfs/_native.pyx) and the Python that builds its
+ * jobs (fanfs/node/pool.py). Anything changed here changes FANFS_NATIVE_API, which the module
  * exports and fanfs checks at import (a stale build is refused, not half used).
  *
  * What it does: read a stored piece of a file (a whole file, or one frame of a framed file)
@@ -12,9 +12,10 @@
  * without the event loop: pyfuse3 hands it the request (its read hook), a thread reads,
  * checks, decodes and replies, and pushes what the READ did not ask for of the pieces it
  * decoded into the kernel's page cache (notify_store), so that a large file costs one or two
- * round trips, not one per 128 KiB. And READs of files stored whole on this node are
- * answered with no Python at all (fanfs_pool_fast_read): pyfuse3's fast read hook gives the
- * pool the inode and range, and the pool builds the job from the catalog's own columns.
+ * round trips, not one per 128 KiB. And the front (front.c) takes requests from the FUSE
+ * device in threads of its own: lookups and attributes come from the catalog, READs of files
+ * stored whole on this node are answered in the thread that took them (the pool builds the job
+ * from the catalog's own columns, fanfs_pool_fast_answer), and the rest goes to pyfuse3.
  */
 #ifndef FANFS_NATIVE_H
 #define FANFS_NATIVE_H
@@ -25,7 +26,7 @@
 
 #define FANFS_NATIVE_API 3
 
-/* What a piece's stored bytes are (fanfs/node/native.py names the same numbers). */
+/* What a piece's stored bytes are (fanfs/node/pool.py names the same numbers). */
 enum {
     FANFS_KIND_RAW = 0,      /* the bytes themselves */
     FANFS_KIND_ZSTD = 1,     /* one zstd frame; its header names its dictionary, if any */
@@ -172,13 +173,10 @@ int fanfs_pool_fast_set(const struct fanfs_fast_table *t);
 void fanfs_pool_fast_part(uint32_t part, int fd, int dfd);
 /* Turn the fast path on or off (off: a planned epoch, whose READs Python must see). */
 void fanfs_pool_fast_enable(int on);
-/* Answer a READ of inode `ino` if the table allows it: 0 (queued), or -1 (Python answers).
- * Entries whose job failed once go to Python from then on (which knows them bad). */
-int fanfs_pool_fast_read(void *session, void *req, uint64_t ino, int64_t off, uint64_t size);
 uint64_t fanfs_pool_fast_count(void); /* READs answered by it */
 
-/* The fast path's job for a READ of inode `ino` (what fanfs_pool_fast_read would queue): 0,
- * or -1 when Python must answer it. */
+/* The fast path's job for a READ of inode `ino`: 0, or -1 when Python must answer it
+ * (entries whose job failed once go to Python from then on, which knows them bad). */
 int fanfs_pool_fast_job(uint64_t ino, int64_t off, uint64_t size, struct fanfs_job *j);
 int fanfs_pool_fast_on(void); /* whether the fast path is on */
 /* Answer a READ of inode `ino` taken from the FUSE device `fd` (request `unique`) with the

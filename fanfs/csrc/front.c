@@ -544,7 +544,6 @@ int fanfs_front_receive(void *session, struct fuse_buf *buf) {
     struct fwd *f;
     uint64_t v;
     ssize_t r;
-    (void)session;
     pthread_mutex_lock(&front.lock);
     f = front.head;
     if (f == NULL) {
@@ -552,6 +551,8 @@ int fanfs_front_receive(void *session, struct fuse_buf *buf) {
         if (!ended) /* empty: not readable until the next forward */
             r = read(front.readyfd, &v, sizeof v), (void)r;
         pthread_mutex_unlock(&front.lock);
+        if (ended && session != NULL)
+            fuse_session_exit(session); /* as libfuse's own receive does at ENODEV */
         return ended ? 0 : -EAGAIN;
     }
     front.head = f->next;

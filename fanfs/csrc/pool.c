@@ -1054,13 +1054,6 @@ int fanfs_pool_fast_job(uint64_t ino, int64_t off, uint64_t size, struct fanfs_j
     return 0;
 }
 
-int fanfs_pool_fast_read(void *session, void *req, uint64_t ino, int64_t off, uint64_t size) {
-    struct fanfs_job j;
-    if (fanfs_pool_fast_job(ino, off, size, &j) != 0)
-        return -1;
-    return fanfs_pool_submit(session, req, &j);
-}
-
 /* -- reads started at LOOKUP ------------------------------------------------------------------
  * A LOOKUP of a file stored here is most often its open(), and its first READ follows within
  * microseconds: the pool starts reading it then, into its cache of pieces, where the READ

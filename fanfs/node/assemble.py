@@ -84,7 +84,6 @@ def build(catalog: Catalog, store: PartitionStore, owners: list[tuple[int, ...]]
         bad.mark,
         decode=env_on("FANFS_NATIVE_DECODE"),
         push=env_on("FANFS_PUSH"),
-        fast=env_on("FANFS_FAST"),
         front=front,
     )
     budget = cfg.prefetch_bytes if cfg.prefetch_bytes is not None else default_budget()
@@ -126,9 +125,9 @@ SPIN_US = 500
 
 
 def spin_us() -> int:
-    """FANFS_SPIN_US: how long after a request the front's leader (or pyfuse3's session loop,
-    without the front) polls for the next one before it sleeps (default SPIN_US; 0: never poll,
-    for nodes where a core must never be busy)."""
+    """FANFS_SPIN_US: how long after a request the front's leader polls for the next one
+    before it sleeps (default SPIN_US; 0: never poll, for nodes where a core must never be
+    busy)."""
     try:
         return max(0, int(os.environ.get("FANFS_SPIN_US", SPIN_US)))
     except ValueError:
@@ -151,7 +150,7 @@ def owners_of(catalog: Catalog, size: int, replicas: int) -> list[tuple[int, ...
 def report(node: Node, *, image: str, mountpoint: str, rank: int, size: int, replicas: int,
            node_name: str, serving: bool, started: float, plan_socket: str) -> Status:  # fmt: skip
     """The status record of a daemon: its own facts, then every part's statistics."""
-    spins, pool = fuse_ops.spin_counts(), node.pool.stats()
+    pool = node.pool.stats()
     r = node.read_ahead
     c = node.catalog
     return Status(
@@ -175,9 +174,6 @@ def report(node: Node, *, image: str, mountpoint: str, rank: int, size: int, rep
         native_direct_reads=pool["direct"],
         native_cached_reads=pool["cached"],
         native_fast_reads=pool["fast"],
-        spin_caught=spins[0],
-        spin_empty=spins[1],
-        spin_yielded=spins[2],
         front=node.pool.front_status(),
         uptime_s=round(time.time() - started, 3),
         catalog=CatalogStatus(

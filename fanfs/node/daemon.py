@@ -258,7 +258,6 @@ class Daemon:
                 error = MountFailed(f"{self.mountpoint}: cannot mount: {e}")
             self._agree(error)
             self.node.pool.start(stack)  # stopped before the unmount (the stack is LIFO)
-            fuse_ops.set_spin_us(assemble.spin_us())
             log.info(
                 "rank %d/%d: %d of %d partitions here (%d bytes), mount %s, local %s",
                 self.rank, self.size, len(owned), catalog.n_partitions,

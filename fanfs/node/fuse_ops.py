@@ -41,7 +41,7 @@ ROOT = pyfuse3.ROOT_INODE  # inode = entry + ROOT (entry 0 is the root directory
 assert ROOT == INODE_BASE  # the native pool's jobs name inodes the same way
 # The level of tools/install_pyfuse3.py's patch this fanfs needs (its one definition: the
 # installer reads it from here and writes it into the build as pyfuse3.FANFS_PATCH).
-PATCH_LEVEL = 12
+PATCH_LEVEL = 13
 PATCHED = bool(getattr(pyfuse3, "FANFS_READ_PASSES_INODE", False))
 # pyfuse3 can hand READs to the native read pool (its read hook).
 READ_HOOK = getattr(pyfuse3, "FANFS_PATCH", 0) >= PATCH_LEVEL and hasattr(pyfuse3, "set_read_hook")
@@ -288,10 +288,9 @@ def push_to_kernel(entry: int, offset: int, data: bytes) -> bool:
         return False
 
 
-def _install_hook(capsule: Any, fast: Any) -> None:
-    """Register the native read pool's hooks with pyfuse3: the one read handlers hand jobs to,
-    and the one offered every READ first (`fast`); None removes a hook."""
-    pyfuse3.set_fast_read_hook(fast)  # type: ignore[attr-defined]
+def _install_hook(capsule: Any) -> None:
+    """Register the native read pool's hook with pyfuse3 (read handlers hand it jobs); None
+    removes it."""
     pyfuse3.set_read_hook(capsule)  # type: ignore[attr-defined]
 
 
@@ -327,18 +326,3 @@ def forget_pages(entry: int) -> bool:
         return True
     except OSError:
         return False
-
-
-def set_spin_us(us: int) -> None:
-    """How long after a request the session loop polls for the next one (builds without it:
-    nothing to set)."""
-    setter = getattr(pyfuse3, "set_spin_us", None)
-    if setter is not None:
-        setter(us)
-
-
-def spin_counts() -> tuple[int, int, int]:
-    """The session loop's spin: (requests caught, spins that ended empty, spins cut short for
-    trio); zeros on a build without it."""
-    caught, empty, yielded = getattr(pyfuse3, "fanfs_spins", (0, 0, 0))[:3]
-    return int(caught), int(empty), int(yielded)

@@ -171,23 +171,22 @@ class Front:
 
 class NativePool:
     def __init__(self, catalog: cat.Catalog,
-                 install_hook: Callable[[Any, Any], None] | None,
+                 install_hook: Callable[[Any], None] | None,
                  failed: Callable[[int, BaseException], None], decode: bool = True,
-                 push: bool = True, fast: bool = True, front: Front | None = None):  # fmt: skip
-        """`install_hook(read_hook, fast_read_hook)`: registers the pool's hooks with pyfuse3
-        (None where pyfuse3 has no read hook: the Reader then reads in Python);
+                 push: bool = True, front: Front | None = None):  # fmt: skip
+        """`install_hook(read_hook)`: registers the pool's hook with pyfuse3 (None where pyfuse3
+        has no read hook: the Reader then reads in Python);
         `failed(entry, error)`: a file the pool found bad (the bad-file registry's `mark`);
         `decode`: False keeps compressed files in Python (FANFS_NATIVE_DECODE=0); `push`: False
-        never pushes the rest of a piece into the page cache (FANFS_PUSH=0); `fast`: False
-        sends every READ through Python (FANFS_FAST=0); `front`: threads that take requests
-        from the FUSE device themselves (None, or FANFS_FRONT=0: pyfuse3 takes them all)."""
+        never pushes the rest of a piece into the page cache (FANFS_PUSH=0); `front`: threads
+        that take requests from the FUSE device themselves and answer READs of staged files
+        with no Python (None, or FANFS_FRONT=0: pyfuse3 takes them all)."""
         self.catalog = catalog
         self.install_hook = install_hook
         self.failed = failed
         self._decode = decode
-        self._fast = fast
         self.front = front
-        self.fast = False  # READs of staged files answered with no Python (pool_fast)
+        self.fast = False  # READs of staged files answered by the front (pool_fast)
         self._fast_parts: set[int] = set()
         self.flags = lib.JOB_PUSH if push else 0
         self._rfd = self._wfd = -1
@@ -227,18 +226,16 @@ class NativePool:
             log.warning("native read pool cannot take the image's dictionaries: %s", e)
         if not self.can_decode:
             log.info("native read pool: compressed files decoded in Python (no libzstd1)")
-        fast_hook = None
-        if self._fast:
+        self.install_hook(lib.read_hook())
+        if self.front is not None:
             c = self.catalog
             lib.pool_fast(c.size, c.part, c.data_off, c.stored_len, c.crc,
                           fast_kinds(c, self.decodes), c.n_partitions, self.flags,
                           PARTS_LIMIT)  # fmt: skip
             lib.pool_fast_enable(True)
-            self.fast = True
-            fast_hook = lib.fast_read_hook()
-        self.install_hook(lib.read_hook(), fast_hook)
-        if self.fast and self.front is not None:
-            self.front.start(self.catalog, stack)
+            self.fast = self.front.start(c, stack)
+            if not self.fast:
+                lib.pool_fast_enable(False)
         return True
 
     def fast_part(self, part: int, fd: int, dfd: int) -> None:
@@ -278,7 +275,7 @@ class NativePool:
             assert self.install_hook is not None
             if self.front is not None:
                 self.front.drain()  # the front answers READs until the pusher has stopped
-            self.install_hook(None, None)
+            self.install_hook(None)
             lib.pool_stop()
             if self.front is not None:
                 self.front.stop()
