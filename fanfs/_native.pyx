@@ -129,6 +129,8 @@ cdef extern from "fanfs_native.h" nogil:
     void fanfs_front_stop()
     void fanfs_front_close()
     void fanfs_front_counters(uint64_t *out)
+    enum: FANFS_FRONT_SAMPLES
+    int fanfs_front_latencies(uint32_t *out, uint32_t *longest)
     int fanfs_meta_attr(uint64_t e, uint64_t *out)
     int64_t fanfs_meta_lookup(uint64_t parent, const char *name, size_t len)
 
@@ -568,6 +570,16 @@ def front_close():
 def receiver():
     """The capsule to give pyfuse3.set_receiver."""
     return PyCapsule_New(<void *>fanfs_front_receive, b"pyfuse3.receiver", NULL)
+
+
+def front_latencies():
+    """(the front's last READs' times in seconds, in no order; the longest since start)."""
+    import numpy as np
+    cdef uint32_t longest = 0
+    out = np.zeros(FANFS_FRONT_SAMPLES, dtype=np.uint32)
+    cdef uint32_t[::1] view = out
+    cdef int n = fanfs_front_latencies(&view[0], &longest)
+    return out[:n] / 1e6, longest / 1e6
 
 
 def front_stats():

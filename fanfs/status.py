@@ -22,6 +22,7 @@ class Percentiles:
     p50: float = 0.0
     p90: float = 0.0
     p99: float = 0.0
+    max: float = 0.0  # the longest since the daemon started, not only of the kept samples
 
     def flat(self, prefix: str) -> dict[str, float]:
         return {f"{prefix}_{k}": v for k, v in asdict(self).items()}
@@ -67,7 +68,10 @@ class ReaderStatus:
     lookup_fetches: int  # remote files fetched at their LOOKUP (fanfs/node/reader.py, LookAhead)
     lookup_fetches_read: int
     lookup_fetches_unread: int
-    fetch_ms: Percentiles
+    fetch_ms: Percentiles  # local fetches through Python (the front's READs: front.read_ms)
+    image_ms: Percentiles  # reads from the image on shared storage when no peer could answer
+    hedged: int = 0  # peer fetches asked of a second holder: the first was slow (replicas)
+    hedges_won: int = 0  # ... that the second holder answered first
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +126,7 @@ class FrontStatus:
     lookahead_started: int  # files read into the pool's cache at their LOOKUP
     lookahead_used: int  # ... then READ
     lookahead_unused: int  # ... never READ while remembered (a stat walk)
+    read_ms: Percentiles = Percentiles()  # its READs, from taking the request to the reply
 
 
 NO_FRONT = FrontStatus(False, 0, 0, 0, 0, 0, 0, 0, 0, 0)
@@ -163,7 +168,7 @@ class Status:
     def to_json(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["catalog"], d["store"] = asdict(self.catalog), asdict(self.store)
-        d["plan"], d["front"] = asdict(self.plan), asdict(self.front)
+        d["plan"], d["front"] = asdict(self.plan), _flat(self.front)
         d["reader"] = _flat(self.reader)
         peers = d.pop("peers")
         if peers is not None:
@@ -184,10 +189,13 @@ class Status:
                 part["remote_ms"] = Percentiles.unflat(part, "remote_ms")
                 peers = PeerStatus(**part)
             reader["fetch_ms"] = Percentiles.unflat(reader, "fetch_ms")
+            reader["image_ms"] = Percentiles.unflat(reader, "image_ms")
+            front = dict(d.pop("front"))
+            front["read_ms"] = Percentiles.unflat(front, "read_ms")
             catalog, store = CatalogStatus(**d.pop("catalog")), StoreStatus(**d.pop("store"))
-            plan, front = PlanStatus(**d.pop("plan")), FrontStatus(**d.pop("front"))
+            plan = PlanStatus(**d.pop("plan"))
             return cls(**d, catalog=catalog, store=store, reader=ReaderStatus(**reader),
-                       peers=peers, plan=plan, front=front)  # fmt: skip
+                       peers=peers, plan=plan, front=FrontStatus(**front))  # fmt: skip
         except (KeyError, TypeError) as e:
             raise ValueError(f"not a status this fanfs knows: {e}") from None
 
@@ -203,6 +211,19 @@ def _flat(record: Any) -> dict[str, Any]:
         else:
             out[f.name] = value
     return out
+
+
+def sources(s: Status) -> list[tuple[str, Percentiles, int]]:
+    """(name, latency, reads) of each source of a file's bytes."""
+    rd, p = s.reader, s.peers
+    return [("local (C)", s.front.read_ms, s.front.reads), ("local", rd.fetch_ms, rd.local_fetches),
+            ("peer", p.remote_ms if p else Percentiles(), p.remote_fetches if p else 0),
+            ("image", rd.image_ms, rd.fallbacks)]  # fmt: skip
+
+
+def _latencies(s: Status) -> str:
+    return "; ".join(f"{name} p50 {ms.p50} ms, p99 {ms.p99} ms, max {ms.max} ms"
+                     for name, ms, n in sources(s) if n)  # fmt: skip
 
 
 def render(s: Status) -> str:
@@ -223,8 +244,7 @@ def render(s: Status) -> str:
         f"reads:    {rd.reads} requests, {rd.local_fetches} local fetches, "
         f"{rd.cache_hits} cache hits, {human_bytes(rd.bytes_served)} served, "
         f"{rd.bad_files} bad files",
-        f"latency:  fetch p50 {rd.fetch_ms.p50} ms, p90 {rd.fetch_ms.p90} ms, "
-        f"p99 {rd.fetch_ms.p99} ms",
+        "latency:  " + _latencies(s),
     ]
     if s.native_read_pool:
         lines.append(
@@ -247,8 +267,9 @@ def render(s: Status) -> str:
             f"remote:   {p.remote_fetches} fetched ({human_bytes(p.remote_bytes)}), "
             f"p50 {p.remote_ms.p50} ms, p99 {p.remote_ms.p99} ms, {rd.lookup_fetches} at lookup "
             f"({rd.lookup_fetches_read} read); {p.served_to_peers} served "
-            f"to peers ({human_bytes(p.bytes_served_to_peers)}); {rd.fallbacks} image "
-            f"fallbacks, {p.peer_timeouts} peer timeouts, dead peers {p.dead_peers}"
+            f"to peers ({human_bytes(p.bytes_served_to_peers)}); {rd.hedged} hedged "
+            f"({rd.hedges_won} won); {rd.fallbacks} image fallbacks, {p.peer_timeouts} peer "
+            f"timeouts, dead peers {p.dead_peers}"
         )
     pl = s.plan
     if pl.shares:

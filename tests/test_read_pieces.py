@@ -143,10 +143,13 @@ def test_status_round_trips_and_refuses_an_unknown_layout() -> None:
         render,
     )
 
-    reader = ReaderStatus(1, 2, 3, 4, 5, 6, 7, 0, 1, 0, 2, 5, 4, 1, Percentiles(0.1, 0.2, 0.3))
-    peers = PeerStatus(9, 10, Percentiles(1.0, 2.0, 3.0), 0, 4, 3, 5, 0, 0, [2], [1])
+    reader = ReaderStatus(1, 2, 3, 4, 5, 6, 7, 0, 1, 0, 2, 5, 4, 1, Percentiles(0.1, 0.2, 0.3, 9),
+                          Percentiles(4, 5, 6, 7))  # fmt: skip
+    peers = PeerStatus(9, 10, Percentiles(1.0, 2.0, 3.0, 4.0), 0, 4, 3, 5, 0, 0, [2], [1])
     status = Status(7, "/img", "/mnt", 0, 3, 1, "vm", "n1", True, True, True, "isa-l", True, 5, 2,
-                    6, 7 << 20, 8, 9, 11, FrontStatus(True, 12, 13, 14, 1, 2, 3, 4, 3, 1), 1.5,
+                    6, 7 << 20, 8, 9, 11, FrontStatus(True, 12, 13, 14, 1, 2, 3, 4, 3, 1,
+                                                             Percentiles(0.2, 0.3, 0.4, 0.5)),
+                    1.5,
                     CatalogStatus(10, 8, 1000), StoreStatus("/tmp/s", 2, 2, 100, 100, True,
                                                             0.1, 3), reader, peers,
                     PlanStatus(2, 800, 1, 300, 400, 390, 5 << 20, 1 << 20, 10, 2, 0, 0, 1, 1 << 30),
@@ -164,6 +167,10 @@ def test_status_round_trips_and_refuses_an_unknown_layout() -> None:
     ) in render(status)
     assert "plan:     2 shares, 800 planned (1 missing)" in render(status)
     assert "front:    12 lookups, 13 getattrs, 14 reads answered in C" in render(status)
+    assert ("latency:  local (C) p50 0.2 ms, p99 0.4 ms, max 0.5 ms; local p50 0.1 ms, p99 "
+            "0.3 ms, max 9 ms; peer p50 1.0 ms, p99 3.0 ms, max 4.0 ms; image p50 4 ms, p99 6 ms, "
+            "max 7 ms") in render(status)  # fmt: skip
+    assert flat["front"]["read_ms_max"] == 0.5 and flat["reader"]["image_ms_max"] == 7
     assert "4 reads started at lookup (3 read, 1 never)" in render(status)
     broken = dict(flat, reader={k: v for k, v in flat["reader"].items() if k != "reads"})
     with pytest.raises(ValueError, match="not a status"):

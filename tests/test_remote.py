@@ -104,6 +104,37 @@ async def test_replicas_take_over_from_a_silent_peer(
         job.close()
 
 
+async def test_a_slow_holder_is_hedged_with_a_replica(
+    awkward_image: Path, awkward_src: Path, tmp_path: Path
+) -> None:
+    """A holder that answers 0.1 s late (below the peer timeout: not dead, only slow) is not
+    waited for alone: after the hedge delay the other holder is asked too, and its answer is
+    used. Without hedging, each of those files would cost the full 0.1 s."""
+    job = Job(awkward_image, tmp_path, 3, replicas=2)
+    try:
+        job.cluster.slow(1, 0.1)
+        holders = [job.owners[job.catalog.part[e]] for e, _ in job.files()]
+        theirs = [f for f, h in zip(job.files(), holders, strict=True) if 1 in h and 0 not in h]
+        assert len(theirs) >= 5
+        async with trio.open_nursery() as nursery:
+            for t in job.cluster.ranks:
+                await nursery.start(t.run)
+            started = trio.current_time()
+            for entry, rel in theirs:
+                assert await read_whole(job.readers[0], entry) == (awkward_src / rel).read_bytes()
+            took = trio.current_time() - started
+            nursery.cancel_scope.cancel()
+        src = job.readers[0].sources
+        asked_1_first = sum(1 for e, _ in theirs if src.peers(e)[0] == 1)
+        assert asked_1_first > 0 and src.hedged >= asked_1_first
+        assert src.hedges_won >= asked_1_first
+        assert took < 0.1 * asked_1_first * 0.5  # far less than waiting out the slow one
+        stats = job.cluster.ranks[0].statistics()
+        assert stats.peer_timeouts == 0 and stats.dead_peers == [] and src.fallbacks == 0
+    finally:
+        job.close()
+
+
 async def test_linger_ends_when_every_peer_said_bye_or_is_dead(job3: Job) -> None:
     job3.cluster.silence(2)
     async with trio.open_nursery() as nursery:

@@ -122,6 +122,7 @@ def summary(per_node: list[tuple[float, int, list[float]]], files: list[int]) ->
     lat = np.array([v for _, _, ls in per_node for v in ls]) * 1e3
     p50, p99 = np.percentile(lat, [50, 99]) if len(lat) else (0.0, 0.0)
     return {
+        "max_ms": float(lat.max()) if len(lat) else 0.0,
         "seconds": statistics.mean(w for w, _, _ in per_node),
         "files": statistics.mean(files),
         "nbytes": statistics.mean(b for _, b, _ in per_node),

@@ -84,6 +84,7 @@ class Result:
     cold_by: str = ""  # how a cold pass was made cold (make_cold); "" when warm
     daemon_cpu_s: float = 0.0  # CPU time its daemons spent during the pass
     samples: list[int] | None = None  # torch: each sample's CRC-32, by file name
+    max_ms: float = 0.0  # the slowest file
 
     @property
     def files_per_s(self) -> float:
@@ -237,7 +238,7 @@ def measure(case: Case, side: Side, rels: list[str], seed: int) -> Result:
     p50, p99 = np.percentile(np.array(lat) * 1e3, [50, 99])
     folio = pagecache.folio_kib(paths[:FOLIO_SAMPLE]) if case.client != "torch" else None
     return Result(case, side.name, wall, len(paths) * rounds, nbytes, float(p50), float(p99),
-                  folio, cold_by, spent, samples)  # fmt: skip
+                  folio, cold_by, spent, samples, max(lat) * 1e3)  # fmt: skip
 
 
 def _pass(paths: list[str], case: Case, plan: Path | None

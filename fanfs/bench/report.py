@@ -33,6 +33,7 @@ def summarize(results: list[Result]) -> list[dict[str, Any]]:
             row[f"{key}_mb_per_s"] = statistics.median(r.nbytes / r.seconds / 1e6 for r in rs)
             row[f"{key}_p50_ms"] = statistics.median(r.p50_ms for r in rs)
             row[f"{key}_p99_ms"] = statistics.median(r.p99_ms for r in rs)
+            row[f"{key}_max_ms"] = max(r.max_ms for r in rs)
             folios = [r.folio_kib for r in rs if r.folio_kib is not None]
             row[f"{key}_folio_kib"] = statistics.median(folios) if folios else None
         row["ratio"] = statistics.median(ratios)
@@ -71,6 +72,16 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     lines += [f"cold: {COLD_BY[c]}" for c in how if c in COLD_BY]
     if any(r.get("identical_samples") is False for r in rows):
         lines.append("!! a DataLoader pass gave other samples than native reads")
+    seen = set()
+    for r in rows:
+        lat = r.get("daemon_latency_ms")
+        key = (r.get("data"), r["size"], r["where"] == "remote")
+        if lat and key not in seen:
+            seen.add(key)
+            lines.append(f"daemon latency ({r.get('data', 'random')} {size_label(r['size'])}"
+                         f"{', remote' if key[2] else ''}): "
+                         + "; ".join(f"{k} p50/p99/max {v[0]}/{v[1]}/{v[2]} ms"
+                                     for k, v in lat.items()))  # fmt: skip
     idle = [r["daemon_idle_cpu_pct"] for r in rows if "daemon_idle_cpu_pct" in r]
     if idle:
         lines.append(f"idle daemon: {max(idle):.1f} % of a core at most; us/file: the fanfs "

@@ -119,8 +119,9 @@ def _dataset_cases(
         idle = global_epoch.idle_cpu_percent(sides[1].pids)
         got = _cases(mean, kind, "local", sides, rels, *plan)
         results += got
+        latency = daemon_latency(d)
         for case in {r.case for r in got}:
-            extras[case] = _extras(case, got, idle)
+            extras[case] = {**_extras(case, got, idle), "daemon_latency_ms": latency}
         if planned and "cold" in temps:
             results += _cases(mean, kind, "planned", sides[:2], rels, readers, ["cold"], repeat,
                               log, client)  # fmt: skip
@@ -176,7 +177,10 @@ def _remote_cases(base: Path, mean: int, kind: str, rels: list[str], ranks: int,
     natives = [str(src / r) for r in remote]
     with serving(base / "img", base / "many", ranks) as d:
         sides = [Side("native", src, lambda: make_cold(natives)), _fanfs_side("fanfs", d)]
-        results += _cases(mean, kind, "remote", sides, remote, *plan)
+        got = _cases(mean, kind, "remote", sides, remote, *plan)
+        results += got
+        latency = daemon_latency(d)
+        extras.update({r.case: {"daemon_latency_ms": latency} for r in got})
         if epoch == "global":
             part_of = [int(catalog.part[entries[r]]) for r in rels]
             got, more = _epoch_cases(mean, kind, src, d, rels, part_of, owners, *plan)
@@ -188,6 +192,16 @@ def _remote_cases(base: Path, mean: int, kind: str, rels: list[str], ranks: int,
                 results += got
                 extras.update(more)
     return results, extras
+
+
+def daemon_latency(d: Daemons) -> dict[str, list[float]]:
+    """Daemon 0's latency by source of a file's bytes (p50, p99, max in ms, over its recent
+    reads), as `fanfs status` shows it: local in C (the front), local through Python, from a
+    peer, from the image."""
+    from fanfs.status import Status, sources
+
+    s = Status.from_json(d.status(0))
+    return {name: [ms.p50, ms.p99, ms.max] for name, ms, n in sources(s) if n}
 
 
 @contextlib.contextmanager
@@ -292,7 +306,7 @@ def _epoch_cases(
                     s = global_epoch.summary(got, files)
                     results.append(Result(case, reader, s["seconds"], int(s["files"]),
                                           int(s["nbytes"]), s["p50_ms"], s["p99_ms"], None,
-                                          cold_by, spent))  # fmt: skip
+                                          cold_by, spent, max_ms=s["max_ms"]))  # fmt: skip
                     if reader == "fanfs":
                         cpu_per_file.append(spent / max(1, sum(files)) * 1e6)
             extras[case] = {

@@ -247,6 +247,10 @@ void fanfs_front_close(void);
 enum { FANFS_FRONT_LOOKUPS, FANFS_FRONT_GETATTRS, FANFS_FRONT_READS, FANFS_FRONT_OTHERS,
        FANFS_FRONT_FORWARDED, FANFS_FRONT_COUNTS, FANFS_FRONT_WAITS = FANFS_FRONT_COUNTS };
 void fanfs_front_counters(uint64_t out[FANFS_FRONT_COUNTS + 1]);
+/* The front's last READs' times in microseconds (how many, up to FANFS_FRONT_SAMPLES; in no
+ * order) and the longest since start. */
+#define FANFS_FRONT_SAMPLES 4096
+int fanfs_front_latencies(uint32_t out[FANFS_FRONT_SAMPLES], uint32_t *longest);
 /* The attributes the front answers for entry `e` (ino, size, blocks, mtime, mtimensec, mode,
  * nlink, uid, gid, blksize, atime, ctime), and its lookup (the entry; -2: no such name; -1:
  * not a directory), from the catalog given to fanfs_meta_set: for the tests. */

@@ -82,6 +82,41 @@ static struct {
 
 static void count(int what) { __atomic_add_fetch(&front.counts[what], 1, __ATOMIC_RELAXED); }
 
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* The last FANFS_FRONT_SAMPLES READs' times, from taking the request to the reply, in
+ * microseconds (a ring; fanfs status takes percentiles of it), and the longest ever. */
+static struct {
+    uint32_t us[FANFS_FRONT_SAMPLES];
+    uint64_t n;
+    uint32_t longest;
+} lat;
+
+static void took(int64_t began) {
+    int64_t us = (now_ns() - began) / 1000;
+    uint32_t v = us > UINT32_MAX ? UINT32_MAX : us < 0 ? 0 : (uint32_t)us;
+    uint64_t k = __atomic_fetch_add(&lat.n, 1, __ATOMIC_RELAXED);
+    uint32_t old = __atomic_load_n(&lat.longest, __ATOMIC_RELAXED);
+    __atomic_store_n(&lat.us[k % FANFS_FRONT_SAMPLES], v, __ATOMIC_RELAXED);
+    while (v > old && !__atomic_compare_exchange_n(&lat.longest, &old, v, 0, __ATOMIC_RELAXED,
+                                                   __ATOMIC_RELAXED))
+        ;
+}
+
+int fanfs_front_latencies(uint32_t out[FANFS_FRONT_SAMPLES], uint32_t *longest) {
+    uint64_t n = __atomic_load_n(&lat.n, __ATOMIC_RELAXED), i;
+    if (n > FANFS_FRONT_SAMPLES)
+        n = FANFS_FRONT_SAMPLES;
+    for (i = 0; i < n; i++)
+        out[i] = __atomic_load_n(&lat.us[i], __ATOMIC_RELAXED);
+    *longest = __atomic_load_n(&lat.longest, __ATOMIC_RELAXED);
+    return (int)n;
+}
+
 /* -- the kernel's protocol ----------------------------------------------------------------- */
 
 int fanfs_raw_reply(int fd, uint64_t unique, int err, const struct iovec *iov, int n) {
@@ -259,9 +294,11 @@ static int getattr(const struct fuse_in_header *in) {
 }
 
 static int read_(const struct fuse_in_header *in, const struct fuse_read_in *r) {
+    int64_t began = now_ns();
     if (fanfs_pool_fast_answer(front.fd, in->unique, in->nodeid, (int64_t)r->offset,
                                r->size) != 0)
         return -1;
+    took(began);
     count(FANFS_FRONT_READS);
     return 0;
 }
@@ -353,12 +390,6 @@ static void end_session(void) {
  * (FANFS_SPIN_US): the next request of a reader usually comes within microseconds, and on a
  * VM a halted CPU costs hundreds of microseconds to wake. It does not poll while threads wait
  * for a CPU (the kernel's CPU pressure): then polling takes a core from the readers. */
-
-static int64_t now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
-}
 
 /* Whether threads waited for a CPU in more than a tenth of the last ~100 ms (/proc/pressure/cpu
  * "some"). Read at most every 100 ms, by the leader only; a reading more than 200 ms old is

@@ -107,13 +107,20 @@ class Latencies:
     def __init__(self, samples: int = SAMPLES):
         self._ring = np.zeros(samples, dtype=np.float64)
         self.count = 0  # all ever recorded
+        self.longest = 0.0
 
     def record(self, seconds: float) -> None:
         self._ring[self.count % len(self._ring)] = seconds
         self.count += 1
+        self.longest = max(self.longest, seconds)
 
     def percentiles_ms(self) -> Percentiles:
-        """p50, p90 and p99 in milliseconds over the kept samples."""
-        n = min(self.count, len(self._ring))
-        pct = np.percentile(self._ring[:n], [50, 90, 99]) * 1e3 if n else [0.0] * 3
-        return Percentiles(*(round(float(v), 3) for v in pct))
+        """p50, p90 and p99 in milliseconds over the kept samples, and the longest ever."""
+        return percentiles_ms(self._ring[: min(self.count, len(self._ring))], self.longest)
+
+
+def percentiles_ms(seconds: np.ndarray, longest: float) -> Percentiles:
+    """p50, p90, p99 of `seconds` and `longest`, in milliseconds."""
+    pct = np.percentile(seconds, [50, 90, 99]) * 1e3 if len(seconds) else [0.0] * 3
+    p50, p90, p99 = (round(float(v), 3) for v in pct)
+    return Percentiles(p50, p90, p99, round(longest * 1e3, 3))

@@ -35,6 +35,7 @@ from fanfs import catalog as cat
 from fanfs import codec, filters
 from fanfs.errors import CorruptFile
 from fanfs.native import lib
+from fanfs.node.cache import percentiles_ms
 from fanfs.status import NO_FRONT, FrontStatus
 
 log = logging.getLogger(__name__)
@@ -166,7 +167,8 @@ class Front:
             lib.front_stop()
 
     def statistics(self) -> FrontStatus:
-        return FrontStatus(running=self.running, **lib.front_stats())
+        return FrontStatus(running=self.running, **lib.front_stats(),
+                           read_ms=percentiles_ms(*lib.front_latencies()))  # fmt: skip
 
 
 class NativePool:

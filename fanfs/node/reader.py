@@ -398,4 +398,7 @@ class Reader:
             lookup_fetches_read=self._ahead.used,
             lookup_fetches_unread=self._ahead.unused,
             fetch_ms=local.latency.percentiles_ms(),
+            image_ms=src.image_latency.percentiles_ms(),
+            hedged=src.hedged,
+            hedges_won=src.hedges_won,
         )

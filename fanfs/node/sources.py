@@ -19,7 +19,11 @@ The server knows neither the transport nor the Reader.
 other file is asked of its holders in turn (live ones only, rotated per file to spread load
 over replicas) and, when none can answer, read from the image on shared storage. A peer's
 reply is checked against the CRC the caller gives, so a bad copy sends the reader to the next
-source; the caller is told that the bytes are checked and does not check them again.
+source; the caller is told that the bytes are checked and does not check them again. With
+replicas, a peer that has not answered within the hedge delay (twice the recent p99 of peer
+fetches, at least HEDGE_MIN_S) is not waited for alone: the next holder is asked too, and the
+first good answer is used (the other fetch is cancelled; its late reply is drained by the
+transport). A slow node then costs a reader the hedge delay, not a peer timeout.
 `stored_blocking` is the same choice for threads of the daemon's own (the read-ahead engine's):
 it blocks, asking peers through the transport's blocking fetch where it has one, else through
 the event loop.
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import threading
 import time
@@ -59,6 +64,12 @@ WORKER_THREADS = 4  # concurrent big reads/decodes; more would only contend for 
 # Raw files up to this are fetched whole and checked at once; larger ones are checked once as a
 # whole (streamed), then served range by range.
 WHOLE_FILE_LIMIT = 16 << 20
+# A peer fetch not answered within max(HEDGE_MIN_S, HEDGE_P99 x the recent p99 of peer fetches)
+# is asked of the next holder too. The delay is recomputed every HEDGE_EVERY fetches (a
+# percentile of the kept samples costs far more than a fetch's bookkeeping).
+HEDGE_MIN_S = 2e-3
+HEDGE_P99 = 2.0
+HEDGE_EVERY = 256
 
 
 class Local:
@@ -234,6 +245,11 @@ class Sources:
         self._count = threading.Lock()
         self.fallbacks = 0
         self.bad_payloads = 0
+        self.hedged = 0  # fetches asked of a second holder because the first was slow
+        self.hedges_won = 0  # ... that the second holder answered first
+        self._hedge_s = HEDGE_MIN_S
+        self._hedge_at = 0  # fetches counted when the delay was last computed
+        self.image_latency = Latencies()  # reads of the image when no peer could answer
 
     def mine(self, entry: int) -> bool:
         return self.local.mine(entry)
@@ -247,7 +263,13 @@ class Sources:
             got = await self.remote(entry, offset, length, crc)
             if got is not None:
                 return got, crc is not None
-            self._fell_back()  # no peer could: read the image (shared storage)
+            # No peer could: read the image (shared storage).
+            began = time.perf_counter()
+            if self.local.large(entry):
+                await self.local.verify(entry)
+            data = await self.local.read(entry, offset, length, count=False)
+            self._fell_back(began)
+            return data, False
         if self.local.large(entry):
             await self.local.verify(entry)
         return await self.local.read(entry, offset, length), False
@@ -265,7 +287,10 @@ class Sources:
                                            trio_token=token)  # fmt: skip
             if got is not None:
                 return got, crc is not None
-            self._fell_back()
+            began = time.perf_counter()
+            data = self.local.store.pread(*self.local.where(entry, offset), length)
+            self._fell_back(began)
+            return data, False
         return self.local.read_blocking(entry, offset, length), False
 
     def peers(self, entry: int) -> list[int]:
@@ -278,16 +303,81 @@ class Sources:
 
     async def remote(self, entry: int, offset: int, length: int, crc: int | None) -> bytes | None:
         """Stored bytes of `entry` from the first peer that has them, or None. With `crc`,
-        a reply that does not match it is a bad copy: the next peer is tried."""
+        a reply that does not match it is a bad copy: the next peer is tried. With more than
+        one holder, a slow one is hedged: the next is asked too after the hedge delay."""
         assert self.transport is not None
-        for peer in self.peers(entry):
-            try:
-                stored = await self.transport.fetch(peer, entry, offset, length)
-            except PeerTimeout:
-                continue
-            if stored is not None and self._good(entry, peer, stored, crc):
-                return stored
+        peers = self.peers(entry)
+        if len(peers) > 1:
+            return await self._hedged(peers, entry, offset, length, crc)
+        for peer in peers:
+            got = await self._ask(peer, entry, offset, length, crc)
+            if got is not None:
+                return got
         return None
+
+    async def _ask(self, peer: int, entry: int, offset: int, length: int,
+                   crc: int | None) -> bytes | None:  # fmt: skip
+        """One peer's good copy, or None (no answer in time, a refusal, a bad copy)."""
+        assert self.transport is not None
+        try:
+            stored = await self.transport.fetch(peer, entry, offset, length)
+        except PeerTimeout:
+            return None
+        if stored is not None and self._good(entry, peer, stored, crc):
+            return stored
+        return None
+
+    async def _hedged(self, peers: list[int], entry: int, offset: int, length: int,
+                      crc: int | None) -> bytes | None:  # fmt: skip
+        """`remote` over several holders: the next is asked when the last asked has failed,
+        or has not answered within the hedge delay; the first good copy wins."""
+        send, answers = trio.open_memory_channel[tuple[int, bytes | None]](len(peers))
+        waiting = 0
+        left = iter(enumerate(peers))
+        more = True  # holders not asked yet
+
+        async def ask(k: int, peer: int) -> None:
+            send.send_nowait((k, await self._ask(peer, entry, offset, length, crc)))
+
+        async with trio.open_nursery() as nursery:
+
+            def next_one() -> bool:
+                nonlocal waiting, more
+                k, peer = next(left, (-1, -1))
+                if k < 0:
+                    more = False
+                    return False
+                waiting += 1
+                nursery.start_soon(ask, k, peer)
+                return True
+
+            next_one()
+            while waiting:
+                with trio.move_on_after(self._hedge_delay() if more else math.inf) as slow:
+                    k, got = await answers.receive()
+                if slow.cancelled_caught:
+                    if next_one():
+                        with self._count:
+                            self.hedged += 1
+                    continue
+                waiting -= 1
+                if got is not None:
+                    if k > 0 and waiting:  # the first asked is still out: the hedge won
+                        with self._count:
+                            self.hedges_won += 1
+                    nursery.cancel_scope.cancel()
+                    return got
+                next_one()  # that one failed: the next at once
+        return None
+
+    def _hedge_delay(self) -> float:
+        assert self.transport is not None
+        count = self.transport.fetches
+        if count - self._hedge_at >= HEDGE_EVERY:
+            self._hedge_at = count
+            p99 = self.transport.latency_ms().p99 / 1e3
+            self._hedge_s = max(HEDGE_MIN_S, HEDGE_P99 * p99)
+        return min(self._hedge_s, self.transport.peer_timeout)
 
     def _remote_blocking(self, entry: int, offset: int, length: int,
                          crc: int | None) -> bytes | None:  # fmt: skip
@@ -301,9 +391,10 @@ class Sources:
                 return stored
         return None
 
-    def _fell_back(self) -> None:
+    def _fell_back(self, began: float) -> None:
         with self._count:
             self.fallbacks += 1
+            self.image_latency.record(time.perf_counter() - began)
 
     def _good(self, entry: int, peer: int, stored: bytes, crc: int | None) -> bool:
         """Whether a peer's reply matches its CRC; a bad copy is counted and logged."""

@@ -19,7 +19,7 @@ from typing import Protocol
 import trio
 
 from fanfs.node.cache import Latencies
-from fanfs.status import PeerStatus
+from fanfs.status import PeerStatus, Percentiles
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +159,15 @@ class PeerTransport:
                     self._nursery.start_soon(self.ping, p)
             await trio.sleep(0.05)
         log.warning("stopped waiting for peers after %.0f s", grace)
+
+    @property
+    def fetches(self) -> int:
+        """Fetches from peers answered so far."""
+        return self._latency.count
+
+    def latency_ms(self) -> Percentiles:
+        """Percentiles of the recent fetches from peers, in milliseconds."""
+        return self._latency.percentiles_ms()
 
     def statistics(self) -> PeerStatus:
         return PeerStatus(

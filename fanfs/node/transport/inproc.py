@@ -7,7 +7,8 @@ per simulated daemon, each handed its daemon's peer server. A fetch awaits the p
 directly and copies its reply (a peer's buffer is never shared, as over MPI), all bounded by
 the peer timeout. `Cluster.silence(rank)`
 makes a rank stop answering, as a killed or stopped daemon does: fetches to it wait for the peer
-timeout, raise PeerTimeout, and the rank is routed around from then on.
+timeout, raise PeerTimeout, and the rank is routed around from then on; `Cluster.slow(rank, s)`
+makes it answer `s` seconds late, as an overloaded node does.
 
 Concurrency: everything runs in the one trio thread; a reply is produced by the peer's own
 reader in a task of its own, so a slow peer delays only the fetches waiting for it.
@@ -31,10 +32,15 @@ class Cluster:
         n = len(servers)
         self.ranks = [InprocTransport(self, r, n, peer_timeout, s) for r, s in enumerate(servers)]
         self.silent: set[int] = set()
+        self.delay: dict[int, float] = {}
 
     def silence(self, rank: int) -> None:
         """From now on `rank` answers nobody (its own fetches still work)."""
         self.silent.add(rank)
+
+    def slow(self, rank: int, seconds: float) -> None:
+        """From now on `rank` answers `seconds` late."""
+        self.delay[rank] = seconds
 
 
 class InprocTransport(PeerTransport):
@@ -58,6 +64,7 @@ class InprocTransport(PeerTransport):
         with trio.move_on_after(self.peer_timeout) as scope:
             if peer in self.cluster.silent:
                 await trio.sleep_forever()
+            await trio.sleep(self.cluster.delay.get(peer, 0.0))
             owner = self.cluster.ranks[peer]
             data = await owner._serve_request(self.rank, entry, offset, length)
             owner._count_reply(entry, data)
