@@ -214,16 +214,19 @@ def _flat(record: Any) -> dict[str, Any]:
 
 
 def sources(s: Status) -> list[tuple[str, Percentiles, int]]:
-    """(name, latency, reads) of each source of a file's bytes."""
+    """(name, latency, reads) of each source of a file's bytes that has been timed: the front's
+    READs (in C), local fetches through Python, peers, the image."""
     rd, p = s.reader, s.peers
-    return [("local (C)", s.front.read_ms, s.front.reads), ("local", rd.fetch_ms, rd.local_fetches),
-            ("peer", p.remote_ms if p else Percentiles(), p.remote_fetches if p else 0),
-            ("image", rd.image_ms, rd.fallbacks)]  # fmt: skip
+    every = [("local (C)", s.front.read_ms, s.front.reads),
+             ("local", rd.fetch_ms, rd.local_fetches),
+             ("peer", p.remote_ms if p else Percentiles(), p.remote_fetches if p else 0),
+             ("image", rd.image_ms, rd.fallbacks)]  # fmt: skip
+    return [(name, ms, n) for name, ms, n in every if n and ms.max > 0]
 
 
 def _latencies(s: Status) -> str:
     return "; ".join(f"{name} p50 {ms.p50} ms, p99 {ms.p99} ms, max {ms.max} ms"
-                     for name, ms, n in sources(s) if n)  # fmt: skip
+                     for name, ms, _ in sources(s))  # fmt: skip
 
 
 def render(s: Status) -> str:
