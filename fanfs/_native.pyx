@@ -16,7 +16,7 @@ from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.pycapsule cimport PyCapsule_New
 from libc.errno cimport EBADMSG, EILSEQ, EINVAL, EIO, ENOMEM, ENOSYS
-from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
 
@@ -103,6 +103,23 @@ cdef extern from "fanfs_native.h" nogil:
     enum:
         FANFS_FAST_NO
     void fanfs_lookahead_counters(uint64_t *out)
+    enum: FANFS_MAX_OWNERS
+    unsigned int FANFS_REMOTE_MAX
+    struct fanfs_rreq:
+        int slot
+        int ahead
+        int64_t entry
+        uint32_t part
+        int64_t off
+        uint32_t len, crc
+        int32_t peers[4]
+    int fanfs_pool_fast_owners(const int32_t *owners, uint32_t nparts, int self)
+    void fanfs_remote_set_wake(int fd)
+    int fanfs_remote_take(fanfs_rreq *out, int max)
+    int fanfs_remote_fill(const fanfs_rreq *r, const char *stored, uint32_t len) nogil
+    void fanfs_remote_fail(const fanfs_rreq *r)
+    int fanfs_remote_pending(const fanfs_rreq *r)
+    void fanfs_remote_counters(uint64_t *out)
     struct fanfs_meta:
         uint64_t n
         const char *mode
@@ -592,3 +609,88 @@ def front_stats():
     return {"lookups": c[0], "getattrs": c[1], "reads": c[2], "others": c[3],
             "forwarded": c[4], "waits": c[5], "lookahead_started": la[0], "lookahead_used": la[1],
             "lookahead_unused": la[2]}
+
+
+# -- a peer's files for the front, fetched by the MPI thread -----------------------------------
+
+MAX_OWNERS = FANFS_MAX_OWNERS
+REMOTE_MAX = FANFS_REMOTE_MAX
+
+
+def pool_fast_owners(owners, int rank):
+    """Which ranks hold each partition (a contiguous int32 array, partitions x MAX_OWNERS, -1
+    padded) and which is this daemon: the front then answers READs of files only peers hold
+    through the MPI thread (remote_take/remote_fill), once remote_set_wake is called."""
+    if (owners.ndim != 2 or owners.shape[1] != FANFS_MAX_OWNERS or owners.dtype.str != "<i4"
+            or not owners.flags.c_contiguous):
+        raise ValueError("pool_fast_owners: owners must be contiguous <i4, partitions x "
+                         f"{FANFS_MAX_OWNERS}")
+    cdef int ret = fanfs_pool_fast_owners(<const int32_t *><uintptr_t>owners.ctypes.data,
+                                          owners.shape[0], rank)
+    if ret != 0:
+        raise OSError(-ret, "pool_fast_owners: " + os.strerror(-ret))
+
+
+def remote_set_wake(int fd):
+    """The eventfd the front writes when it queues a request for a peer's piece (-1: none;
+    what is queued is given up, its READs go to Python)."""
+    fanfs_remote_set_wake(fd)
+
+
+cdef tuple _rreq_tuple(fanfs_rreq *r):
+    return (r.slot, r.ahead, r.entry, r.part, r.off, r.len, r.crc,
+            tuple(r.peers[k] for k in range(FANFS_MAX_OWNERS) if r.peers[k] >= 0))
+
+
+cdef int _rreq_from(tuple t, fanfs_rreq *r) except -1:
+    cdef int k
+    r.slot, r.ahead, r.entry, r.part, r.off, r.len, r.crc = t[:7]
+    for k in range(FANFS_MAX_OWNERS):
+        r.peers[k] = t[7][k] if k < len(t[7]) else -1
+    return 0
+
+
+def remote_take(int most=64):
+    """Requests the front queued for peers' pieces: (slot, ahead, entry, partition, offset,
+    length, crc, holders) each; never waits."""
+    cdef fanfs_rreq out[64]
+    cdef int n = fanfs_remote_take(out, min(most, 64))
+    return [_rreq_tuple(&out[i]) for i in range(n)]
+
+
+def remote_fill(tuple request, data):
+    """Hand the front a request's stored bytes (checked and decoded here, without the GIL): 0,
+    or an errno: ESTALE (it was given up), EBADMSG or EILSEQ (a bad copy: ask another holder),
+    ENOMEM."""
+    cdef fanfs_rreq r
+    cdef Py_buffer view
+    cdef int err
+    _rreq_from(request, &r)
+    PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+    try:
+        with nogil:
+            err = fanfs_remote_fill(&r, <const char *>view.buf, <uint32_t>view.len)
+    finally:
+        PyBuffer_Release(&view)
+    return err
+
+
+def remote_fail(tuple request):
+    """No holder can give a request's piece: the READs waiting for it go to Python."""
+    cdef fanfs_rreq r
+    _rreq_from(request, &r)
+    fanfs_remote_fail(&r)
+
+
+def remote_pending(tuple request):
+    """Whether a request still waits for its bytes (not filled, not given up)."""
+    cdef fanfs_rreq r
+    _rreq_from(request, &r)
+    return bool(fanfs_remote_pending(&r))
+
+
+def remote_stats():
+    """Peers' pieces the MPI thread fetched for the front, gave up, and reserved at LOOKUP."""
+    cdef uint64_t c[3]
+    fanfs_remote_counters(c)
+    return {"remote_fetched": c[0], "remote_failed": c[1], "remote_at_lookup": c[2]}

@@ -127,6 +127,9 @@ class FrontStatus:
     lookahead_used: int  # ... then READ
     lookahead_unused: int  # ... never READ while remembered (a stat walk)
     read_ms: Percentiles = Percentiles()  # its READs, from taking the request to the reply
+    remote_fetched: int = 0  # peers' files the MPI thread fetched for its READs (no Python)
+    remote_failed: int = 0  # ... no holder could give (those READs went to Python)
+    remote_at_lookup: int = 0  # ... fetches started at a LOOKUP
 
 
 NO_FRONT = FrontStatus(False, 0, 0, 0, 0, 0, 0, 0, 0, 0)
@@ -214,10 +217,11 @@ def _flat(record: Any) -> dict[str, Any]:
 
 
 def sources(s: Status) -> list[tuple[str, Percentiles, int]]:
-    """(name, latency, reads) of each source of a file's bytes that has been timed: the front's
-    READs (in C), local fetches through Python, peers, the image."""
+    """(name, latency, reads) of each source of a file's bytes that has been timed: the READs
+    the front answered in C (this node's files, and peers' ones the MPI thread fetched for it),
+    local fetches through Python, fetches from peers, the image."""
     rd, p = s.reader, s.peers
-    every = [("local (C)", s.front.read_ms, s.front.reads),
+    every = [("front (C)", s.front.read_ms, s.front.reads),
              ("local", rd.fetch_ms, rd.local_fetches),
              ("peer", p.remote_ms if p else Percentiles(), p.remote_fetches if p else 0),
              ("image", rd.image_ms, rd.fallbacks)]  # fmt: skip
@@ -263,7 +267,9 @@ def render(s: Status) -> str:
         lines.append(
             f"front:    {f.lookups} lookups, {f.getattrs} getattrs, {f.reads} reads answered "
             f"in C with no event loop, {f.forwarded} forwarded; {f.lookahead_started} reads "
-            f"started at lookup ({f.lookahead_used} read, {f.lookahead_unused} never)"
+            f"started at lookup ({f.lookahead_used} read, {f.lookahead_unused} never); "
+            f"{f.remote_fetched} peers' files fetched for it ({f.remote_at_lookup} at lookup, "
+            f"{f.remote_failed} given up)"
         )
     if p is not None:
         lines.append(

@@ -132,10 +132,24 @@ def test_every_rank_reads_every_file(tree: Path, image: Path, tmp_path: Path, n:
             assert (s["rank"], s["size"]) == (rank, n)
             if n > 1:
                 assert s["reader"]["remote_fetches"] > 0, s
+                # Peers' small files come through the front and the MPI thread, no Python.
+                assert s["front"]["remote_fetched"] > 0 and s["front"]["remote_failed"] == 0, s
                 assert s["reader"]["served_to_peers"] > 0, s
                 # Plain reads for peers never wait for the event loop.
                 assert s["reader"]["served_without_event_loop"] > 0, s
                 assert s["reader"]["fallbacks"] == 0, s
+        _clean_after(m)
+
+
+def test_without_the_native_remote_path_python_fetches(
+    tree: Path, image: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FANFS_NATIVE_REMOTE=0: the front hands READs of peers' files to Python, as before."""
+    monkeypatch.setenv("FANFS_NATIVE_REMOTE", "0")
+    with mpi_mounted(image, tmp_path, 2) as m:
+        assert assert_same_tree(tree, m.mnts[0]) > 270
+        s = m.status(0)
+        assert s["reader"]["remote_fetches"] > 0 and s["front"]["remote_fetched"] == 0, s
         _clean_after(m)
 
 
@@ -171,8 +185,9 @@ def test_remote_reads_of_compressed_and_framed_files(
 
 def test_fetch_at_lookup_and_a_stat_walk(tree: Path, image: Path, tmp_path: Path) -> None:
     """A file opened by path (no listing before, so the kernel sends LOOKUP) is fetched from
-    its LOOKUP, once; `ls -l`/`du` look files up without reading them, and fetching at LOOKUP
-    stops after a few of those (fanfs/node/reader.py, LookAhead)."""
+    its LOOKUP, once, by the MPI thread for the front (fanfs/csrc/pool.c): the READ waits for
+    that fetch and never reaches Python; `ls -l`/`du` look files up without reading them, and
+    fetching at LOOKUP stops after a few of those."""
     c, _ = cat.Catalog.load(image)
     owners = placement.place(c.part_size, c.part_flags, 2)
     remote = [c.path(e).decode() for e, _ in c.walk()
@@ -183,13 +198,15 @@ def test_fetch_at_lookup_and_a_stat_walk(tree: Path, image: Path, tmp_path: Path
     with mpi_mounted(image, tmp_path, 2) as m:
         for rel in read:
             assert (m.mnts[0] / rel).read_bytes() == (tree / rel).read_bytes(), rel
-        s = m.status(0)["reader"]
-        assert s["lookup_fetches"] == s["lookup_fetches_read"] == len(read), s
-        assert s["remote_fetches"] == len(read), s  # the READ joined the fetch: no second one
+        st = m.status(0)
+        s, f = st["reader"], st["front"]
+        assert f["remote_at_lookup"] == f["lookahead_used"] == len(read), f
+        assert f["remote_fetched"] == s["remote_fetches"] == len(read), s  # READ joined the fetch
+        assert s["reads"] == 0 and f["remote_failed"] == 0, (s, f)  # no READ reached Python
         for rel in walked:
             os.stat(m.mnts[0] / rel)
-        s = m.status(0)["reader"]
-        assert s["lookup_fetches"] - len(read) <= lookahead.WINDOW + 8, s
+        f = m.status(0)["front"]
+        assert f["remote_at_lookup"] - len(read) <= lookahead.WINDOW + 8, f
         for rel in walked:  # and every file still reads right
             assert (m.mnts[0] / rel).read_bytes() == (tree / rel).read_bytes(), rel
         _clean_after(m)
@@ -318,6 +335,33 @@ def test_replicas_and_broadcast_set(tree: Path, image: Path, tmp_path: Path) -> 
                 assert (m.mnts[rank] / "val" / f.name).read_bytes() == f.read_bytes()
             assert m.status(rank)["reader"]["remote_fetches"] == before
         assert_same_tree(tree, m.mnts[1])
+        _clean_after(m)
+
+
+def test_a_stopped_holder_is_hedged_with_a_replica(tree: Path, image: Path,
+                                                   tmp_path: Path) -> None:  # fmt: skip
+    """Replicas 2 over 3 daemons, one of them stopped (SIGSTOP: it answers nothing, and the
+    peer timeout is long): rank 0's reads of files it and rank 2 hold are hedged to rank 2
+    after a few milliseconds, not held for the peer timeout."""
+    c, _ = cat.Catalog.load(image)
+    owners = placement.place(c.part_size, c.part_flags, 3, replicas=2)
+    theirs = [c.path(e).decode() for e, _ in c.walk()
+              if c.is_file[e] and c.stored_len[e] and c.codec[e] != cat.CODEC_FRAMED
+              and set(owners[int(c.part[e])]) == {1, 2}]  # fmt: skip
+    assert len(theirs) >= 10
+    with mpi_mounted(image, tmp_path, 3, "--replicas", "2", "--peer-timeout", "60") as m:
+        victim = m.status(1)["pid"]
+        os.kill(victim, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            for rel in theirs:
+                assert (m.mnts[0] / rel).read_bytes() == (tree / rel).read_bytes(), rel
+            took = time.monotonic() - started
+            s = m.status(0)["reader"]
+        finally:
+            os.kill(victim, signal.SIGCONT)
+        assert took < 20, took  # not one peer timeout (60 s), let alone one per file
+        assert s["hedged"] >= 1 and s["hedges_won"] >= 1 and s["dead_peers"] == [], s
         _clean_after(m)
 
 

@@ -167,7 +167,7 @@ def test_status_round_trips_and_refuses_an_unknown_layout() -> None:
     ) in render(status)
     assert "plan:     2 shares, 800 planned (1 missing)" in render(status)
     assert "front:    12 lookups, 13 getattrs, 14 reads answered in C" in render(status)
-    assert ("latency:  local (C) p50 0.2 ms, p99 0.4 ms, max 0.5 ms; local p50 0.1 ms, p99 "
+    assert ("latency:  front (C) p50 0.2 ms, p99 0.4 ms, max 0.5 ms; local p50 0.1 ms, p99 "
             "0.3 ms, max 9 ms; peer p50 1.0 ms, p99 3.0 ms, max 4.0 ms; image p50 4 ms, p99 6 ms, "
             "max 7 ms") in render(status)  # fmt: skip
     assert flat["front"]["read_ms_max"] == 0.5 and flat["reader"]["image_ms_max"] == 7

@@ -24,7 +24,7 @@
 #include <stdint.h>
 #include <sys/uio.h>
 
-#define FANFS_NATIVE_API 3
+#define FANFS_NATIVE_API 4
 
 /* What a piece's stored bytes are (fanfs/node/pool.py names the same numbers). */
 enum {
@@ -56,6 +56,7 @@ enum {
 /* Error codes beyond errno: returned by fanfs_decode and fanfs_read_piece. */
 #define FANFS_EBADCRC EBADMSG /* the stored bytes do not match their CRC-32 */
 #define FANFS_EBADDATA EILSEQ /* they match, but do not decode to the size the catalog says */
+#define FANFS_EREMOTE EREMOTEIO /* a peer's piece no holder could give: Python answers */
 
 /* One stored piece. */
 struct fanfs_piece {
@@ -190,6 +191,46 @@ int fanfs_pool_fast_answer(int fd, uint64_t unique, uint64_t ino, int64_t off, u
 void fanfs_pool_looked_up(uint64_t ino);
 /* Reads started at LOOKUP: started, then read by their READ, or never read. */
 void fanfs_lookahead_counters(uint64_t out[3]);
+
+/* -- a peer's files, fetched by the MPI thread into the cache of pieces --------------------- */
+
+#define FANFS_MAX_OWNERS 4 /* holders of a partition the C knows of (more: Python's) */
+#define FANFS_REMOTE_MAX (4u << 20) /* a peer's file up to this, stored, is fetched whole */
+/* A job's `fd` for a piece of partition `part` held by peers only (no fd of ours). */
+#define FANFS_REMOTE_FD(part) (-2 - (int)(part))
+
+/* Which ranks hold each partition (`owners`: nparts x FANFS_MAX_OWNERS, -1 padded) and which
+ * is this daemon: the front answers READs of files only peers hold through the MPI thread
+ * (once fanfs_remote_set_wake has been called). Before fanfs_pool_fast_enable. 0 or -errno. */
+int fanfs_pool_fast_owners(const int32_t *owners, uint32_t nparts, int self);
+
+/* A request for a peer's piece: fetch `len` stored bytes at `off` of partition `part` from one
+ * of `peers` (-1: none), and hand them back with fanfs_remote_fill. */
+struct fanfs_rreq {
+    int slot;
+    int ahead;  /* reserved at a LOOKUP, not by a READ */
+    int64_t entry;
+    uint32_t part;
+    int64_t off;
+    uint32_t len, crc;
+    int32_t peers[FANFS_MAX_OWNERS];
+};
+/* The MPI thread's eventfd, written when a request is queued (-1: the remote path is off, and
+ * what is queued is given up). */
+void fanfs_remote_set_wake(int fd);
+int fanfs_remote_on(void);
+/* Up to `max` queued requests (never waits). */
+int fanfs_remote_take(struct fanfs_rreq *out, int max);
+/* The stored bytes for a request: checked, decoded into the cache, its READs woken. 0; ESTALE
+ * if the request is over (given up); FANFS_EBADCRC or FANFS_EBADDATA for a bad copy (ask
+ * another holder); ENOMEM. */
+int fanfs_remote_fill(const struct fanfs_rreq *r, const char *stored, uint32_t len);
+/* No holder can give it: its READs go to Python. */
+void fanfs_remote_fail(const struct fanfs_rreq *r);
+/* Whether the request still waits for its bytes (not filled, not given up). */
+int fanfs_remote_pending(const struct fanfs_rreq *r);
+/* Pieces fetched, given up, and reserved at LOOKUP. */
+void fanfs_remote_counters(uint64_t out[3]);
 
 /* Run a job in the calling thread with the same code as the pool, the reply copied to `out`
  * (`count` bytes); 0 or an errno. For Python callers and unit tests. */

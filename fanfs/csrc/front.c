@@ -9,10 +9,11 @@
  * the FUSE device (each with an epoll of its own, EPOLLEXCLUSIVE: the kernel wakes one per
  * request) and answer, in the thread that read the request:
  *   LOOKUP    from the catalog (names are sorted within each directory: a binary search),
- *             except a file another node holds (Python starts its fetch at LOOKUP);
+ *             and the file's read or fetch starts (fanfs_pool_looked_up);
  *   GETATTR   from the catalog;
  *   READ      of a file stored whole in a partition staged here (the pool's job, run in
- *             this thread: read, check, decode, reply, push the rest);
+ *             this thread: read, check, decode, reply, push the rest), or held by a peer
+ *             (fetched by the MPI thread into the pool's cache, this thread waiting for it);
  *   IOCTL     ENOSYS, as libfuse answers it (the kernel makes it ENOTTY; Python's open()
  *             asks every file whether it is a terminal);
  *   FORGET, BATCH_FORGET, INTERRUPT: nothing to do (fanfs keeps no per-inode state, and
@@ -273,8 +274,8 @@ static int lookup(const struct fuse_in_header *in, const char *arg, uint32_t arg
         return reply_entry(in, -1);
     if (S_ISREG(col32(m->mode, (uint64_t)e))) {
         part = col32(m->part, (uint64_t)e);
-        if (part < m->nparts && !m->part_local[part])
-            return -1; /* a peer's file: Python starts its fetch now */
+        if (part < m->nparts && !m->part_local[part] && !fanfs_remote_on())
+            return -1; /* a peer's file, no remote path here: Python starts its fetch now */
         fanfs_pool_looked_up((uint64_t)e + 1);
     }
     return reply_entry(in, e);

@@ -305,6 +305,8 @@ struct got {
     int fresh;     /* read and decoded for this job */
 };
 
+static int remote_piece(const struct fanfs_job *j, const struct fanfs_piece *p, struct got *g);
+
 /* Piece k of job j: 0 with *g filled, an errno, or WAITING when `qj` (a READ of the pool) was
  * hung on the piece because another thread is reading it. Without `qj` the caller waits. */
 static int piece_get(struct qjob *qj, const struct fanfs_job *j, int k,
@@ -318,6 +320,8 @@ static int piece_get(struct qjob *qj, const struct fanfs_job *j, int k,
     g->slot = -1;
     g->own = NULL;
     g->fresh = 0;
+    if (j->fd <= FANFS_REMOTE_FD(0))
+        return remote_piece(j, p, g); /* a peer's file: the MPI thread fetches it */
     if (!p->cache) {
         /* A file asked for whole: nobody asks for it again (the kernel keeps it), so it is not
          * cached, unless it is there already (read ahead at its LOOKUP). */
@@ -573,8 +577,229 @@ static struct {
     int on;
     int *fd, *dfd;  /* per partition, -1 until staged */
     uint8_t *bad;   /* per entry: a job failed, Python answers from now on */
+    int32_t *owners; /* per partition, FANFS_MAX_OWNERS ranks holding it (-1: none) */
+    uint8_t *remote; /* per partition: held by peers only (fanfs_pool_fast_owners) */
     uint64_t taken;
 } fast;
+
+/* -- a peer's files: fetched by the MPI thread into the cache of pieces -------------------------
+ * A READ the front takes of a file a peer holds (stored whole, up to FANFS_REMOTE_MAX) is
+ * answered from the cache of pieces like a local one: the piece's slot is reserved (pending)
+ * and a request for it queued here, the MPI thread takes it (fanfs_remote_take, woken through
+ * `rq.wakefd`), fetches the stored bytes from a holder and hands them back
+ * (fanfs_remote_fill: checked and decoded in C, the slot filled, the READ that waits on it
+ * woken), so neither Python's event loop nor a hand-off to it is on the way. When no holder
+ * can give it (fanfs_remote_fail), the READ goes to Python after all, which tries every source
+ * and the image. A lookup of such a file reserves its piece too (reads at LOOKUP), at most
+ * LA_REMOTE_MAX at a time. */
+#define RQ_MAX 256
+#define LA_REMOTE_MAX 8
+
+static struct {
+    pthread_mutex_t lock;
+    struct fanfs_rreq q[RQ_MAX];
+    int first, n;
+    int wakefd; /* the MPI thread's eventfd; -1: no remote path */
+    int on;
+    int ahead;  /* pending slots reserved at LOOKUP */
+    uint64_t fetched, failed, looked_up;
+} rq = {.lock = PTHREAD_MUTEX_INITIALIZER, .wakefd = -1};
+
+/* Queue the fetch of slot i's piece (cache lock not held); 0, or -1 when the queue is full or
+ * the remote path is off. */
+static int rq_push(int i, const struct fanfs_job *j, const struct fanfs_piece *p, int ahead) {
+    uint64_t one = 1;
+    ssize_t w;
+    uint32_t part = (uint32_t)(FANFS_REMOTE_FD(0) - j->fd);
+    int k;
+    struct fanfs_rreq *r;
+    pthread_mutex_lock(&rq.lock);
+    if (!rq.on || rq.n == RQ_MAX || fast.owners == NULL || part >= fast.t.nparts) {
+        pthread_mutex_unlock(&rq.lock);
+        return -1;
+    }
+    r = &rq.q[(rq.first + rq.n) % RQ_MAX];
+    r->slot = i;
+    r->entry = j->entry;
+    r->part = part;
+    r->off = p->off;
+    r->len = p->len;
+    r->crc = p->crc;
+    r->ahead = ahead;
+    for (k = 0; k < FANFS_MAX_OWNERS; k++)
+        r->peers[k] = fast.owners[part * FANFS_MAX_OWNERS + k];
+    rq.n++;
+    rq.ahead += ahead;
+    w = write(rq.wakefd, &one, sizeof one);
+    (void)w;
+    pthread_mutex_unlock(&rq.lock);
+    return 0;
+}
+
+/* Reserve a pending slot for a peer's piece and queue its fetch, cache lock held (it is let go
+ * and taken again). The slot's index, or -1 (no room, or the queue is full). Nobody holds a
+ * reference to it: a READ waiting for it takes one once it is filled, as for any piece. */
+static int remote_reserve(const struct fanfs_job *j, const struct fanfs_piece *p, int ahead) {
+    int i = slot_room(p->size);
+    struct slot *s;
+    if (i < 0)
+        return -1;
+    s = &cache.slot[i];
+    s->fd = j->fd;
+    s->off = p->off;
+    s->len = p->len;
+    s->crc = p->crc;
+    s->size = p->size;
+    s->kind = p->kind;
+    s->used = ++cache.clock;
+    s->pending = 1;
+    s->unpushed = 1; /* nobody pushed it: its first READ pushes the rest */
+    s->refs = 0;
+    s->waiters = NULL;
+    cache.bytes += p->size;
+    pthread_mutex_unlock(&cache.lock);
+    if (rq_push(i, j, p, ahead) != 0) {
+        slot_fill(i, NULL, 0, NULL);
+        pthread_mutex_lock(&cache.lock);
+        return -1;
+    }
+    pthread_mutex_lock(&cache.lock);
+    return i;
+}
+
+/* A peer's piece for a READ of the front (which may wait): FANFS_EREMOTE when it cannot be
+ * had here (the READ then goes to Python). */
+static int remote_piece(const struct fanfs_job *j, const struct fanfs_piece *p, struct got *g) {
+    int i, found, mine = -1;
+    pthread_mutex_lock(&cache.lock);
+    for (;;) {
+        found = -1;
+        for (i = 0; i < SLOTS; i++)
+            if (slot_is(&cache.slot[i], j->fd, p))
+                found = i;
+        if (found >= 0 && cache.slot[found].pending) {
+            pthread_cond_wait(&cache.ready, &cache.lock);
+            continue;
+        }
+        if (found >= 0) {
+            struct slot *s = &cache.slot[found];
+            s->refs++;
+            s->used = ++cache.clock;
+            g->fresh = s->unpushed;
+            s->unpushed = 0;
+            cache.hits++;
+            pthread_mutex_unlock(&cache.lock);
+            g->slot = found;
+            g->data = s->data;
+            return 0;
+        }
+        if (mine >= 0) /* ours was given up (no holder could give it), or, rarely, evicted */
+            break;
+        cache.misses++;
+        if ((mine = remote_reserve(j, p, 0)) < 0)
+            break;
+    }
+    pthread_mutex_unlock(&cache.lock);
+    return FANFS_EREMOTE;
+}
+
+int fanfs_remote_on(void) { return __atomic_load_n(&rq.on, __ATOMIC_ACQUIRE); }
+
+void fanfs_remote_set_wake(int fd) {
+    struct fanfs_rreq r;
+    pthread_mutex_lock(&rq.lock);
+    rq.wakefd = fd;
+    __atomic_store_n(&rq.on, fd >= 0, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&rq.lock);
+    if (fd < 0) /* what is queued will not be fetched: its READs go to Python */
+        while (fanfs_remote_take(&r, 1) == 1)
+            fanfs_remote_fail(&r);
+}
+
+int fanfs_remote_take(struct fanfs_rreq *out, int max) {
+    int n = 0;
+    pthread_mutex_lock(&rq.lock);
+    while (n < max && rq.n > 0) {
+        out[n] = rq.q[rq.first];
+        rq.ahead -= out[n].ahead;
+        rq.first = (rq.first + 1) % RQ_MAX;
+        rq.n--;
+        n++;
+    }
+    pthread_mutex_unlock(&rq.lock);
+    return n;
+}
+
+/* Whether slot r->slot still waits for r's piece (cache lock held). */
+static int rq_pending(const struct fanfs_rreq *r) {
+    const struct slot *s = &cache.slot[r->slot];
+    return r->slot >= 0 && r->slot < SLOTS && s->pending &&
+           s->fd == FANFS_REMOTE_FD(r->part) && s->off == r->off && s->len == r->len &&
+           s->crc == r->crc;
+}
+
+int fanfs_remote_fill(const struct fanfs_rreq *r, const char *stored, uint32_t len) {
+    struct fanfs_piece p;
+    char *buf;
+    uint32_t cap = 0;
+    int err;
+    pthread_mutex_lock(&cache.lock);
+    err = rq_pending(r) ? 0 : ESTALE;
+    if (err == 0) {
+        p.off = r->off;
+        p.len = r->len;
+        p.crc = r->crc;
+        p.size = cache.slot[r->slot].size;
+        p.kind = cache.slot[r->slot].kind;
+        p.cache = 1;
+    }
+    pthread_mutex_unlock(&cache.lock);
+    if (err != 0)
+        return err;
+    if (len != r->len)
+        return FANFS_EBADDATA;
+    if (fanfs_crc32(0, stored, len) != r->crc)
+        return FANFS_EBADCRC; /* a bad copy: the MPI thread asks another holder */
+    buf = piece_alloc(p.size, &cap);
+    if (buf == NULL)
+        return ENOMEM;
+    if (p.kind == FANFS_KIND_RAW)
+        err = p.len == p.size ? (memcpy(buf, stored, p.size), 0) : FANFS_EBADDATA;
+    else
+        err = fanfs_decode(pool.dicts, &p, (const unsigned char *)stored, (unsigned char *)buf);
+    if (err != 0) {
+        piece_free(buf, cap);
+        return err;
+    }
+    slot_fill(r->slot, buf, cap, buf);
+    __atomic_add_fetch(&rq.fetched, 1, __ATOMIC_RELAXED);
+    return 0;
+}
+
+int fanfs_remote_pending(const struct fanfs_rreq *r) {
+    int pending;
+    pthread_mutex_lock(&cache.lock);
+    pending = rq_pending(r);
+    pthread_mutex_unlock(&cache.lock);
+    return pending;
+}
+
+void fanfs_remote_fail(const struct fanfs_rreq *r) {
+    int pending;
+    pthread_mutex_lock(&cache.lock);
+    pending = rq_pending(r);
+    pthread_mutex_unlock(&cache.lock);
+    if (pending) {
+        slot_fill(r->slot, NULL, 0, NULL);
+        __atomic_add_fetch(&rq.failed, 1, __ATOMIC_RELAXED);
+    }
+}
+
+void fanfs_remote_counters(uint64_t out[3]) {
+    out[0] = __atomic_load_n(&rq.fetched, __ATOMIC_RELAXED);
+    out[1] = __atomic_load_n(&rq.failed, __ATOMIC_RELAXED);
+    out[2] = __atomic_load_n(&rq.looked_up, __ATOMIC_RELAXED);
+}
 
 static void post_error(int64_t entry, int err) {
     /* A full pipe loses the record; the file is still answered EIO on every read. */
@@ -597,11 +822,11 @@ static int answer(struct qjob *qj, const struct target *t, const struct fanfs_jo
     int held[FANFS_MAX_PIECES] = {0}, niov, k, err;
 
     err = gather(qj, j, pool.dicts, got, held, iov, &niov);
-    if (err == WAITING) {
+    if (err == WAITING || err == FANFS_EREMOTE) {
         for (k = 0; k < j->npieces; k++) /* let go of what it holds; it starts over */
             if (held[k])
                 piece_done(&got[k]);
-        return WAITING;
+        return err; /* WAITING: queued again when its piece is read; EREMOTE: to Python */
     }
     if (err == 0) {
         reply_iov(t, iov, niov);
@@ -632,15 +857,16 @@ static int answering;
 int fanfs_pool_fast_answer(int fd, uint64_t unique, uint64_t ino, int64_t off, uint64_t size) {
     struct target t = {NULL, NULL, fd, unique};
     struct fanfs_job j;
+    int err;
     __atomic_add_fetch(&answering, 1, __ATOMIC_SEQ_CST); /* before the check of fast.on */
     if (fanfs_pool_fast_job(ino, off, size, &j) != 0) {
         __atomic_sub_fetch(&answering, 1, __ATOMIC_SEQ_CST);
         return -1;
     }
-    answer(NULL, &t, &j);
+    err = answer(NULL, &t, &j);
     thread_buffers_trim();
     __atomic_sub_fetch(&answering, 1, __ATOMIC_SEQ_CST);
-    return 0;
+    return err == FANFS_EREMOTE ? -1 : 0;
 }
 
 /* A read-ahead: decode each piece nobody holds into the cache (and push it, if asked). */
@@ -992,6 +1218,35 @@ void fanfs_pool_fast_enable(int on) { __atomic_store_n(&fast.on, on, __ATOMIC_SE
 
 uint64_t fanfs_pool_fast_count(void) { return __atomic_load_n(&fast.taken, __ATOMIC_RELAXED); }
 
+int fanfs_pool_fast_owners(const int32_t *owners, uint32_t nparts, int self) {
+    uint32_t part;
+    int k;
+    if (fast.fd == NULL || nparts != fast.t.nparts || __atomic_load_n(&fast.on, __ATOMIC_SEQ_CST))
+        return -EINVAL;
+    free(fast.owners);
+    free(fast.remote);
+    fast.owners = malloc((size_t)nparts * FANFS_MAX_OWNERS * sizeof(int32_t));
+    fast.remote = calloc(nparts, 1);
+    if (fast.owners == NULL || fast.remote == NULL) {
+        free(fast.owners);
+        free(fast.remote);
+        fast.owners = NULL;
+        fast.remote = NULL;
+        return -ENOMEM;
+    }
+    memcpy(fast.owners, owners, (size_t)nparts * FANFS_MAX_OWNERS * sizeof(int32_t));
+    for (part = 0; part < nparts; part++) {
+        int mine = 0, any = 0;
+        for (k = 0; k < FANFS_MAX_OWNERS; k++) {
+            int32_t r = owners[part * FANFS_MAX_OWNERS + k];
+            any |= r >= 0;
+            mine |= r == self;
+        }
+        fast.remote[part] = any && !mine;
+    }
+    return 0;
+}
+
 int fanfs_pool_fast_on(void) { return __atomic_load_n(&fast.on, __ATOMIC_SEQ_CST); }
 
 static void lookahead_read(uint64_t ino);
@@ -1000,7 +1255,7 @@ static void lookahead_read(uint64_t ino);
 static int fast_build(uint64_t ino, int64_t off, uint64_t size, struct fanfs_job *j) {
     uint64_t e, length, stored;
     uint32_t part;
-    int fd, whole;
+    int fd, whole, remote;
     uint8_t kind;
 
     if (!__atomic_load_n(&fast.on, __ATOMIC_SEQ_CST) || fast.fd == NULL || ino < 1)
@@ -1014,7 +1269,9 @@ static int fast_build(uint64_t ino, int64_t off, uint64_t size, struct fanfs_job
     if (part >= fast.t.nparts)
         return -1;
     fd = __atomic_load_n(&fast.fd[part], __ATOMIC_ACQUIRE);
-    if (fd < 0)
+    remote = fd < 0 && fast.remote != NULL && fast.remote[part] &&
+             __atomic_load_n(&rq.on, __ATOMIC_ACQUIRE);
+    if (fd < 0 && !remote)
         return -1;
     length = field64(fast.t.size, e);
     stored = field64(fast.t.stored, e);
@@ -1026,9 +1283,11 @@ static int fast_build(uint64_t ino, int64_t off, uint64_t size, struct fanfs_job
     whole = off == 0 && size == length;
     if (!whole && length > fast.t.parts_limit)
         return -1;
+    if (remote && stored > FANFS_REMOTE_MAX)
+        return -1; /* fetched whole: a large remote file goes to Python, which reads ranges */
     memset(j, 0, sizeof *j);
-    j->fd = fd;
-    j->dfd = __atomic_load_n(&fast.dfd[part], __ATOMIC_RELAXED);
+    j->fd = remote ? FANFS_REMOTE_FD(part) : fd;
+    j->dfd = remote ? -1 : __atomic_load_n(&fast.dfd[part], __ATOMIC_RELAXED);
     j->entry = (int64_t)e;
     j->ino = ino;
     j->base = 0;
@@ -1041,7 +1300,7 @@ static int fast_build(uint64_t ino, int64_t off, uint64_t size, struct fanfs_job
     j->pieces[0].crc = field32(fast.t.crc, e);
     j->pieces[0].size = (uint32_t)length;
     j->pieces[0].kind = kind;
-    j->pieces[0].cache = !whole;
+    j->pieces[0].cache = !whole || remote; /* a peer's piece always lands in the cache */
     return fanfs_job_check(j);
 }
 
@@ -1055,9 +1314,9 @@ int fanfs_pool_fast_job(uint64_t ino, int64_t off, uint64_t size, struct fanfs_j
 }
 
 /* -- reads started at LOOKUP ------------------------------------------------------------------
- * A LOOKUP of a file stored here is most often its open(), and its first READ follows within
- * microseconds: the pool starts reading it then, into its cache of pieces, where the READ
- * finds it (waiting for it if it is still being read). A stat walk (ls -l, du) looks files up
+ * A LOOKUP of a file is most often its open(), and its first READ follows within microseconds:
+ * the pool starts reading it then (a peer's file: the MPI thread starts fetching it), into its
+ * cache of pieces, where the READ finds it (waiting for it if it is still on its way). A stat walk (ls -l, du) looks files up
  * that nobody reads: the last LA_RING lookups are remembered, with whether a READ followed
  * (la.share, the recent share of lookups that were read, in 1/256), and files are read ahead
  * only while most are. A file larger than the pool's parts limit is not read ahead. */
@@ -1072,7 +1331,7 @@ static struct {
 } la = {.lock = PTHREAD_MUTEX_INITIALIZER, .share = 256};
 
 static void la_outcome(int read, int fetched) {
-    la.share += ((read ? 256 : 0) - la.share) / 16;
+    la.share += ((read ? 256 : 0) - la.share) / 8;
     if (fetched) {
         la.used += read;
         la.unused += !read;
@@ -1136,6 +1395,22 @@ void fanfs_pool_looked_up(uint64_t ino) {
         return;
     if (fast_build(ino, 0, field64(fast.t.size, e), &j) != 0)
         return;
+    if (j.fd <= FANFS_REMOTE_FD(0)) { /* a peer's: the MPI thread fetches it, no pool thread */
+        int k, held = 0, started;
+        pthread_mutex_lock(&cache.lock);
+        for (k = 0; k < SLOTS; k++)
+            held |= slot_is(&cache.slot[k], j.fd, &j.pieces[0]);
+        started = !held && __atomic_load_n(&rq.ahead, __ATOMIC_RELAXED) < LA_REMOTE_MAX &&
+                  remote_reserve(&j, &j.pieces[0], 1) >= 0;
+        pthread_mutex_unlock(&cache.lock);
+        if (started) {
+            __atomic_add_fetch(&rq.looked_up, 1, __ATOMIC_RELAXED);
+            pthread_mutex_lock(&la.lock);
+            la.started++;
+            pthread_mutex_unlock(&la.lock);
+        }
+        return;
+    }
     j.count = 0; /* no READ: the piece goes into the cache, for the READ to come */
     j.flags = 0;
     j.pieces[0].cache = 1;

@@ -68,16 +68,20 @@ def build(catalog: Catalog, store: PartitionStore, owners: list[tuple[int, ...]]
     mine = np.array([rank in o for o in owners], dtype=bool)
     local = Local(catalog, store, mine)
     server = PeerServer(catalog, local)
+    front_on = fuse_ops.RECEIVER is not None and env_on("FANFS_FRONT")
     transport: PeerTransport | None = None
     if world is not None:
         from fanfs.node.transport.mpi import MpiTransport
 
-        transport = MpiTransport(world, cfg.peer_timeout, server)
+        native = front_on and env_on("FANFS_NATIVE_REMOTE")
+        transport = MpiTransport(world, cfg.peer_timeout, server, native_remote=native)
     sources = Sources(catalog, local, owners, transport)
     bad = BadFiles(catalog)
     front = None
-    if fuse_ops.RECEIVER is not None and env_on("FANFS_FRONT"):
-        front = Front(*fuse_ops.RECEIVER, *fuse_ops.FRONT_ATTRS, mine, spin_us())
+    if front_on:
+        assert fuse_ops.RECEIVER is not None
+        front = Front(*fuse_ops.RECEIVER, *fuse_ops.FRONT_ATTRS, mine, spin_us(),
+                      holders(owners), rank)  # fmt: skip
     pool = NativePool(
         catalog,
         fuse_ops.INSTALL_HOOK,
@@ -138,9 +142,21 @@ def spin_us() -> int:
 def env_on(name: str) -> bool:
     """A switch that is on unless its variable is 0: FANFS_NATIVE_DECODE=0 leaves compressed
     files to Python, FANFS_PUSH=0 stops the pool pushing the rest of what it decoded into the
-    page cache, FANFS_FRONT=0 leaves every request to pyfuse3's session loop (for comparison,
+    page cache, FANFS_FRONT=0 leaves every request to pyfuse3's session loop,
+    FANFS_NATIVE_REMOTE=0 leaves the front's READs of peers' files to Python (for comparison,
     or should any ever be suspected)."""
     return os.environ.get(name, "1").strip() != "0"
+
+
+def holders(owners: list[tuple[int, ...]]) -> np.ndarray:
+    """The ranks holding each partition as the C takes them: partitions x lib.MAX_OWNERS,
+    -1 padded (a partition on more ranks than that: the first ones)."""
+    from fanfs.native import lib
+
+    out = np.full((len(owners), lib.MAX_OWNERS), -1, dtype="<i4")
+    for p, ranks in enumerate(owners):
+        out[p, : min(len(ranks), lib.MAX_OWNERS)] = ranks[: lib.MAX_OWNERS]
+    return out
 
 
 def owners_of(catalog: Catalog, size: int, replicas: int) -> list[tuple[int, ...]]:

@@ -118,16 +118,20 @@ class Front:
     fd)` registers (None: removes) pyfuse3's receiver, `session_fd()` is the session's fd, and
     the attributes the adapter answers with (st_blksize, the cache timeout in seconds, uid,
     gid); `mine[p]`: this node holds partition p; `spin_us`: how long the leader polls the
-    device after a request."""
+    device after a request; `holders`: the ranks holding each partition (assemble.holders)
+    and `rank` this daemon's, for READs of peers' files (fetched by the MPI thread)."""
 
     def __init__(self, install: Callable[[Any, int], None], session_fd: Callable[[], int],
-                 blksize: int, timeout_s: int, mine: np.ndarray, spin_us: int):  # fmt: skip
+                 blksize: int, timeout_s: int, mine: np.ndarray, spin_us: int,
+                 holders: np.ndarray | None = None, rank: int = 0):  # fmt: skip
         self.install = install
         self.session_fd = session_fd
         self.blksize = blksize
         self.timeout_s = timeout_s
         self.mine = np.ascontiguousarray(mine, dtype=np.uint8)
         self.spin_us = spin_us
+        self.holders = holders
+        self.rank = rank
         self.running = False
 
     def give_catalog(self, c: cat.Catalog) -> None:
@@ -138,6 +142,11 @@ class Front:
         arrays = {k: np.ascontiguousarray(v) for k, v in columns.items()}
         lib.meta_set(arrays, c.strings, self.mine, os.getuid(), os.getgid(), self.blksize,
                      self.timeout_s)  # fmt: skip
+
+    def give_holders(self) -> None:
+        """Tell the pool who holds each partition (after its fast table, before it is on)."""
+        if self.holders is not None:
+            lib.pool_fast_owners(self.holders, self.rank)
 
     def start(self, catalog: cat.Catalog, stack: contextlib.ExitStack) -> bool:
         """Start the front's threads on the session's fd and hand pyfuse3 its receiver; False
@@ -167,7 +176,7 @@ class Front:
             lib.front_stop()
 
     def statistics(self) -> FrontStatus:
-        return FrontStatus(running=self.running, **lib.front_stats(),
+        return FrontStatus(running=self.running, **lib.front_stats(), **lib.remote_stats(),
                            read_ms=percentiles_ms(*lib.front_latencies()))  # fmt: skip
 
 
@@ -234,6 +243,7 @@ class NativePool:
             lib.pool_fast(c.size, c.part, c.data_off, c.stored_len, c.crc,
                           fast_kinds(c, self.decodes), c.n_partitions, self.flags,
                           PARTS_LIMIT)  # fmt: skip
+            self.front.give_holders()
             lib.pool_fast_enable(True)
             self.fast = self.front.start(c, stack)
             if not self.fast:

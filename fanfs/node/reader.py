@@ -399,6 +399,6 @@ class Reader:
             lookup_fetches_unread=self._ahead.unused,
             fetch_ms=local.latency.percentiles_ms(),
             image_ms=src.image_latency.percentiles_ms(),
-            hedged=src.hedged,
-            hedges_won=src.hedges_won,
+            hedged=src.hedged + (src.transport.hedged if src.transport else 0),
+            hedges_won=src.hedges_won + (src.transport.hedges_won if src.transport else 0),
         )

@@ -20,8 +20,8 @@ other file is asked of its holders in turn (live ones only, rotated per file to 
 over replicas) and, when none can answer, read from the image on shared storage. A peer's
 reply is checked against the CRC the caller gives, so a bad copy sends the reader to the next
 source; the caller is told that the bytes are checked and does not check them again. With
-replicas, a peer that has not answered within the hedge delay (twice the recent p99 of peer
-fetches, at least HEDGE_MIN_S) is not waited for alone: the next holder is asked too, and the
+replicas, a peer that has not answered within the hedge delay (`PeerTransport.hedge_delay`)
+is not waited for alone: the next holder is asked too, and the
 first good answer is used (the other fetch is cancelled; its late reply is drained by the
 transport). A slow node then costs a reader the hedge delay, not a peer timeout.
 `stored_blocking` is the same choice for threads of the daemon's own (the read-ahead engine's):
@@ -64,12 +64,6 @@ WORKER_THREADS = 4  # concurrent big reads/decodes; more would only contend for 
 # Raw files up to this are fetched whole and checked at once; larger ones are checked once as a
 # whole (streamed), then served range by range.
 WHOLE_FILE_LIMIT = 16 << 20
-# A peer fetch not answered within max(HEDGE_MIN_S, HEDGE_P99 x the recent p99 of peer fetches)
-# is asked of the next holder too. The delay is recomputed every HEDGE_EVERY fetches (a
-# percentile of the kept samples costs far more than a fetch's bookkeeping).
-HEDGE_MIN_S = 2e-3
-HEDGE_P99 = 2.0
-HEDGE_EVERY = 256
 
 
 class Local:
@@ -247,8 +241,6 @@ class Sources:
         self.bad_payloads = 0
         self.hedged = 0  # fetches asked of a second holder because the first was slow
         self.hedges_won = 0  # ... that the second holder answered first
-        self._hedge_s = HEDGE_MIN_S
-        self._hedge_at = 0  # fetches counted when the delay was last computed
         self.image_latency = Latencies()  # reads of the image when no peer could answer
 
     def mine(self, entry: int) -> bool:
@@ -331,6 +323,8 @@ class Sources:
                       crc: int | None) -> bytes | None:  # fmt: skip
         """`remote` over several holders: the next is asked when the last asked has failed,
         or has not answered within the hedge delay; the first good copy wins."""
+        transport = self.transport
+        assert transport is not None
         send, answers = trio.open_memory_channel[tuple[int, bytes | None]](len(peers))
         waiting = 0
         left = iter(enumerate(peers))
@@ -353,7 +347,8 @@ class Sources:
 
             next_one()
             while waiting:
-                with trio.move_on_after(self._hedge_delay() if more else math.inf) as slow:
+                delay = transport.hedge_delay() if more else math.inf
+                with trio.move_on_after(delay) as slow:
                     k, got = await answers.receive()
                 if slow.cancelled_caught:
                     if next_one():
@@ -369,15 +364,6 @@ class Sources:
                     return got
                 next_one()  # that one failed: the next at once
         return None
-
-    def _hedge_delay(self) -> float:
-        assert self.transport is not None
-        count = self.transport.fetches
-        if count - self._hedge_at >= HEDGE_EVERY:
-            self._hedge_at = count
-            p99 = self.transport.latency_ms().p99 / 1e3
-            self._hedge_s = max(HEDGE_MIN_S, HEDGE_P99 * p99)
-        return min(self._hedge_s, self.transport.peer_timeout)
 
     def _remote_blocking(self, entry: int, offset: int, length: int,
                          crc: int | None) -> bytes | None:  # fmt: skip

@@ -23,6 +23,13 @@ from fanfs.status import PeerStatus, Percentiles
 
 log = logging.getLogger(__name__)
 
+# A peer fetch not answered within max(HEDGE_MIN_S, HEDGE_P99 x the recent p99 of peer fetches)
+# is asked of another holder too (replicas). The delay is recomputed every HEDGE_EVERY fetches
+# (a percentile of the kept samples costs far more than a fetch's bookkeeping).
+HEDGE_MIN_S = 2e-3
+HEDGE_P99 = 2.0
+HEDGE_EVERY = 256
+
 
 class Served(Protocol):
     """What a peer may ask of this daemon (fanfs/node/sources.py's PeerServer)."""
@@ -63,6 +70,10 @@ class PeerTransport:
         self.served_bytes = 0
         self.refused = 0
         self.malformed = 0  # peer messages dropped as malformed
+        self._hedge_s = HEDGE_MIN_S
+        self._hedge_at = 0  # fetches counted when the hedge delay was last computed
+        self.hedged = 0  # the front's fetches asked of another holder too (mpi.py)
+        self.hedges_won = 0
 
     async def fetch(self, peer: int, entry: int, offset: int, length: int) -> bytes | None:
         """`length` stored bytes of `entry` from `offset`, from `peer`; None if it has none.
@@ -168,6 +179,15 @@ class PeerTransport:
     def latency_ms(self) -> Percentiles:
         """Percentiles of the recent fetches from peers, in milliseconds."""
         return self._latency.percentiles_ms()
+
+    def hedge_delay(self) -> float:
+        """How long a fetch waits for one holder before another is asked too (any thread:
+        a stale value is only a slightly different delay)."""
+        count = self.fetches
+        if count - self._hedge_at >= HEDGE_EVERY:
+            self._hedge_at = count
+            self._hedge_s = max(HEDGE_MIN_S, HEDGE_P99 * self.latency_ms().p99 / 1e3)
+        return min(self._hedge_s, self.peer_timeout)
 
     def statistics(self) -> PeerStatus:
         return PeerStatus(

@@ -79,6 +79,7 @@ class Fetch:
     event: trio.Event = field(default_factory=trio.Event)
     count: int = -1  # bytes received; -1: the peer cannot be reached; -2: a bad reply
     waiter: threading.Event | None = None  # a thread's fetch (fetch_blocking), not a task's
+    native: Any = None  # the front's fetch (MpiTransport._native_start), done in the MPI thread
 
     def finish(self, count: int) -> None:
         """The outcome is known: wake whoever waits (a task's fetch: call it in trio's thread)."""

@@ -18,15 +18,28 @@ read the rest from the disk, and both put the reply on the command queue. Other 
 (refusals, large raw files not checked yet) go to the server's `serve` in the event loop.
 After start-up no collective operation is used, so a dead rank can only cost its own
 requests a peer timeout, after which it is routed around.
+
+With `native_remote`, the front's READs of files only peers hold (fanfs/csrc/front.c) never
+reach the event loop: the front queues a request for the file's stored bytes and writes the
+thread's eventfd, the thread takes it (`lib.remote_take`), asks a live holder, and hands the
+reply to the C (`lib.remote_fill`: checked, decoded, the waiting READ answered), all in this
+thread. A refusal, a bad copy, a dead or silent holder (after the peer timeout, which this
+thread watches itself) sends it to the next holder, and a slow one is hedged: after the hedge
+delay another holder is asked too, the first good copy filling the piece (the other's is
+ESTALE then); when no holder is left it is given up (`lib.remote_fail`) and the READ goes to
+Python, which also tries the image.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import logging
+import math
 import os
 import queue
+import select
 import threading
 import time
 from dataclasses import dataclass
@@ -35,6 +48,7 @@ from typing import Any
 import numpy as np
 import trio
 
+from fanfs.native import lib
 from fanfs.node.transport import PeerTimeout, PeerTransport, Served
 from fanfs.node.transport.inbox import (
     FIRST_REPLY_TAG,
@@ -64,6 +78,7 @@ HOT_S = 20e-3
 # threads, which hand the reply straight back to the MPI thread.
 INLINE_READ_LIMIT = 1 << 20
 PR_SET_TIMERSLACK = 29  # linux/prctl.h
+PR_SET_NAME = 15
 TIMER_SLACK_NS = 1000
 SERVER_THREADS = 4
 # Bytes of replies that may wait for their requesters at once (a requester that gave up never
@@ -74,9 +89,12 @@ REPLY_BYTES = 64 << 20
 def _precise_timeouts() -> None:
     """Let this thread's short waits end on time: Linux adds a "timer slack" of 50 us to every
     timed wait so that wake-ups can be batched, which made a 50 us poll last 120 us here (73 us
-    with 1 us of slack, most of the rest being the wake-up itself)."""
+    with 1 us of slack, most of the rest being the wake-up itself). And name it for the system
+    (`fanfs bench --calibrate`, top, perf tell it from the daemon's other threads)."""
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_TIMERSLACK, TIMER_SLACK_NS, 0, 0, 0)
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_TIMERSLACK, TIMER_SLACK_NS, 0, 0, 0)
+        libc.prctl(PR_SET_NAME, ctypes.c_char_p(b"fanfs-mpi"), 0, 0, 0)
 
 
 # Commands from trio tasks to the MPI thread (one queue, read only by that thread).
@@ -130,8 +148,16 @@ class MpiTransport(PeerTransport):
         world: World,
         peer_timeout: float,
         server: Served,
+        native_remote: bool = False,
     ):
+        """`native_remote`: take the front's requests for peers' files (module docstring)."""
         super().__init__(world.rank, world.size, peer_timeout, server)
+        self.native_remote = native_remote
+        # Written with every command (and by the front): the MPI thread waits on it.
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        # reply tag -> (fetch, when to hedge it (inf: done), when to give up on its holder)
+        self._natives: dict[int, tuple[Fetch, float, float]] = {}
+        self._native_retry: list[tuple[tuple[Any, ...], tuple[int, ...]]] = []
         self.MPI = world.MPI
         self.comm = world.comm
         self._reads: queue.SimpleQueue[tuple[int, int, int, int, int, int] | None]
@@ -162,6 +188,11 @@ class MpiTransport(PeerTransport):
             task_status.started()
             await trio.sleep_forever()
 
+    def _post(self, cmd: _Command) -> None:
+        """Queue a command for the MPI thread and wake it (any thread)."""
+        self._cmds.put(cmd)
+        os.eventfd_write(self._wake, 1)
+
     def _tag(self) -> int:
         while True:
             tag = self._next_tag
@@ -175,14 +206,14 @@ class MpiTransport(PeerTransport):
             tag = self._tag()
             self._outstanding[tag] = job
         header = np.array([entry, offset, length, tag], dtype=np.int64)
-        self._cmds.put(_Send(peer, tag, header, job))
+        self._post(_Send(peer, tag, header, job))
         return tag
 
     def _forget(self, tag: int, done: bool) -> None:
         """A fetch is over: the MPI thread frees its tag once its reply is taken (or drained,
         when the fetch gave up first)."""
         if not done:
-            self._cmds.put(_Cancel(tag))
+            self._post(_Cancel(tag))
 
     def _release(self, tag: int) -> None:
         with self._lock:
@@ -229,8 +260,10 @@ class MpiTransport(PeerTransport):
 
     def _delivered(self, job: Fetch, count: int) -> None:
         """(The MPI thread.) Wake whoever waits for `job`: a thread at once, a task through
-        the event loop."""
-        if job.waiter is not None:
+        the event loop, the front's READ through the C."""
+        if job.native is not None:
+            self._native_done(job, count)
+        elif job.waiter is not None:
             job.finish(count)
         else:
             self._call_trio(job.finish, count)
@@ -241,17 +274,17 @@ class MpiTransport(PeerTransport):
 
     async def _answer(self, peer: int, entry: int, offset: int, length: int, tag: int) -> None:
         data = await self._serve_request(peer, entry, offset, length)
-        self._cmds.put(_Reply(peer, tag, data, entry, reserved=length))
+        self._post(_Reply(peer, tag, data, entry, reserved=length))
 
     def _say_bye(self) -> None:
-        self._cmds.put(_Bye())
+        self._post(_Bye())
 
     def stop(self) -> None:
         for _ in self._servers:
             self._reads.put(None)
         for t in self._servers:
             t.join(timeout=10)
-        self._cmds.put(_Stop())
+        self._post(_Stop())
         if self._thread is not None:
             self._thread.join(timeout=10)
 
@@ -268,7 +301,7 @@ class MpiTransport(PeerTransport):
                 log.warning("cannot serve entry %d to rank %d: %s", entry, peer, e)
             except Exception:
                 log.exception("serving entry %d to rank %d failed", entry, peer)
-            self._cmds.put(_Reply(peer, tag, data, entry, direct=True, reserved=length))
+            self._post(_Reply(peer, tag, data, entry, direct=True, reserved=length))
 
     # -- the MPI thread --------------------------------------------------------------------
 
@@ -279,12 +312,23 @@ class MpiTransport(PeerTransport):
 
     def _loop(self) -> None:
         _precise_timeouts()
+        if self.native_remote:
+            lib.remote_set_wake(self._wake)
         try:
             self._serve()
         except Exception:
             # Not expected (MPI errors are handled where they happen); should it happen, peers
             # route around this daemon after their peer timeout and our fetches fall back.
             log.exception("the MPI thread failed: remote reads now go to the image")
+        finally:
+            if self.native_remote:  # the front's READs waiting for peers go to Python
+                lib.remote_set_wake(-1)
+                for job, _, _ in self._natives.values():
+                    lib.remote_fail(job.native[0])
+                self._natives.clear()
+                for req, _ in self._native_retry:
+                    lib.remote_fail(req)
+                self._native_retry.clear()
 
     def _serve(self) -> None:
         MPI = self.MPI
@@ -298,8 +342,12 @@ class MpiTransport(PeerTransport):
         hot_until = moved = 0.0
         while True:
             busy = False
+            if idle:
+                select.select([self._wake], [], [], idle)
+            with contextlib.suppress(BlockingIOError):
+                os.eventfd_read(self._wake)
             try:
-                cmd = self._cmds.get(timeout=idle) if idle else self._cmds.get_nowait()
+                cmd = self._cmds.get_nowait()
             except queue.Empty:
                 cmd = None
                 if not idle:
@@ -329,6 +377,8 @@ class MpiTransport(PeerTransport):
                 else:
                     self._count_malformed()
             busy |= inbox.take_all(status)
+            if self.native_remote:
+                busy |= self._natives_step(inbox, sending)
             kept = []
             for req, buf, reserved in sending:
                 if self._done(req):
@@ -351,18 +401,96 @@ class MpiTransport(PeerTransport):
     def _count_malformed(self) -> None:
         self.malformed += 1
 
+    # -- the front's fetches (native_remote) -----------------------------------------------
+
+    def _natives_step(self, inbox: Inbox, sending: list[tuple[Any, Any, int]]) -> bool:
+        """Start the front's new requests and the retries, give up on silent holders."""
+        todo: list[tuple[tuple[Any, ...], tuple[int, ...]]] = [
+            (req, ()) for req in lib.remote_take()
+        ]
+        todo += self._native_retry
+        self._native_retry = []
+        if self._natives:
+            now = time.monotonic()
+            for tag, (job, hedge, deadline) in list(self._natives.items()):
+                if now > deadline:  # silent: dead from now on, the next holder is asked
+                    del self._natives[tag]
+                    inbox.forget(tag)
+                    self._timed_out(job.peer)
+                    todo.append(job.native[:2])
+                elif now > hedge:  # slow: another holder is asked too, if there is one
+                    self._natives[tag] = (job, math.inf, deadline)
+                    req, tried = job.native[:2]
+                    if self._holders(req, tried):
+                        with self._lock:
+                            self.hedged += 1
+                        todo.append((req, tried))
+        for req, tried in todo:
+            self._native_start(req, tried, inbox, sending)
+        return bool(todo)
+
+    def _native_start(self, req: tuple[Any, ...], tried: tuple[int, ...], inbox: Inbox,
+                      sending: list[tuple[Any, Any, int]]) -> None:  # fmt: skip
+        """Ask the next live holder of a front's request for its stored bytes, or give it up."""
+        peers = self._holders(req, tried)
+        if not peers:
+            if not any(job.native[0] == req for job, _, _ in self._natives.values()):
+                lib.remote_fail(req)  # (else a hedged fetch still out may yet fill it)
+            return
+        if not lib.remote_pending(req):
+            return  # filled meanwhile (a hedge, a retry after a refusal)
+        entry, length = req[2], req[5]
+        peer = peers[0]
+        job = Fetch(peer, length, bytearray(length))
+        with self._lock:
+            tag = self._tag()
+            self._outstanding[tag] = job
+        job.native = (req, (*tried, peer), time.perf_counter(), tag)
+        header = np.array([entry, 0, length, tag], dtype=np.int64)  # the file's stored bytes
+        now = time.monotonic()
+        self._natives[tag] = (job, now + self.hedge_delay(), now + self.peer_timeout)
+        self._command(_Send(peer, tag, header, job), inbox, sending)
+
+    def _holders(self, req: tuple[Any, ...], tried: tuple[int, ...]) -> list[int]:
+        """The live holders of a request's piece not asked yet, rotated per file as
+        Sources.peers does, to spread load over replicas."""
+        entry, holders = req[2], req[7]
+        k = entry % max(1, len(holders))
+        return [p for p in holders[k:] + holders[:k]
+                if p != self.rank and p not in self._dead and p not in tried]  # fmt: skip
+
+    def _native_done(self, job: Fetch, count: int) -> None:
+        """A front's fetch is over: the bytes to the C, or the next holder."""
+        req, tried, began, tag = job.native
+        self._natives.pop(tag, None)
+        if count == job.length:
+            err = lib.remote_fill(req, job.buf)
+            if err == 0:
+                with self._lock:
+                    self._fetched(began, job.length, time.perf_counter())
+                    earlier = [j for j, _, _ in self._natives.values() if j.native[0] == req]
+                    self.hedges_won += len(tried) > 1 and bool(earlier)  # one is still out
+                return
+            if err == errno.ESTALE:
+                return  # given up meanwhile
+            log.warning("bad copy of entry %d from rank %d (%s), asking another holder",
+                        req[2], job.peer, os.strerror(err))  # fmt: skip
+        elif count == -1:
+            self._mark_dead(job.peer, "cannot be reached")
+        self._native_retry.append((req, tried))
+
     def _request(self, peer: int, entry: int, offset: int, length: int, tag: int) -> None:
         """Answer a peer's request: a ping at once; a plain read from the page cache here,
         from the disk by a server thread; anything else (a large raw file not checked yet, a
         request to refuse) by the server's `serve` in the event loop. Replies go out through
         the command queue, which the loop reads again before it waits."""
         if entry == -1 and length == 0:
-            self._cmds.put(_Reply(peer, tag, None, entry))
+            self._post(_Reply(peer, tag, None, entry))
             return
         if length > MAX_REQUEST or self._reply_bytes + length > REPLY_BYTES:
             # Too much at once: refused (the requester tries another source); the bytes are
             # reserved until the reply has been sent, which a requester that gave up never takes.
-            self._cmds.put(_Reply(peer, tag, None, entry))
+            self._post(_Reply(peer, tag, None, entry))
             return
         self._reply_bytes += length
         located = None
@@ -371,7 +499,7 @@ class MpiTransport(PeerTransport):
             if located is not None and length <= INLINE_READ_LIMIT:
                 data = self.server.cached(*located, length)
                 if data is not None:
-                    self._cmds.put(_Reply(peer, tag, data, entry, direct=True, reserved=length))
+                    self._post(_Reply(peer, tag, data, entry, direct=True, reserved=length))
                     return
         except Exception as e:  # a disk error: the server thread tries again and reports it
             log.debug("inline read for rank %d failed: %s", peer, e)
