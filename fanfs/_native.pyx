@@ -114,7 +114,7 @@ cdef extern from "fanfs_native.h" nogil:
         uint32_t len, crc
         int32_t peers[4]
     int fanfs_pool_fast_owners(const int32_t *owners, uint32_t nparts, int self)
-    void fanfs_remote_set_wake(int fd)
+    void fanfs_remote_set_wake(int fd, int max_waiting, int64_t wait_ns)
     int fanfs_remote_take(fanfs_rreq *out, int max)
     int fanfs_remote_fill(const fanfs_rreq *r, const char *stored, uint32_t len) nogil
     void fanfs_remote_fail(const fanfs_rreq *r)
@@ -631,10 +631,14 @@ def pool_fast_owners(owners, int rank):
         raise OSError(-ret, "pool_fast_owners: " + os.strerror(-ret))
 
 
-def remote_set_wake(int fd):
+def remote_set_wake(int fd, int max_waiting=0, double wait_s=0):
     """The eventfd the front writes when it queues a request for a peer's piece (-1: none;
-    what is queued is given up, its READs go to Python)."""
-    fanfs_remote_set_wake(fd)
+    what is queued or pending is given up, its READs go to Python). At most `max_waiting` READs
+    wait for peers' pieces at once, each at most `wait_s` seconds (0: no limit); the others go
+    to Python."""
+    if max_waiting < 0 or not wait_s >= 0:
+        raise ValueError("remote_set_wake: max_waiting and wait_s must not be negative")
+    fanfs_remote_set_wake(fd, max_waiting, <int64_t>(min(wait_s, 1e9) * 1e9))
 
 
 cdef tuple _rreq_tuple(fanfs_rreq *r):

@@ -24,6 +24,7 @@ from fanfs.bench import launch
 from fanfs.compare import assert_same_tree
 from fanfs.errors import ExitCode
 from fanfs.node import reader as lookahead
+from fanfs.node.pool import THREADS as FRONT_THREADS
 
 MPIRUN = ["mpirun", "--oversubscribe", "--enable-recovery"]
 ENV = {**os.environ, **launch.MPI_ENV}
@@ -362,6 +363,39 @@ def test_a_stopped_holder_is_hedged_with_a_replica(tree: Path, image: Path,
             os.kill(victim, signal.SIGCONT)
         assert took < 20, took  # not one peer timeout (60 s), let alone one per file
         assert s["hedged"] >= 1 and s["hedges_won"] >= 1 and s["dead_peers"] == [], s
+        _clean_after(m)
+
+
+def test_readers_of_a_silent_peer_never_freeze_the_mount(
+    tree: Path, image: Path, tmp_path: Path
+) -> None:
+    """Rank 1 stopped (SIGSTOP: silent, the peer timeout long): more readers of its files than
+    the front has threads wait for it at once, and the local files still read at once (a front
+    thread is always left for them: the others' READs wait in Python, not in the front)."""
+    c, _ = cat.Catalog.load(image)
+    owners = placement.place(c.part_size, c.part_flags, 2)
+    files = [(c.path(e).decode(), owners[int(c.part[e])]) for e, _ in c.walk()
+             if c.is_file[e] and c.stored_len[e] and c.codec[e] != cat.CODEC_FRAMED]  # fmt: skip
+    theirs = [rel for rel, o in files if o == (1,)][: 2 * FRONT_THREADS]
+    mine = [rel for rel, o in files if 0 in o][:40]
+    with mpi_mounted(image, tmp_path, 2, "--peer-timeout", "30") as m:
+        victim = m.status(1)["pid"]
+        os.kill(victim, signal.SIGSTOP)
+        try:
+            with concurrent.futures.ThreadPoolExecutor(len(theirs)) as pool:
+                stuck = [pool.submit((m.mnts[0] / rel).read_bytes) for rel in theirs]
+                time.sleep(1)  # every front thread that may wait is waiting now
+                assert not any(f.done() for f in stuck)
+                started = time.monotonic()
+                for rel in mine:
+                    assert (m.mnts[0] / rel).read_bytes() == (tree / rel).read_bytes(), rel
+                took = time.monotonic() - started
+                os.kill(victim, signal.SIGCONT)
+                for rel, f in zip(theirs, stuck, strict=True):
+                    assert f.result(timeout=60) == (tree / rel).read_bytes(), rel
+        finally:
+            os.kill(victim, signal.SIGCONT)
+        assert took < 10, took  # not held for the peer timeout (30 s)
         _clean_after(m)
 
 

@@ -24,7 +24,7 @@
 #include <stdint.h>
 #include <sys/uio.h>
 
-#define FANFS_NATIVE_API 4
+#define FANFS_NATIVE_API 5
 
 /* What a piece's stored bytes are (fanfs/node/pool.py names the same numbers). */
 enum {
@@ -216,8 +216,9 @@ struct fanfs_rreq {
     int32_t peers[FANFS_MAX_OWNERS];
 };
 /* The MPI thread's eventfd, written when a request is queued (-1: the remote path is off, and
- * what is queued is given up). */
-void fanfs_remote_set_wake(int fd);
+ * what is queued or pending is given up). At most `max_waiting` READs wait for peers' pieces
+ * at once, each at most `wait_ns` (0: no limit); the others are answered by Python. */
+void fanfs_remote_set_wake(int fd, int max_waiting, int64_t wait_ns);
 int fanfs_remote_on(void);
 /* Up to `max` queued requests (never waits). */
 int fanfs_remote_take(struct fanfs_rreq *out, int max);

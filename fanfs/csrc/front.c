@@ -359,6 +359,12 @@ static void forward(const char *msg, uint32_t n) {
     f->len = n;
     memcpy(f->data, msg, n);
     pthread_mutex_lock(&front.lock);
+    if (front.draining) { /* the drain came in between: it would never see this one */
+        pthread_mutex_unlock(&front.lock);
+        fail(msg, EIO);
+        free(f);
+        return;
+    }
     if (front.tail != NULL) {
         front.tail->next = f;
     } else {

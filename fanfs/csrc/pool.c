@@ -30,6 +30,7 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "fanfs_native.h"
@@ -87,6 +88,7 @@ struct slot {
     int refs;              /* replies and pushes using it: never evicted while > 0 */
     int pending;           /* a thread is reading it */
     int unpushed;          /* read ahead with no push: the first READ of it pushes the rest */
+    int ahead;             /* a peer's piece reserved at a LOOKUP, counted in cache.ahead */
     uint64_t used;
     struct qjob *waiters;  /* READs hung on it until it is read */
 };
@@ -100,6 +102,8 @@ static struct {
         uint32_t cap;
     } spare[SPARES];
     uint64_t clock, bytes, hits, misses;
+    int ahead;   /* pending peers' pieces reserved at LOOKUP (at most LA_REMOTE_MAX) */
+    int waiting; /* READs of the front waiting for a peer's piece (at most rq.max_waiting) */
 } cache = {.lock = PTHREAD_MUTEX_INITIALIZER, .ready = PTHREAD_COND_INITIALIZER};
 
 static struct {
@@ -241,11 +245,12 @@ static void requeue(struct qjob *w) {
 }
 
 /* Settle a pending slot with its decoded bytes (buf NULL: reading it failed, the slot is
- * given up), and wake whoever waits for it. The caller keeps its reference when it filled it. */
-static void slot_fill(int i, char *buf, uint32_t cap, const char *data) {
+ * given up) and wake the threads waiting for it, cache lock held; the READs hung on it are
+ * returned, for requeue() once the lock is let go. The caller keeps its reference when it
+ * filled it. */
+static struct qjob *slot_fill_locked(int i, char *buf, uint32_t cap, const char *data) {
     struct slot *s = &cache.slot[i];
-    struct qjob *w;
-    pthread_mutex_lock(&cache.lock);
+    struct qjob *w = s->waiters;
     s->pending = 0;
     s->buf = buf;
     s->cap = cap;
@@ -254,9 +259,19 @@ static void slot_fill(int i, char *buf, uint32_t cap, const char *data) {
         cache.bytes -= s->size;
         s->refs = 0;
     }
-    w = s->waiters;
+    if (s->ahead) {
+        s->ahead = 0;
+        cache.ahead--;
+    }
     s->waiters = NULL;
     pthread_cond_broadcast(&cache.ready);
+    return w;
+}
+
+static void slot_fill(int i, char *buf, uint32_t cap, const char *data) {
+    struct qjob *w;
+    pthread_mutex_lock(&cache.lock);
+    w = slot_fill_locked(i, buf, cap, data);
     pthread_mutex_unlock(&cache.lock);
     requeue(w);
 }
@@ -591,7 +606,13 @@ static struct {
  * woken), so neither Python's event loop nor a hand-off to it is on the way. When no holder
  * can give it (fanfs_remote_fail), the READ goes to Python after all, which tries every source
  * and the image. A lookup of such a file reserves its piece too (reads at LOOKUP), at most
- * LA_REMOTE_MAX at a time. */
+ * LA_REMOTE_MAX at a time.
+ *
+ * A silent peer must not freeze the mount: a READ waits for a peer's piece at most `wait_ns`
+ * (then Python answers it, with its own peer timeout and the image), and at most `max_waiting`
+ * READs wait at once (the front's threads less one, set by the MPI transport): the others go
+ * to Python at once, so a front thread is always left to answer local files. When the remote
+ * path goes off, or the pool stops, every pending peer's piece is given up. */
 #define RQ_MAX 256
 #define LA_REMOTE_MAX 8
 
@@ -601,7 +622,8 @@ static struct {
     int first, n;
     int wakefd; /* the MPI thread's eventfd; -1: no remote path */
     int on;
-    int ahead;  /* pending slots reserved at LOOKUP */
+    int max_waiting; /* READs that may wait for peers' pieces at once (0: no limit) */
+    int64_t wait_ns; /* how long one may wait (0: no limit) */
     uint64_t fetched, failed, looked_up;
 } rq = {.lock = PTHREAD_MUTEX_INITIALIZER, .wakefd = -1};
 
@@ -629,7 +651,6 @@ static int rq_push(int i, const struct fanfs_job *j, const struct fanfs_piece *p
     for (k = 0; k < FANFS_MAX_OWNERS; k++)
         r->peers[k] = fast.owners[part * FANFS_MAX_OWNERS + k];
     rq.n++;
-    rq.ahead += ahead;
     w = write(rq.wakefd, &one, sizeof one);
     (void)w;
     pthread_mutex_unlock(&rq.lock);
@@ -654,9 +675,11 @@ static int remote_reserve(const struct fanfs_job *j, const struct fanfs_piece *p
     s->used = ++cache.clock;
     s->pending = 1;
     s->unpushed = 1; /* nobody pushed it: its first READ pushes the rest */
+    s->ahead = ahead;
     s->refs = 0;
     s->waiters = NULL;
     cache.bytes += p->size;
+    cache.ahead += ahead;
     pthread_mutex_unlock(&cache.lock);
     if (rq_push(i, j, p, ahead) != 0) {
         slot_fill(i, NULL, 0, NULL);
@@ -667,10 +690,37 @@ static int remote_reserve(const struct fanfs_job *j, const struct fanfs_piece *p
     return i;
 }
 
-/* A peer's piece for a READ of the front (which may wait): FANFS_EREMOTE when it cannot be
- * had here (the READ then goes to Python). */
+/* Whether one more READ may wait for a peer's piece (cache lock held). */
+static int rq_may_wait(void) {
+    int most = __atomic_load_n(&rq.max_waiting, __ATOMIC_RELAXED);
+    return most <= 0 || cache.waiting < most;
+}
+
+/* Wait for a pending slot to settle, cache lock held: 0, or ETIMEDOUT past `deadline`. */
+static int slot_wait(const struct timespec *deadline) {
+    int err;
+    cache.waiting++;
+    err = deadline != NULL ? pthread_cond_timedwait(&cache.ready, &cache.lock, deadline)
+                           : pthread_cond_wait(&cache.ready, &cache.lock);
+    cache.waiting--;
+    return err;
+}
+
+/* A peer's piece for a READ of the front (which may wait, within the limits above):
+ * FANFS_EREMOTE when it cannot be had here in time (the READ then goes to Python). */
 static int remote_piece(const struct fanfs_job *j, const struct fanfs_piece *p, struct got *g) {
     int i, found, mine = -1;
+    int64_t wait_ns = __atomic_load_n(&rq.wait_ns, __ATOMIC_RELAXED);
+    struct timespec deadline;
+    if (wait_ns > 0) {
+        clock_gettime(CLOCK_REALTIME, &deadline); /* the condition variable's clock */
+        deadline.tv_sec += (time_t)(wait_ns / 1000000000);
+        deadline.tv_nsec += (long)(wait_ns % 1000000000);
+        if (deadline.tv_nsec >= 1000000000) {
+            deadline.tv_sec++;
+            deadline.tv_nsec -= 1000000000;
+        }
+    }
     pthread_mutex_lock(&cache.lock);
     for (;;) {
         found = -1;
@@ -678,7 +728,8 @@ static int remote_piece(const struct fanfs_job *j, const struct fanfs_piece *p, 
             if (slot_is(&cache.slot[i], j->fd, p))
                 found = i;
         if (found >= 0 && cache.slot[found].pending) {
-            pthread_cond_wait(&cache.ready, &cache.lock);
+            if (!rq_may_wait() || slot_wait(wait_ns > 0 ? &deadline : NULL) == ETIMEDOUT)
+                break;
             continue;
         }
         if (found >= 0) {
@@ -693,7 +744,9 @@ static int remote_piece(const struct fanfs_job *j, const struct fanfs_piece *p, 
             g->data = s->data;
             return 0;
         }
-        if (mine >= 0) /* ours was given up (no holder could give it), or, rarely, evicted */
+        /* Ours was given up (no holder could give it) or, rarely, evicted; or nobody may
+         * wait, or the pool is stopping: Python answers. */
+        if (mine >= 0 || !rq_may_wait() || !__atomic_load_n(&fast.on, __ATOMIC_ACQUIRE))
             break;
         cache.misses++;
         if ((mine = remote_reserve(j, p, 0)) < 0)
@@ -703,17 +756,41 @@ static int remote_piece(const struct fanfs_job *j, const struct fanfs_piece *p, 
     return FANFS_EREMOTE;
 }
 
+/* Give up every pending peer's piece: their READs go to Python. */
+static void remote_fail_pending(void) {
+    struct qjob *w = NULL, *more, *last;
+    int i;
+    pthread_mutex_lock(&cache.lock);
+    for (i = 0; i < SLOTS; i++)
+        if (cache.slot[i].pending && cache.slot[i].fd <= FANFS_REMOTE_FD(0)) {
+            more = slot_fill_locked(i, NULL, 0, NULL);
+            if (more != NULL) {
+                for (last = more; last->next != NULL; last = last->next)
+                    ;
+                last->next = w;
+                w = more;
+            }
+            __atomic_add_fetch(&rq.failed, 1, __ATOMIC_RELAXED);
+        }
+    pthread_mutex_unlock(&cache.lock);
+    requeue(w);
+}
+
 int fanfs_remote_on(void) { return __atomic_load_n(&rq.on, __ATOMIC_ACQUIRE); }
 
-void fanfs_remote_set_wake(int fd) {
+void fanfs_remote_set_wake(int fd, int max_waiting, int64_t wait_ns) {
     struct fanfs_rreq r;
     pthread_mutex_lock(&rq.lock);
     rq.wakefd = fd;
+    __atomic_store_n(&rq.max_waiting, max_waiting, __ATOMIC_RELAXED);
+    __atomic_store_n(&rq.wait_ns, wait_ns, __ATOMIC_RELAXED);
     __atomic_store_n(&rq.on, fd >= 0, __ATOMIC_RELEASE);
     pthread_mutex_unlock(&rq.lock);
-    if (fd < 0) /* what is queued will not be fetched: its READs go to Python */
+    if (fd < 0) { /* nothing will be fetched any more: the READs waiting go to Python */
         while (fanfs_remote_take(&r, 1) == 1)
-            fanfs_remote_fail(&r);
+            ;
+        remote_fail_pending();
+    }
 }
 
 int fanfs_remote_take(struct fanfs_rreq *out, int max) {
@@ -721,7 +798,6 @@ int fanfs_remote_take(struct fanfs_rreq *out, int max) {
     pthread_mutex_lock(&rq.lock);
     while (n < max && rq.n > 0) {
         out[n] = rq.q[rq.first];
-        rq.ahead -= out[n].ahead;
         rq.first = (rq.first + 1) % RQ_MAX;
         rq.n--;
         n++;
@@ -732,14 +808,17 @@ int fanfs_remote_take(struct fanfs_rreq *out, int max) {
 
 /* Whether slot r->slot still waits for r's piece (cache lock held). */
 static int rq_pending(const struct fanfs_rreq *r) {
-    const struct slot *s = &cache.slot[r->slot];
-    return r->slot >= 0 && r->slot < SLOTS && s->pending &&
-           s->fd == FANFS_REMOTE_FD(r->part) && s->off == r->off && s->len == r->len &&
-           s->crc == r->crc;
+    const struct slot *s;
+    if (r->slot < 0 || r->slot >= SLOTS)
+        return 0;
+    s = &cache.slot[r->slot];
+    return s->pending && s->fd == FANFS_REMOTE_FD(r->part) && s->off == r->off &&
+           s->len == r->len && s->crc == r->crc;
 }
 
 int fanfs_remote_fill(const struct fanfs_rreq *r, const char *stored, uint32_t len) {
     struct fanfs_piece p;
+    struct qjob *w;
     char *buf;
     uint32_t cap = 0;
     int err;
@@ -771,7 +850,16 @@ int fanfs_remote_fill(const struct fanfs_rreq *r, const char *stored, uint32_t l
         piece_free(buf, cap);
         return err;
     }
-    slot_fill(r->slot, buf, cap, buf);
+    /* Checked again: a hedged fetch's other copy, or a stop, may have settled it meanwhile. */
+    pthread_mutex_lock(&cache.lock);
+    if (!rq_pending(r)) {
+        piece_free_locked(buf, cap);
+        pthread_mutex_unlock(&cache.lock);
+        return ESTALE;
+    }
+    w = slot_fill_locked(r->slot, buf, cap, buf);
+    pthread_mutex_unlock(&cache.lock);
+    requeue(w);
     __atomic_add_fetch(&rq.fetched, 1, __ATOMIC_RELAXED);
     return 0;
 }
@@ -785,14 +873,14 @@ int fanfs_remote_pending(const struct fanfs_rreq *r) {
 }
 
 void fanfs_remote_fail(const struct fanfs_rreq *r) {
-    int pending;
+    struct qjob *w = NULL;
     pthread_mutex_lock(&cache.lock);
-    pending = rq_pending(r);
-    pthread_mutex_unlock(&cache.lock);
-    if (pending) {
-        slot_fill(r->slot, NULL, 0, NULL);
+    if (rq_pending(r)) {
+        w = slot_fill_locked(r->slot, NULL, 0, NULL);
         __atomic_add_fetch(&rq.failed, 1, __ATOMIC_RELAXED);
     }
+    pthread_mutex_unlock(&cache.lock);
+    requeue(w);
 }
 
 void fanfs_remote_counters(uint64_t out[3]) {
@@ -1130,6 +1218,7 @@ void fanfs_pool_counters(struct fanfs_pool_stats *out) {
 void fanfs_pool_stop(void) {
     int i;
     fanfs_pool_fast_enable(0); /* READs from now on go to Python (or the front's drain) */
+    remote_fail_pending();     /* no READ waits for a peer any more */
     while (__atomic_load_n(&answering, __ATOMIC_SEQ_CST) > 0)
         usleep(100); /* the front's READs in flight finish with the cache */
     pthread_mutex_lock(&pool.lock);
@@ -1371,7 +1460,7 @@ static int lookahead_wanted(uint64_t ino) {
     return wanted;
 }
 
-void fanfs_pool_looked_up(uint64_t ino) {
+static void looked_up(uint64_t ino) {
     struct fanfs_job j;
     struct target none = {NULL, NULL, -1, 0};
     int i, fetch;
@@ -1400,8 +1489,7 @@ void fanfs_pool_looked_up(uint64_t ino) {
         pthread_mutex_lock(&cache.lock);
         for (k = 0; k < SLOTS; k++)
             held |= slot_is(&cache.slot[k], j.fd, &j.pieces[0]);
-        started = !held && __atomic_load_n(&rq.ahead, __ATOMIC_RELAXED) < LA_REMOTE_MAX &&
-                  remote_reserve(&j, &j.pieces[0], 1) >= 0;
+        started = !held && cache.ahead < LA_REMOTE_MAX && remote_reserve(&j, &j.pieces[0], 1) >= 0;
         pthread_mutex_unlock(&cache.lock);
         if (started) {
             __atomic_add_fetch(&rq.looked_up, 1, __ATOMIC_RELAXED);
@@ -1419,6 +1507,13 @@ void fanfs_pool_looked_up(uint64_t ino) {
         la.started++;
         pthread_mutex_unlock(&la.lock);
     }
+}
+
+void fanfs_pool_looked_up(uint64_t ino) {
+    /* Counted like a READ: the pool's stop waits for it before it frees the cache. */
+    __atomic_add_fetch(&answering, 1, __ATOMIC_SEQ_CST);
+    looked_up(ino);
+    __atomic_sub_fetch(&answering, 1, __ATOMIC_SEQ_CST);
 }
 
 void fanfs_lookahead_counters(uint64_t out[3]) {

@@ -27,7 +27,9 @@ thread. A refusal, a bad copy, a dead or silent holder (after the peer timeout, 
 thread watches itself) sends it to the next holder, and a slow one is hedged: after the hedge
 delay another holder is asked too, the first good copy filling the piece (the other's is
 ESTALE then); when no holder is left it is given up (`lib.remote_fail`) and the READ goes to
-Python, which also tries the image.
+Python, which also tries the image. So that a silent peer cannot freeze the mount, at most
+NATIVE_WAITING of the front's READs wait for peers at once (one front thread is always left
+for local files; the others go to Python's event loop at once), each at most the peer timeout.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ import numpy as np
 import trio
 
 from fanfs.native import lib
+from fanfs.node.pool import THREADS as FRONT_THREADS
 from fanfs.node.transport import PeerTimeout, PeerTransport, Served
 from fanfs.node.transport.inbox import (
     FIRST_REPLY_TAG,
@@ -81,6 +84,8 @@ PR_SET_TIMERSLACK = 29  # linux/prctl.h
 PR_SET_NAME = 15
 TIMER_SLACK_NS = 1000
 SERVER_THREADS = 4
+# The front's READs that may wait for peers' pieces at once (module docstring).
+NATIVE_WAITING = FRONT_THREADS - 1
 # Bytes of replies that may wait for their requesters at once (a requester that gave up never
 # takes its reply, which then stays in the sender's memory): beyond, new requests are refused.
 REPLY_BYTES = 64 << 20
@@ -158,6 +163,7 @@ class MpiTransport(PeerTransport):
         # reply tag -> (fetch, when to hedge it (inf: done), when to give up on its holder)
         self._natives: dict[int, tuple[Fetch, float, float]] = {}
         self._native_retry: list[tuple[tuple[Any, ...], tuple[int, ...]]] = []
+        self._asked: dict[tuple[Any, ...], int] = {}  # front's request -> its fetches out
         self.MPI = world.MPI
         self.comm = world.comm
         self._reads: queue.SimpleQueue[tuple[int, int, int, int, int, int] | None]
@@ -312,23 +318,20 @@ class MpiTransport(PeerTransport):
 
     def _loop(self) -> None:
         _precise_timeouts()
-        if self.native_remote:
-            lib.remote_set_wake(self._wake)
         try:
+            if self.native_remote:
+                lib.remote_set_wake(self._wake, NATIVE_WAITING, self.peer_timeout)
             self._serve()
         except Exception:
             # Not expected (MPI errors are handled where they happen); should it happen, peers
             # route around this daemon after their peer timeout and our fetches fall back.
             log.exception("the MPI thread failed: remote reads now go to the image")
         finally:
-            if self.native_remote:  # the front's READs waiting for peers go to Python
+            if self.native_remote:  # every READ waiting for a peer goes to Python
                 lib.remote_set_wake(-1)
-                for job, _, _ in self._natives.values():
-                    lib.remote_fail(job.native[0])
                 self._natives.clear()
-                for req, _ in self._native_retry:
-                    lib.remote_fail(req)
                 self._native_retry.clear()
+                self._asked.clear()
 
     def _serve(self) -> None:
         MPI = self.MPI
@@ -342,25 +345,17 @@ class MpiTransport(PeerTransport):
         hot_until = moved = 0.0
         while True:
             busy = False
-            if idle:
-                select.select([self._wake], [], [], idle)
-            with contextlib.suppress(BlockingIOError):
+            # (No exception on an idle turn: they cost more than the rest of it.)
+            if select.select([self._wake], [], [], idle)[0]:
                 os.eventfd_read(self._wake)
-            try:
-                cmd = self._cmds.get_nowait()
-            except queue.Empty:
-                cmd = None
-                if not idle:
-                    os.sched_yield()  # spinning: let the readers and the event loop run first
-            while cmd is not None:
+            if self._cmds.empty() and not idle:
+                os.sched_yield()  # spinning: let the readers and the event loop run first
+            while not self._cmds.empty():  # (this thread is the only one that takes)
                 busy = True
+                cmd = self._cmds.get_nowait()
                 if isinstance(cmd, _Stop):
                     return
                 self._command(cmd, inbox, sending)
-                try:
-                    cmd = self._cmds.get_nowait()
-                except queue.Empty:
-                    cmd = None
             while (size := inbox.probe(MPI.ANY_SOURCE, TAG_REQUEST, status, header)) is not None:
                 busy = True
                 peer = status.Get_source()
@@ -415,6 +410,7 @@ class MpiTransport(PeerTransport):
             for tag, (job, hedge, deadline) in list(self._natives.items()):
                 if now > deadline:  # silent: dead from now on, the next holder is asked
                     del self._natives[tag]
+                    self._unask(job.native[0])
                     inbox.forget(tag)
                     self._timed_out(job.peer)
                     todo.append(job.native[:2])
@@ -426,7 +422,11 @@ class MpiTransport(PeerTransport):
                             self.hedged += 1
                         todo.append((req, tried))
         for req, tried in todo:
-            self._native_start(req, tried, inbox, sending)
+            try:
+                self._native_start(req, tried, inbox, sending)
+            except Exception:  # not expected: this READ goes to Python, the others go on
+                log.exception("fetching entry %d for the front failed", req[2])
+                lib.remote_fail(req)
         return bool(todo)
 
     def _native_start(self, req: tuple[Any, ...], tried: tuple[int, ...], inbox: Inbox,
@@ -434,7 +434,7 @@ class MpiTransport(PeerTransport):
         """Ask the next live holder of a front's request for its stored bytes, or give it up."""
         peers = self._holders(req, tried)
         if not peers:
-            if not any(job.native[0] == req for job, _, _ in self._natives.values()):
+            if req not in self._asked:
                 lib.remote_fail(req)  # (else a hedged fetch still out may yet fill it)
             return
         if not lib.remote_pending(req):
@@ -446,10 +446,16 @@ class MpiTransport(PeerTransport):
             tag = self._tag()
             self._outstanding[tag] = job
         job.native = (req, (*tried, peer), time.perf_counter(), tag)
+        self._asked[req] = self._asked.get(req, 0) + 1
         header = np.array([entry, 0, length, tag], dtype=np.int64)  # the file's stored bytes
         now = time.monotonic()
         self._natives[tag] = (job, now + self.hedge_delay(), now + self.peer_timeout)
         self._command(_Send(peer, tag, header, job), inbox, sending)
+
+    def _unask(self, req: tuple[Any, ...]) -> None:
+        left = self._asked.pop(req) - 1
+        if left:
+            self._asked[req] = left
 
     def _holders(self, req: tuple[Any, ...], tried: tuple[int, ...]) -> list[int]:
         """The live holders of a request's piece not asked yet, rotated per file as
@@ -462,14 +468,15 @@ class MpiTransport(PeerTransport):
     def _native_done(self, job: Fetch, count: int) -> None:
         """A front's fetch is over: the bytes to the C, or the next holder."""
         req, tried, began, tag = job.native
-        self._natives.pop(tag, None)
+        if self._natives.pop(tag, None) is None:
+            return  # given up on already (its holder timed out)
+        self._unask(req)
         if count == job.length:
             err = lib.remote_fill(req, job.buf)
             if err == 0:
                 with self._lock:
                     self._fetched(began, job.length, time.perf_counter())
-                    earlier = [j for j, _, _ in self._natives.values() if j.native[0] == req]
-                    self.hedges_won += len(tried) > 1 and bool(earlier)  # one is still out
+                    self.hedges_won += len(tried) > 1 and req in self._asked  # one is still out
                 return
             if err == errno.ESTALE:
                 return  # given up meanwhile
