@@ -627,8 +627,8 @@ static struct {
     uint64_t fetched, failed, looked_up;
 } rq = {.lock = PTHREAD_MUTEX_INITIALIZER, .wakefd = -1};
 
-/* Queue the fetch of slot i's piece (cache lock not held); 0, or -1 when the queue is full or
- * the remote path is off. */
+/* Queue the fetch of slot i's piece (cache lock held: the lock order is cache, then rq); 0,
+ * or -1 when the queue is full or the remote path is off. */
 static int rq_push(int i, const struct fanfs_job *j, const struct fanfs_piece *p, int ahead) {
     uint64_t one = 1;
     ssize_t w;
@@ -657,13 +657,17 @@ static int rq_push(int i, const struct fanfs_job *j, const struct fanfs_piece *p
     return 0;
 }
 
-/* Reserve a pending slot for a peer's piece and queue its fetch, cache lock held (it is let go
- * and taken again). The slot's index, or -1 (no room, or the queue is full). Nobody holds a
- * reference to it: a READ waiting for it takes one once it is filled, as for any piece. */
+/* Reserve a pending slot for a peer's piece and queue its fetch, cache lock held throughout
+ * (let go in between, the slot could be settled by a stop and taken by another piece before
+ * a failed push gave it up). The slot's index, or -1 (no room, the queue is full, or the pool
+ * is stopping). Nobody holds a reference to it: a READ waiting for it takes one once it is
+ * filled, as for any piece. */
 static int remote_reserve(const struct fanfs_job *j, const struct fanfs_piece *p, int ahead) {
-    int i = slot_room(p->size);
+    int i;
     struct slot *s;
-    if (i < 0)
+    if (!__atomic_load_n(&fast.on, __ATOMIC_ACQUIRE)) /* a stop gave up what was pending */
+        return -1;
+    if ((i = slot_room(p->size)) < 0)
         return -1;
     s = &cache.slot[i];
     s->fd = j->fd;
@@ -680,13 +684,10 @@ static int remote_reserve(const struct fanfs_job *j, const struct fanfs_piece *p
     s->waiters = NULL;
     cache.bytes += p->size;
     cache.ahead += ahead;
-    pthread_mutex_unlock(&cache.lock);
     if (rq_push(i, j, p, ahead) != 0) {
-        slot_fill(i, NULL, 0, NULL);
-        pthread_mutex_lock(&cache.lock);
+        slot_fill_locked(i, NULL, 0, NULL); /* nobody could hang on it meanwhile */
         return -1;
     }
-    pthread_mutex_lock(&cache.lock);
     return i;
 }
 
@@ -700,8 +701,9 @@ static int rq_may_wait(void) {
 static int slot_wait(const struct timespec *deadline) {
     int err;
     cache.waiting++;
-    err = deadline != NULL ? pthread_cond_timedwait(&cache.ready, &cache.lock, deadline)
-                           : pthread_cond_wait(&cache.ready, &cache.lock);
+    err = deadline != NULL
+              ? pthread_cond_clockwait(&cache.ready, &cache.lock, CLOCK_MONOTONIC, deadline)
+              : pthread_cond_wait(&cache.ready, &cache.lock);
     cache.waiting--;
     return err;
 }
@@ -713,7 +715,7 @@ static int remote_piece(const struct fanfs_job *j, const struct fanfs_piece *p, 
     int64_t wait_ns = __atomic_load_n(&rq.wait_ns, __ATOMIC_RELAXED);
     struct timespec deadline;
     if (wait_ns > 0) {
-        clock_gettime(CLOCK_REALTIME, &deadline); /* the condition variable's clock */
+        clock_gettime(CLOCK_MONOTONIC, &deadline); /* a wall clock's step changes nothing */
         deadline.tv_sec += (time_t)(wait_ns / 1000000000);
         deadline.tv_nsec += (long)(wait_ns % 1000000000);
         if (deadline.tv_nsec >= 1000000000) {
@@ -1057,8 +1059,8 @@ static struct qjob *next_job(void) {
 static int piece_busy(void) {
     int i, busy = 0;
     pthread_mutex_lock(&cache.lock);
-    for (i = 0; i < SLOTS; i++)
-        busy |= cache.slot[i].pending;
+    for (i = 0; i < SLOTS; i++) /* (no READ of the pool is hung on a peer's piece) */
+        busy |= cache.slot[i].pending && cache.slot[i].fd > FANFS_REMOTE_FD(0);
     pthread_mutex_unlock(&cache.lock);
     return busy;
 }

@@ -446,11 +446,17 @@ class MpiTransport(PeerTransport):
             tag = self._tag()
             self._outstanding[tag] = job
         job.native = (req, (*tried, peer), time.perf_counter(), tag)
-        self._asked[req] = self._asked.get(req, 0) + 1
-        header = np.array([entry, 0, length, tag], dtype=np.int64)  # the file's stored bytes
         now = time.monotonic()
         self._natives[tag] = (job, now + self.hedge_delay(), now + self.peer_timeout)
-        self._command(_Send(peer, tag, header, job), inbox, sending)
+        self._asked[req] = self._asked.get(req, 0) + 1
+        try:
+            header = np.array([entry, 0, length, tag], dtype=np.int64)  # its stored bytes
+            self._command(_Send(peer, tag, header, job), inbox, sending)
+        except BaseException:  # (an MPI error is delivered as a dead peer, not raised)
+            if self._natives.pop(tag, None) is not None:
+                self._unask(req)
+                inbox.drop(tag)
+            raise
 
     def _unask(self, req: tuple[Any, ...]) -> None:
         left = self._asked.pop(req) - 1
