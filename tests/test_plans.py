@@ -114,6 +114,22 @@ def test_due_stays_within_the_budget_of_decoded_bytes() -> None:
     assert len(two.due(1000)) == 10  # two shares split it
 
 
+def test_due_passes_over_a_bounded_number_of_empty_positions_per_call() -> None:
+    """One file drawn 10,000 times: only its first draw costs anything. Each call passes over
+    at most `limit` empty positions and says that it stopped (a daemon's event loop froze for a
+    second in one call over 400,000 of them); the calls together reach the plan's end."""
+    order = [7] * 10_000
+    p = plans_with(order)
+    first = p.due(256)
+    assert [d[2] for d in first] == [0] and p.scanning
+    calls = 1
+    while p.scanning:
+        assert p.due(256) == []
+        calls += 1
+    assert calls == -(-(len(order) - 1) // 256)  # 256 empty positions a call
+    assert p.shares[0].next == len(order)
+
+
 def test_held_bytes_stay_within_the_budget() -> None:
     p = plans_with(list(range(100)), budget=3 * KIB)
     s = p.shares[0]

@@ -86,7 +86,7 @@ class ReadAhead:
                         if not self.plans.has(job[3]) and not self.cached(job[3]):
                             self.sources.local.advise(job[3])  # the disk starts on it now
                             self._jobs.put(job)
-                    if due:
+                    if due or self.plans.scanning:
                         await trio.lowlevel.checkpoint()  # let READs in between
                     else:
                         await self.plans.changed()
