@@ -69,8 +69,9 @@ def test_a_stop_signal_at_any_moment_of_start_up(
                 proc.wait()
         assert proc.returncode in (0, 130, -sig), (delay, proc.returncode, err)
         assert "Traceback" not in err and "Segmentation" not in err, err
-        if proc.returncode == 130:
-            assert "fanfs: error: stopped by" in err, err
+        if proc.returncode == 130:  # handled by the daemon; or, SIGINT before it handles
+            # signals (a slow start-up), Python's KeyboardInterrupt, reported by the CLI
+            assert "fanfs: error: stopped by" in err or err == "fanfs: interrupted\n", err
         assert_clean(mnt, local)
 
 
