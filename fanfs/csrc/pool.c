@@ -712,16 +712,13 @@ static int slot_wait(const struct timespec *deadline) {
  * FANFS_EREMOTE when it cannot be had here in time (the READ then goes to Python). */
 static int remote_piece(const struct fanfs_job *j, const struct fanfs_piece *p, struct got *g) {
     int i, found, mine = -1;
-    int64_t wait_ns = __atomic_load_n(&rq.wait_ns, __ATOMIC_RELAXED);
+    int64_t wait_ns = __atomic_load_n(&rq.wait_ns, __ATOMIC_RELAXED), end;
     struct timespec deadline;
-    if (wait_ns > 0) {
-        clock_gettime(CLOCK_MONOTONIC, &deadline); /* a wall clock's step changes nothing */
-        deadline.tv_sec += (time_t)(wait_ns / 1000000000);
-        deadline.tv_nsec += (long)(wait_ns % 1000000000);
-        if (deadline.tv_nsec >= 1000000000) {
-            deadline.tv_sec++;
-            deadline.tv_nsec -= 1000000000;
-        }
+    if (wait_ns > 0) { /* on CLOCK_MONOTONIC: a wall clock's step changes nothing */
+        clock_gettime(CLOCK_MONOTONIC, &deadline);
+        end = (int64_t)deadline.tv_sec * 1000000000 + deadline.tv_nsec + wait_ns;
+        deadline.tv_sec = (time_t)(end / 1000000000);
+        deadline.tv_nsec = (long)(end % 1000000000);
     }
     pthread_mutex_lock(&cache.lock);
     for (;;) {
@@ -747,8 +744,8 @@ static int remote_piece(const struct fanfs_job *j, const struct fanfs_piece *p, 
             return 0;
         }
         /* Ours was given up (no holder could give it) or, rarely, evicted; or nobody may
-         * wait, or the pool is stopping: Python answers. */
-        if (mine >= 0 || !rq_may_wait() || !__atomic_load_n(&fast.on, __ATOMIC_ACQUIRE))
+         * wait: Python answers (as when the pool is stopping: remote_reserve refuses). */
+        if (mine >= 0 || !rq_may_wait())
             break;
         cache.misses++;
         if ((mine = remote_reserve(j, p, 0)) < 0)
@@ -781,18 +778,16 @@ static void remote_fail_pending(void) {
 int fanfs_remote_on(void) { return __atomic_load_n(&rq.on, __ATOMIC_ACQUIRE); }
 
 void fanfs_remote_set_wake(int fd, int max_waiting, int64_t wait_ns) {
-    struct fanfs_rreq r;
     pthread_mutex_lock(&rq.lock);
     rq.wakefd = fd;
     __atomic_store_n(&rq.max_waiting, max_waiting, __ATOMIC_RELAXED);
     __atomic_store_n(&rq.wait_ns, wait_ns, __ATOMIC_RELAXED);
     __atomic_store_n(&rq.on, fd >= 0, __ATOMIC_RELEASE);
+    if (fd < 0)
+        rq.n = 0; /* nothing will be fetched any more */
     pthread_mutex_unlock(&rq.lock);
-    if (fd < 0) { /* nothing will be fetched any more: the READs waiting go to Python */
-        while (fanfs_remote_take(&r, 1) == 1)
-            ;
-        remote_fail_pending();
-    }
+    if (fd < 0)
+        remote_fail_pending(); /* the READs waiting go to Python */
 }
 
 int fanfs_remote_take(struct fanfs_rreq *out, int max) {
