@@ -149,6 +149,9 @@ cdef extern from "fanfs_native.h" nogil:
     enum: FANFS_FRONT_SAMPLES
     int fanfs_front_latencies(uint32_t *out, uint32_t *longest)
     int fanfs_meta_attr(uint64_t e, uint64_t *out)
+    int fanfs_front_writes(int on)
+    int fanfs_front_take_written(int fd)
+    uint64_t fanfs_front_written()
     int64_t fanfs_meta_lookup(uint64_t parent, const char *name, size_t len)
 
 API_VERSION = FANFS_NATIVE_API
@@ -566,6 +569,24 @@ def front_start(int fd, int threads, int spin_us):
     if ret < 0:
         raise OSError(-ret, "front: " + os.strerror(-ret))
     return ret
+
+
+def front_writes(bint on):
+    """Writes mode (`fanfs output`), before front_start: the front answers WRITE with a
+    pwrite to the request's file handle (an fd of the caller's) and forwards the rest."""
+    cdef int ret = fanfs_front_writes(on)
+    if ret < 0:
+        raise OSError(-ret, "front: " + os.strerror(-ret))
+
+
+def front_take_written(int fd):
+    """Whether the front wrote to `fd` since the last call (clears it)."""
+    return bool(fanfs_front_take_written(fd))
+
+
+def front_written():
+    """Bytes the front wrote in writes mode."""
+    return fanfs_front_written()
 
 
 def front_drain():

@@ -20,6 +20,7 @@ class ExitCode(enum.IntEnum):
     MOUNTPOINT = 5  # mount point missing, not a directory, not empty, mounted or not; bad --local
     TIMEOUT = 6  # `wait` or `umount` gave up after --timeout
     MOUNT = 7  # the mount itself failed (FUSE unavailable, daemon died at start)
+    NOT_LANDED = 8  # output mounts: closed files not at DEST (kept; `sync` or `umount` again)
     INTERRUPTED = 130  # SIGINT during prepare; a stop signal before a mount served
 
 
@@ -83,3 +84,9 @@ class Interrupted(FanfsError):
 
 class CorruptFile(Exception):
     """One file's stored bytes do not match its checksum (reads of that file get EIO)."""
+
+
+class NotLanded(FanfsError):
+    """Files closed under an output mount are not at DEST (the daemon keeps them locally)."""
+
+    exit_code = ExitCode.NOT_LANDED

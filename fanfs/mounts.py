@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 FSTYPE = "fuse.fanfs"
+OUTPUT_FSTYPE = "fuse.fanfs-output"  # `fanfs output`: a writable view landing on DEST
 STATUS_XATTR = "user.fanfs.status"
+RETRY_XATTR = "user.fanfs.retry"  # output mounts: retry landing now, then the status
 _OCTAL = re.compile(r"\\([0-7]{3})")
 
 
@@ -108,19 +110,19 @@ class NotYours(Exception):
 
 
 def probe_status(
-    path: Path | str, timeout: float, as_uid: int | None = None
+    path: Path | str, timeout: float, as_uid: int | None = None, xattr: str = STATUS_XATTR
 ) -> dict[str, Any] | None:
     """The daemon's status (the hidden xattr), or None if it does not answer within `timeout`.
     NotYours if the kernel refuses us (another user's mount). Root asks as `as_uid` (the
     mount's owner): in a child process that takes that user's identity, so that root's
     `status` and `umount` reach a user's daemon instead of taking it for a hung one."""
     if as_uid is not None and as_uid != os.geteuid() and os.geteuid() == 0:
-        return _probe_as(path, timeout, as_uid)
+        return _probe_as(path, timeout, as_uid, xattr)
     result: list[Any] = []
 
     def ask() -> None:
         try:
-            result.append(json.loads(os.getxattr(path, STATUS_XATTR)))
+            result.append(json.loads(os.getxattr(path, xattr)))
         except PermissionError as e:
             result.append(e)
         except (OSError, ValueError):
@@ -134,7 +136,7 @@ def probe_status(
     return result[0] if result else None
 
 
-def _probe_as(path: Path | str, timeout: float, uid: int) -> dict[str, Any] | None:
+def _probe_as(path: Path | str, timeout: float, uid: int, xattr: str) -> dict[str, Any] | None:
     import pwd
 
     try:
@@ -150,7 +152,7 @@ def _probe_as(path: Path | str, timeout: float, uid: int) -> dict[str, Any] | No
             os.setgroups([])
             os.setgid(gid)
             os.setuid(uid)
-            os.write(wfd, os.getxattr(path, STATUS_XATTR))
+            os.write(wfd, os.getxattr(path, xattr))
             code = 0
         finally:
             os._exit(code)

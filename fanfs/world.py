@@ -76,6 +76,11 @@ class World:
         self._posted = [r for r in self._posted if not r.Test()]
         self._posted.append(self.comm.isend(obj, dest=dest, tag=tag))
 
+    def in_flight(self) -> int:
+        """Messages posted and not yet delivered (never blocks)."""
+        self._posted = [r for r in self._posted if not r.Test()]
+        return len(self._posted)
+
     def drain(self) -> None:
         self.MPI.Request.Waitall(self._posted)
         self._posted = []

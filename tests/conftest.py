@@ -56,6 +56,7 @@ TIERS = {
     "test_signals": "mount",
     "test_pyfuse3_patch": "mount",
     "test_front": "mount",
+    "test_output": "mount",
     "test_memory": "memory",
     "test_mpi": "mpi",
     "test_slurm": "slurm",

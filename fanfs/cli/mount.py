@@ -19,12 +19,12 @@ from typing import Any
 
 from fanfs import mounts
 from fanfs.cli.options import Subparsers, env_default, positive_float, positive_int, seconds, share
+from fanfs.cli.reach import PROBE_TIMEOUT_S, ask
 from fanfs.errors import ExitCode, FanfsError, MountpointError, WaitTimeout
 
 log = logging.getLogger("fanfs")
 
 POLL_S = 0.1  # wait/umount poll interval: fast enough for tests, idle enough for 512 nodes
-PROBE_TIMEOUT_S = 2.0  # a daemon that cannot answer a getxattr in 2 s is treated as hung
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
@@ -49,27 +49,15 @@ def cmd_mount(args: argparse.Namespace) -> int:
 def fanfs_mount(mountpoint: str) -> mounts.MountEntry:
     """The fanfs mount at `mountpoint` (MountpointError if there is none)."""
     entry = mounts.find(mountpoint)
-    if entry is None or entry.fstype != mounts.FSTYPE:
+    if entry is None or entry.fstype not in (mounts.FSTYPE, mounts.OUTPUT_FSTYPE):
         raise MountpointError(f"{mountpoint}: no fanfs mount there")
     return entry
-
-
-def ask(entry: mounts.MountEntry, timeout: float = PROBE_TIMEOUT_S) -> dict[str, Any] | None:
-    """The daemon's status, None if it does not answer in time; MountpointError for another
-    user's mount (root asks as its owner)."""
-    try:
-        return mounts.probe_status(entry.mountpoint, timeout, as_uid=entry.user_id)
-    except mounts.NotYours:
-        raise MountpointError(
-            f"{entry.mountpoint}: another user's fanfs mount (uid {entry.user_id}): only that "
-            "user, or root, can reach its daemon"
-        ) from None
 
 
 def _wait_serving(mountpoint: str, deadline: float) -> dict[str, Any]:
     while True:
         entry = mounts.find(mountpoint)
-        if entry is not None and entry.fstype == mounts.FSTYPE:
+        if entry is not None and entry.fstype in (mounts.FSTYPE, mounts.OUTPUT_FSTYPE):
             status = ask(entry, max(0.1, min(PROBE_TIMEOUT_S, deadline - time.monotonic())))
             if status is not None and status.get("serving"):
                 return status
@@ -170,6 +158,10 @@ def cmd_umount(args: argparse.Namespace) -> int:
         )
     if busy:
         log.warning("%s: unmounting while %s use it: they get ENOTCONN", mountpoint, _who(busy))
+    if entry.fstype == mounts.OUTPUT_FSTYPE:
+        from fanfs.cli.output import drain
+
+        drain(entry, args.timeout)  # NotLanded: the mount stays, nothing is lost
     os.kill(pid, signal.SIGTERM)  # the daemon unmounts and removes its staged copies
     deadline = time.monotonic() + args.timeout
     while not _exited(pid):
@@ -192,6 +184,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         import json
 
         print(json.dumps(status, indent=2, sort_keys=True))
+        return ExitCode.OK
+    if status.get("kind") == "output":
+        from fanfs.cli.output import render as render_output
+
+        print(render_output(status))
         return ExitCode.OK
     from fanfs.status import Status, render
 

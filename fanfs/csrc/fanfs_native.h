@@ -24,7 +24,7 @@
 #include <stdint.h>
 #include <sys/uio.h>
 
-#define FANFS_NATIVE_API 5
+#define FANFS_NATIVE_API 6
 
 /* What a piece's stored bytes are (fanfs/node/pool.py names the same numbers). */
 enum {
@@ -298,6 +298,15 @@ int fanfs_front_latencies(uint32_t out[FANFS_FRONT_SAMPLES], uint32_t *longest);
  * not a directory), from the catalog given to fanfs_meta_set: for the tests. */
 int fanfs_meta_attr(uint64_t e, uint64_t out[12]);
 int64_t fanfs_meta_lookup(uint64_t parent, const char *name, size_t len);
+
+/* Writes mode (`fanfs output`), set before fanfs_front_start (-EBUSY while running): the
+ * front answers WRITE with a pwrite to its file handle, which must be an fd of the daemon's
+ * below FANFS_FRONT_MAX_FD (others are forwarded), and forwards everything else. Then whether
+ * fd was written since the last call (and clears it), and the bytes written in all. */
+#define FANFS_FRONT_MAX_FD 65536
+int fanfs_front_writes(int on);
+int fanfs_front_take_written(int fd);
+uint64_t fanfs_front_written(void);
 
 /* Raw messages to the FUSE device: a reply (error `err`, or the data), a notify_store. */
 int fanfs_raw_reply(int fd, uint64_t unique, int err, const struct iovec *iov, int n);

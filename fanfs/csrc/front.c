@@ -18,8 +18,12 @@
  *             asks every file whether it is a terminal);
  *   FORGET, BATCH_FORGET, INTERRUPT: nothing to do (fanfs keeps no per-inode state, and
  *             pyfuse3 does nothing with interrupts).
+ * In writes mode (fanfs_front_writes, for `fanfs output`), it answers only
+ *   WRITE     one pwrite to the file handle, which the output daemon makes the fd of the
+ *             file's local copy; it marks the handle written (fanfs_front_take_written);
+ *   FORGET, BATCH_FORGET, INTERRUPT as above.
  * Everything else (INIT first, READDIR, the status attribute, remote and framed files, every
- * request while a planned epoch runs) is forwarded: queued, and handed to pyfuse3's session
+ * request while a planned epoch runs; in writes mode, all but WRITE) is forwarded: queued, and handed to pyfuse3's session
  * loop through its receiver hook (fanfs_front_receive), which waits for the queue's eventfd
  * instead of the FUSE device. A request is answered on the device it was read from, and
  * forwarded ones are read from the session's own fd, so libfuse's replies land right.
@@ -78,6 +82,9 @@ static struct {
     pthread_cond_t turn;  /* the lead is free */
     struct fwd *head, *tail;
     uint64_t counts[FANFS_FRONT_COUNTS];
+    int writes;              /* writes mode: WRITE answered, everything else forwarded */
+    uint64_t written;        /* bytes written in writes mode */
+    uint8_t dirty[FANFS_FRONT_MAX_FD]; /* per fd: written since fanfs_front_take_written */
 } front = {.fd = -1, .stopfd = -1, .readyfd = -1, .ep = -1, .lock = PTHREAD_MUTEX_INITIALIZER,
          .turn = PTHREAD_COND_INITIALIZER};
 
@@ -304,11 +311,72 @@ static int read_(const struct fuse_in_header *in, const struct fuse_read_in *r) 
     return 0;
 }
 
+/* Writes mode: the data after the header goes to the handle (an fd of the output daemon's). */
+static int write_(const struct fuse_in_header *in, const char *arg, uint32_t arglen) {
+    const struct fuse_write_in *w = (const void *)arg;
+    struct fuse_write_out out = {0};
+    struct iovec iov = {&out, sizeof out};
+    const char *data = arg + sizeof *w;
+    size_t done = 0;
+    if (arglen < sizeof *w || w->size > arglen - sizeof *w || w->fh >= FANFS_FRONT_MAX_FD)
+        return -1; /* not one we can take: pyfuse3 answers it */
+    while (done < w->size) {
+        ssize_t k = pwrite((int)w->fh, data + done, w->size - done, (off_t)(w->offset + done));
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k <= 0) {
+            if (done == 0) {
+                fanfs_raw_reply(front.fd, in->unique, k < 0 ? errno : EIO, NULL, 0);
+                return 0;
+            }
+            break; /* a short write: the kernel retries the rest, and gets its error then */
+        }
+        done += (size_t)k;
+    }
+    __atomic_store_n(&front.dirty[w->fh], 1, __ATOMIC_RELEASE);
+    __atomic_add_fetch(&front.written, done, __ATOMIC_RELAXED);
+    out.size = (uint32_t)done;
+    fanfs_raw_reply(front.fd, in->unique, 0, &iov, 1);
+    count(FANFS_FRONT_OTHERS);
+    return 0;
+}
+
+static int answer_writes(const char *msg, uint32_t n) {
+    const struct fuse_in_header *in = (const void *)msg;
+    switch (in->opcode) {
+    case FUSE_WRITE:
+        return write_(in, msg + sizeof *in, n - sizeof *in);
+    case FUSE_FORGET:
+    case FUSE_BATCH_FORGET:
+    case FUSE_INTERRUPT:
+        return 0;
+    default:
+        return -1;
+    }
+}
+
+int fanfs_front_writes(int on) {
+    if (front.running)
+        return -EBUSY;
+    front.writes = on != 0;
+    return 0;
+}
+
+int fanfs_front_take_written(int fd) {
+    if (fd < 0 || fd >= FANFS_FRONT_MAX_FD)
+        return 0;
+    return __atomic_exchange_n(&front.dirty[fd], 0, __ATOMIC_ACQ_REL);
+}
+
+uint64_t fanfs_front_written(void) { return __atomic_load_n(&front.written, __ATOMIC_RELAXED); }
+
 /* Answer what this thread can; 0 if it did, -1 to forward. */
 static int answer(const char *msg, uint32_t n) {
     const struct fuse_in_header *in = (const void *)msg;
     const char *arg = msg + sizeof *in;
     uint32_t arglen = n - sizeof *in;
+    if (front.writes)
+        return answer_writes(msg, n);
     if (!fanfs_pool_fast_on())
         return -1; /* off (a planned epoch, or not started): Python sees everything */
     switch (in->opcode) {
@@ -505,8 +573,8 @@ static void *front_main(void *arg) {
             pthread_mutex_unlock(&front.lock);
             break;
         }
-        if ((size_t)n >= sizeof *in && in->opcode == FUSE_READ) {
-            pthread_mutex_lock(&front.lock); /* a READ may wait for the disk: lead on, someone */
+        if ((size_t)n >= sizeof *in && (in->opcode == FUSE_READ || in->opcode == FUSE_WRITE)) {
+            pthread_mutex_lock(&front.lock); /* it may wait for the disk: lead on, someone */
             front.led = 0;
             pthread_cond_signal(&front.turn);
             pthread_mutex_unlock(&front.lock);
@@ -526,7 +594,8 @@ int fanfs_front_start(int fd, int nthreads, int spin_us) {
     int i, err = 0;
     if (front.running)
         return -EBUSY;
-    if (nthreads < 1 || nthreads > FRONT_MAX_THREADS || front.m.n == 0 || spin_us < 0)
+    if (nthreads < 1 || nthreads > FRONT_MAX_THREADS || (front.m.n == 0 && !front.writes) ||
+        spin_us < 0)
         return -EINVAL;
     /* Non-blocking: the leader polls it, and must never sleep in a read that a stop cannot
      * wake (pyfuse3's loop makes it so too, but only once it runs). */

@@ -149,12 +149,16 @@ class StagingDir:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(f"{name}.partial", dir_fd=self.fd)
 
+    def keep_contents(self) -> None:
+        """Keep the directory and what is in it at `close` (files that must not be lost)."""
+        self.keep = True
+
     def close(self) -> None:
         """Remove the staging directory unless partitions were kept in it."""
         os.close(self.fd)
         try:
             if self.keep:
-                log.info("staged partitions kept in %s", self.path)
+                log.info("kept %s and what it holds", self.path)
             else:
                 os.rmdir(self.path.name, dir_fd=self._parent_fd)
                 if self._made_parent:

@@ -1,0 +1,150 @@
+"""`fanfs output` and `fanfs sync`: a writable mount whose files land on DEST, and waiting
+until they have. `fanfs umount` and `fanfs status` (cli/mount.py) serve output mounts too:
+umount drains first (`drain`, here) and refuses to unmount what is not at DEST.
+
+Like the dataset mount's commands, none of them stats the mount point: they read the kernel's
+mount table and ask the daemon through its status attribute, with a deadline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from fanfs import mounts
+from fanfs.cli.options import Subparsers, env_default, positive_float, positive_int, seconds
+from fanfs.cli.reach import ask
+from fanfs.errors import ExitCode, MountpointError, NotLanded, WaitTimeout
+
+POLL_S = 0.1
+# `sync` and `umount` give up on a DEST that failed this many more times in a row for the same
+# op (about 0.5 + 1 s of retries after the one they ask for): the daemon keeps retrying, and a
+# later sync can succeed.
+GIVE_UP_ATTEMPTS = 3
+
+
+def cmd_output(args: argparse.Namespace) -> int:
+    from fanfs.output.daemon import OutputConfig, OutputDaemon
+
+    OutputDaemon(OutputConfig(
+        dest=args.dest, mountpoint=args.mountpoint, local=args.local, nonempty=args.nonempty,
+        replicas=args.replicas, peer_timeout=args.peer_timeout, drain=args.drain,
+    )).run()  # fmt: skip
+    return ExitCode.OK
+
+
+def output_mount(mountpoint: str) -> mounts.MountEntry:
+    entry = mounts.find(mountpoint)
+    if entry is None or entry.fstype != mounts.OUTPUT_FSTYPE:
+        raise MountpointError(f"{mountpoint}: no fanfs output mount there")
+    return entry
+
+
+def _landing(entry: mounts.MountEntry, xattr: str = mounts.STATUS_XATTR) -> dict[str, Any]:
+    status = ask(entry, xattr=xattr)
+    if status is None:
+        raise WaitTimeout(f"{entry.mountpoint}: daemon not answering")
+    landing: dict[str, Any] = status["landing"]
+    return landing
+
+
+def drain(entry: mounts.MountEntry, timeout: float) -> dict[str, Any]:
+    """Wait until everything closed under the mount before this call is at DEST; NotLanded
+    (naming the files) if DEST keeps failing or `timeout` passes first. A failing op is
+    retried at once (and GIVE_UP_ATTEMPTS times more before this gives up)."""
+    landing = _landing(entry, mounts.RETRY_XATTR)
+    target = landing["enqueued"]
+    failed_before = (landing.get("failing") or {}).get("attempts", 0)
+    deadline = time.monotonic() + timeout
+    while landing["landed"] < target:
+        failing = landing.get("failing")
+        gave_up = failing and failing["attempts"] >= failed_before + GIVE_UP_ATTEMPTS
+        if gave_up or time.monotonic() >= deadline:
+            why = f"not done within {timeout:g} s"
+            if failing:
+                why = (f"{failing['op']} {failing['path']} failed {failing['attempts']} times: "
+                       f"{failing['error']}")  # fmt: skip
+            pending = landing["pending"]
+            more = landing["backlog_files"] - len(pending)
+            raise NotLanded(
+                f"{entry.mountpoint}: {landing['backlog_files']} closed files not at DEST yet "
+                f"({why}); the daemon keeps trying, run this again once DEST works. Not there: "
+                + (", ".join(pending) or "(renames and removals only)")
+                + (f" and {more} more" if more > 0 else "")
+            )
+        time.sleep(POLL_S)
+        landing = _landing(entry)
+    return landing
+
+
+def cmd_sync(args: argparse.Namespace) -> int:
+    entry = output_mount(mounts.canonical(args.mountpoint))
+    landing = drain(entry, args.timeout)
+    print(f"{entry.mountpoint}: everything closed is at DEST ({landing['landed_files']} "
+          f"files, {landing['landed_bytes'] / 1e6:.1f} MB landed so far)")  # fmt: skip
+    return ExitCode.OK
+
+
+def render(status: dict[str, Any]) -> str:
+    landing = status["landing"]
+    lines = [
+        f"output mount {status['mountpoint']} (rank {status['rank']}/{status['size']}, pid "
+        f"{status['pid']}, {status['phase']}), landing at {status['dest']}",
+        f"  files       {status['files']} ({status['open_handles']} open), "
+        f"{status['written_bytes'] / 1e6:.1f} MB written",
+        f"  landed      {landing['landed_files']} files, {landing['landed_bytes'] / 1e6:.1f} MB"
+        f" at {landing['throughput_mb_s']} MB/s; last file took {landing['last_put_s']} s",
+        f"  backlog     {landing['backlog_files']} files, {landing['backlog_bytes'] / 1e6:.1f} MB"
+        f" ({landing['backlog_ops']} changes), oldest {landing['oldest_s']} s",
+    ]  # fmt: skip
+    if landing.get("failing"):
+        f = landing["failing"]
+        lines.append(
+            f"  FAILING     {f['op']} {f['path']}: {f['error']} ({f['attempts']} attempts)"
+        )
+    rep = status.get("replicas")
+    if rep:
+        lines.append(f"  replicas    partner rank {rep['partner']}, holding {rep['held_files']} "
+                     f"files of rank {rep['holding_for']}, dead ranks {rep['dead']}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def add_parsers(sub: Subparsers) -> None:
+    p = sub.add_parser(
+        "output", help="a writable mount whose files land on DEST (foreground)",
+        description="Mount a writable directory at MOUNTPOINT whose files live on this node's "
+        "disk and are copied to DEST (a directory on the shared file system) in the "
+        "background, each as soon as it is closed: complete and checked under a hidden name, "
+        "then renamed into place. Renames and removals reach DEST in the same order. `fanfs "
+        "sync` waits until all closed files are at DEST; `fanfs umount` drains first.",
+    )  # fmt: skip
+    p.add_argument("dest", metavar="DEST")
+    p.add_argument("mountpoint", metavar="MOUNTPOINT")
+    p.add_argument("--local", metavar="DIR",
+                   help="directory in which to create the private staging directory (default: "
+                   "$TMPDIR; env FANFS_LOCAL)")  # fmt: skip
+    p.add_argument(
+        "--nonempty", action="store_true", help="mount over a non-empty directory (hiding it)"
+    )
+    p.add_argument("--replicas", type=positive_int, choices=(1, 2), metavar="R",
+                   help="2: under MPI, also keep each closed file on the next rank until it is "
+                   "at DEST (default: 1; env FANFS_OUTPUT_REPLICAS)")  # fmt: skip
+    p.add_argument("--peer-timeout", type=positive_float, metavar="S",
+                   help="a partner silent this long is dead (default: 5; env "
+                   "FANFS_PEER_TIMEOUT)")  # fmt: skip
+    p.add_argument("--drain", type=seconds, metavar="S",
+                   help="after a stop signal, land what is left for at most this long, then "
+                   "keep it locally (default: 60; env FANFS_DRAIN)")  # fmt: skip
+    env_default(p, "local", "LOCAL", str, None)
+    env_default(p, "replicas", "OUTPUT_REPLICAS", positive_int, 1)
+    env_default(p, "peer_timeout", "PEER_TIMEOUT", positive_float, 5.0)
+    env_default(p, "drain", "DRAIN", seconds, 60.0)
+    p.set_defaults(func=cmd_output)
+
+    p = sub.add_parser("sync", help="wait until every file closed under an output mount is at "
+                       "DEST")  # fmt: skip
+    p.add_argument("mountpoint", metavar="MOUNTPOINT")
+    p.add_argument("--timeout", type=seconds, default=3600.0, metavar="S",
+                   help="give up after this long (default: 3600)")  # fmt: skip
+    p.set_defaults(func=cmd_sync)

@@ -1,0 +1,278 @@
+"""`fanfs output`'s daemon: check, mount, serve and land, and at the end drain or keep.
+
+Order as the dataset daemon's (node/daemon.py): every check a user mistake can fail (DEST, the
+mount point, --local) runs before anything is mounted; under an MPI launcher all ranks agree
+on the verdict, so they fail together. Then the mount serves while the journal lands on DEST
+in the background (lander.py). A stop signal (`fanfs umount`, which has drained first; SIGTERM
+from Slurm) ends the FUSE session; the daemon then lands what is left, for at most --drain
+seconds. Whatever is still not at DEST then is kept, never deleted: the local files stay in
+the staging directory with `journal.json` naming where each belongs, the daemon says so on
+one line and exits with ExitCode.NOT_LANDED.
+
+With `--replicas 2` under MPI, each node also holds its partner's closed files until they are
+at DEST (replicas.py), and lands them itself if the partner dies first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import stat
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from fanfs import logs, mounts
+from fanfs.errors import ExitCode, FanfsError, Interrupted, MountFailed, MountpointError, NotLanded
+from fanfs.node.daemon import STOP_SIGNALS, check_mountpoint, expand, node_name
+from fanfs.node.staging import StagingDir, default_parent
+from fanfs.output import fs
+from fanfs.output.lander import Lander
+from fanfs.output.tree import Tree
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class OutputConfig:
+    dest: str
+    mountpoint: str  # may contain {rank} and {node}
+    local: str | None = None
+    nonempty: bool = False
+    replicas: int = 1
+    peer_timeout: float = 5.0
+    drain: float = 60.0  # after a stop signal, land what is left for at most this long
+    max_ops: int = 1 << 20
+
+
+def open_dest(dest: Path, mountpoint: Path) -> int:
+    """DEST's directory fd (symlinks in DEST's own path are the user's; inside it none is
+    followed); MountpointError for anything that would fail later."""
+    try:
+        real = dest.resolve(strict=True)
+    except OSError as e:
+        raise MountpointError(f"{dest}: output destination: {e.strerror or e}") from None
+    if not real.is_dir():
+        raise MountpointError(f"{dest}: output destination is not a directory")
+    if real == mountpoint or mountpoint in real.parents:
+        raise MountpointError(f"{dest}: the output destination is inside the mount point")
+    if not os.access(real, os.W_OK | os.X_OK):
+        raise MountpointError(
+            f"{dest}: output destination not writable by you (uid {os.geteuid()})"
+        )
+    return os.open(real, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+
+class OutputDaemon:
+    def __init__(self, cfg: OutputConfig):
+        self.cfg = cfg
+        self.started = time.time()
+        self.rank, self.size = 0, 1
+        self.world: Any = None
+        self.phase = "starting"
+        self.stop_signal = 0
+        self.mountpoint = Path(cfg.mountpoint)
+        self.dest = Path(cfg.dest)
+        self.tree: Tree | None = None
+        self.lander: Lander | None = None
+        self.ops: fs.OutputOperations | None = None
+        self.replicas: Any = None  # replicas.Replicas under MPI with --replicas 2
+        self._mounted = False
+        self._front = False  # the front's threads answer WRITEs
+        self._drain_scope = trio.CancelScope()
+
+    def status(self) -> dict[str, Any]:
+        assert self.lander is not None and self.tree is not None
+        out = {
+            "kind": "output", "pid": os.getpid(), "rank": self.rank, "size": self.size,
+            "node": node_name(self.rank), "mountpoint": str(self.mountpoint),
+            "dest": str(self.dest), "serving": self.phase == "serving", "phase": self.phase,
+            "uptime_s": round(time.time() - self.started, 1), "files": self.tree.files,
+            "open_handles": len(self.ops.handles) if self.ops else 0,
+            "written_bytes": self.tree.bytes_written + fs.written(),
+            "landing": self.lander.statistics(),
+        }  # fmt: skip
+        if self.replicas is not None:
+            out["replicas"] = self.replicas.statistics()
+        return out
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if not self.stop_signal:
+            self.stop_signal = signum
+
+    def run(self) -> None:
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+        try:
+            self._start_world()
+            try:
+                self._run()
+            finally:
+                if self.world is not None:
+                    if self.replicas is not None and self.replicas.dead:
+                        log.warning("not finalizing MPI: ranks %s are gone",
+                                    sorted(self.replicas.dead))  # fmt: skip
+                    else:
+                        self.world.finalize()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _start_world(self) -> None:
+        from fanfs import world as mpi
+
+        if mpi.launched_size(dict(os.environ)) <= 1:
+            if self.cfg.replicas > 1:
+                raise FanfsError("--replicas 2 needs an MPI launcher (mpirun, srun --mpi=pmix) "
+                                 "with at least 2 ranks")  # fmt: skip
+            return
+        try:
+            self.world = mpi.World()
+        except RuntimeError as e:
+            raise MountFailed(str(e)) from None
+        self.rank, self.size = self.world.rank, self.world.size
+        logs.set_rank(self.rank, self.size)
+
+    def _agree(self, error: FanfsError | None) -> None:
+        if error is None and self.stop_signal:
+            error = Interrupted("stopped before serving")
+        if self.world is not None:
+            verdicts = self.world.allgather(
+                None if error is None else (int(error.exit_code), str(error))
+            )
+            if error is None:
+                for rank, verdict in enumerate(verdicts):
+                    if verdict is not None:
+                        error = FanfsError(f"rank {rank} failed to start: {verdict[1]}")
+                        error.exit_code = ExitCode(verdict[0])
+        if error is not None:
+            raise error
+
+    def _run(self) -> None:
+        cfg = self.cfg
+        node = node_name(self.rank)
+        self.mountpoint = Path(mounts.canonical(expand(cfg.mountpoint, self.rank, node)))
+        self.dest = Path(os.path.abspath(expand(cfg.dest, self.rank, node)))
+        local = Path(os.path.abspath(expand(cfg.local or default_parent(), self.rank, node)))
+        if cfg.replicas > 1 and self.size < 2:
+            self._agree(FanfsError("--replicas 2 needs at least 2 ranks"))
+        with contextlib.ExitStack() as stack:
+            error = None
+            try:
+                check_mountpoint(self.mountpoint, cfg.nonempty)
+                dest_fd = open_dest(self.dest, self.mountpoint)
+                stack.callback(os.close, dest_fd)
+                staging = StagingDir(local)
+                stack.callback(self._close_staging, staging)
+            except FanfsError as e:
+                error = e
+            self._agree(error)
+            self.tree = Tree(staging.fd, mode=0o777 & ~_umask())
+            hooks: dict[str, Any] = {}
+            if cfg.replicas > 1:
+                from fanfs.output.replicas import Replicas
+
+                self.replicas = Replicas(self.world, staging, self.tree.open_local_or_none,
+                                         dest_fd, cfg.peer_timeout)  # fmt: skip
+                hooks = {"on_enqueued": self.replicas.enqueued,
+                         "on_landed": self.replicas.landed}  # fmt: skip
+            self.lander = Lander(dest_fd, self.tree.open_local_or_none, cfg.max_ops, **hooks)
+            self.ops = fs.OutputOperations(
+                self.tree,
+                self.lander,
+                self.status,
+                self.replicas.replicate if self.replicas is not None else None,
+            )
+            error = None
+            try:
+                fs.mount(self.ops, str(self.mountpoint))
+                self._mounted = True
+                stack.callback(self._unmount)
+            except RuntimeError as e:
+                error = MountFailed(f"{self.mountpoint}: cannot mount: {e}")
+            self._agree(error)
+            self._front = fs.start_front(stack)
+            log.info("output %s: files land at %s, local %s", self.mountpoint, self.dest,
+                     staging.path)  # fmt: skip
+            trio.run(self._serve)
+            left = self.lander.journal
+            if left:
+                self._keep(staging, list(left))
+                files = self.lander.pending_files()
+                raise NotLanded(
+                    f"{len(files)} closed files not at {self.dest}, kept in {staging.path} "
+                    f"(journal.json says where each belongs): {', '.join(files[:10])}"
+                    + (" ..." if len(files) > 10 else "")
+                )
+
+    def _keep(self, staging: StagingDir, ops: list[Any]) -> None:
+        staging.keep_contents()
+        fd = os.open("journal.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600,
+                     dir_fd=staging.fd)  # fmt: skip
+        with os.fdopen(fd, "w") as f:
+            json.dump({"dest": str(self.dest), "local_name": "o<ino>",
+                       "ops": [op.to_json() for op in ops]}, f, indent=1)  # fmt: skip
+
+    def _close_staging(self, staging: StagingDir) -> None:
+        if not staging.keep and self.tree is not None:
+            for name in os.listdir(staging.fd):
+                with contextlib.suppress(OSError):
+                    if stat.S_ISREG(os.stat(name, dir_fd=staging.fd,
+                                            follow_symlinks=False).st_mode):  # fmt: skip
+                        os.unlink(name, dir_fd=staging.fd)
+        staging.close()
+
+    def _unmount(self) -> None:
+        if self._mounted:
+            self._mounted = False
+            if self._front:
+                self._front = False
+                fs.stop_front()
+            fs.unmount()
+
+    async def _serve(self) -> None:
+        assert self.lander is not None
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self._watch_signals)
+            nursery.start_soon(self.lander.run)
+            if self.replicas is not None:
+                await nursery.start(self.replicas.run)
+            self.phase = "serving"
+            await fs.serve()
+            self.phase = "draining"
+            self._unmount()
+            with trio.move_on_after(self.cfg.drain) as self._drain_scope:
+                self.lander.poke()
+                await self.lander.wait_landed(self.lander.enqueued)
+            if self.replicas is not None:
+                left = self.lander.enqueued - self.lander.landed
+                await self.replicas.finish(self.cfg.drain, not left, self.lander.landed)
+            self.phase = "closing"
+            nursery.cancel_scope.cancel()
+
+    async def _watch_signals(self, *, task_status: trio.TaskStatus[None]) -> None:
+        with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
+            task_status.started()
+            if self.stop_signal:
+                fs.terminate()
+            async for signum in signals:
+                if not self.stop_signal:
+                    self.stop_signal = signum
+                    log.info(
+                        "%s: unmounting, then landing what is left", signal.Signals(signum).name
+                    )
+                if self.phase == "serving":
+                    fs.terminate()
+                elif self.phase == "draining":
+                    self._drain_scope.cancel()  # a second signal: stop waiting, keep the rest
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

@@ -1,0 +1,278 @@
+"""`fanfs output`: a training job's writes, kept on the node and landed on DEST.
+
+Real mounts as the unprivileged user (tests/conftest.py, `user`), a real DEST directory made
+to fail with real permissions, real MPI ranks for --replicas 2. The oracle is what the test
+wrote: after `fanfs umount`, DEST holds exactly the files the mount held, byte for byte."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import FANFS, User, teardown, wait_until
+
+from fanfs import mounts
+from fanfs.errors import ExitCode
+
+# The writer, run as the user: checkpoints written to a temporary name, renamed into place,
+# rotated (only the newest two kept), a log appended to after every one, a directory made and
+# renamed, a file truncated; then what the mount holds, read back through it, as {path: hex
+# digest} (only the user can enter the user's mount, not even root).
+WRITER = r"""
+import hashlib, json, os, sys
+from pathlib import Path
+mnt = Path(sys.argv[1]); n = int(sys.argv[2])
+rng = __import__("random").Random(4)
+(mnt / "ckpt").mkdir()
+(mnt / "run-tmp").mkdir()
+(mnt / "run-tmp" / "config.yaml").write_text("lr: 0.1\n")
+os.rename(mnt / "run-tmp", mnt / "run")
+for i in range(n):
+    data = rng.randbytes(rng.randrange(1, 3 << 20))
+    tmp = mnt / "ckpt" / f".epoch-{i}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.rename(tmp, mnt / "ckpt" / f"epoch-{i}.pt")
+    if i >= 2:
+        os.unlink(mnt / "ckpt" / f"epoch-{i - 2}.pt")
+    with open(mnt / "run" / "train.log", "a") as f:
+        f.write(f"epoch {i} loss {1 / (i + 1):.4f}\n")
+with open(mnt / "run" / "samples.bin", "wb") as f:
+    f.write(b"x" * 100000)
+os.truncate(mnt / "run" / "samples.bin", 1234)
+def tree(root):
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+print(json.dumps(tree(mnt)))
+"""
+
+
+def tree(root: Path) -> dict[str, str]:
+    import hashlib
+
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}  # fmt: skip
+
+
+class Output:
+    """`fanfs output DEST MNT --local LOCAL EXTRA...` as the user (or `mpirun -np N` of it)."""
+
+    def __init__(self, user: User, work: Path, *extra: str, ranks: int = 1):
+        self.user, self.work, self.ranks = user, work, ranks
+        self.dest = work / "dest"
+        self.mnts = [work / (f"mnt-{r}" if ranks > 1 else "mnt") for r in range(ranks)]
+        for d in (self.dest, *self.mnts):
+            d.mkdir()
+            os.chown(d, user.uid, user.gid)
+        mnt = work / "mnt-{rank}" if ranks > 1 else self.mnts[0]
+        local = work / "local-{rank}" if ranks > 1 else work / "local"
+        cmd: list[Any] = [*FANFS, "output", self.dest, mnt, "--local", local, *extra]
+        if ranks > 1:
+            cmd = ["mpirun", "--oversubscribe", "--enable-recovery", "-np", str(ranks), *cmd]
+        self.log = work / "output.log"
+        self.proc = user.popen(*cmd, log=self.log)
+        for m in self.mnts:
+            done = user.run(*FANFS, "wait", m, "--timeout", "60")
+            if done.returncode != 0:
+                self.stop()
+                pytest.fail(f"{m} did not come up: {done.stderr}\n{self.log.read_text()}")
+
+    @property
+    def mnt(self) -> Path:
+        return self.mnts[0]
+
+    def fanfs(self, *args: Any, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return self.user.run(*FANFS, *args, timeout=timeout)
+
+    def status(self, rank: int = 0) -> dict[str, Any]:
+        done = self.fanfs("status", self.mnts[rank], "--json")
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)  # type: ignore[no-any-return]
+
+    def stop(self) -> None:
+        teardown(self.proc, self.mnts, None)
+
+
+@pytest.fixture
+def work(user: User, request: pytest.FixtureRequest) -> Iterator[Path]:
+    work = user.home / request.node.name
+    work.mkdir()
+    os.chown(work, user.uid, user.gid)
+    yield work
+    if (work / "dest").exists():
+        (work / "dest").chmod(0o755)  # a test that made it fail: removable again
+
+
+def test_checkpoints_renamed_and_rotated_land_exactly(user: User, work: Path) -> None:
+    out = Output(user, work)
+    try:
+        done = user.run(sys.executable, "-c", WRITER, out.mnt, "5")
+        assert done.returncode == 0, done.stderr + out.log.read_text()
+        written = json.loads(done.stdout)
+        assert sorted(written) == ["ckpt/epoch-3.pt", "ckpt/epoch-4.pt", "run/config.yaml",
+                                   "run/samples.bin", "run/train.log"]  # fmt: skip
+        status = out.status()
+        assert status["kind"] == "output" and status["landing"]["landed_files"] >= 7
+        done = out.fanfs("umount", out.mnt)
+        assert done.returncode == 0, done.stderr
+        assert out.proc.wait(30) == 0, out.log.read_text()
+    finally:
+        out.stop()
+    assert tree(out.dest) == written  # nothing else: no partial file, no rotated checkpoint
+    assert not [p for p in out.dest.rglob("*") if p.name.startswith(".")]
+    assert (out.dest / "run" / "train.log").read_text().count("\n") == 5
+    assert not list(work.glob("local/fanfs-stage-*")) and not mounts.find(out.mnt)
+
+
+POSIX = r"""
+import errno, os, sys
+mnt = sys.argv[1]
+def fails(err, f, *a):
+    try:
+        f(*a)
+    except OSError as e:
+        assert e.errno == err, (f, e)
+    else:
+        raise AssertionError(f"{f.__name__}{a} did not fail")
+p = os.path.join(mnt, "a")
+with open(p, "wb") as f:
+    f.write(b"0123456789")
+    f.seek(4); f.write(b"ab")
+with open(p, "r+b") as f:
+    f.seek(20); f.write(b"z"); f.flush()  # a hole
+    assert os.fstat(f.fileno()).st_size == 21
+assert open(p, "rb").read() == b"0123ab6789" + bytes(10) + b"z"
+fails(errno.EPERM, os.symlink, "a", os.path.join(mnt, "l"))
+fails(errno.EPERM, os.link, p, os.path.join(mnt, "h"))
+fails(errno.EEXIST, os.mkdir, mnt)
+os.mkdir(os.path.join(mnt, "d"))
+open(os.path.join(mnt, "d", "x"), "w").close()
+fails(errno.ENOTEMPTY, os.rmdir, os.path.join(mnt, "d"))
+fails(errno.EISDIR, os.rename, p, os.path.join(mnt, "d"))
+fails(errno.ENOENT, open, os.path.join(mnt, "nope"), "rb")
+os.chmod(p, 0o600)
+assert os.stat(p).st_mode & 0o777 == 0o600
+with open(p, "ab") as f:
+    f.write(b"!"); f.flush()
+    os.fsync(f.fileno())  # returns once it is at DEST
+    dest = open(os.path.join(sys.argv[2], "a"), "rb").read()
+    assert dest == b"0123ab6789" + bytes(10) + b"z!", dest
+os.rename(os.path.join(mnt, "d", "x"), os.path.join(mnt, "y"))
+os.rmdir(os.path.join(mnt, "d"))
+print("ok")
+"""
+
+
+def test_posix_for_one_writer_and_fsync_means_at_dest(user: User, work: Path) -> None:
+    out = Output(user, work)
+    try:
+        done = user.run(sys.executable, "-c", POSIX, out.mnt, out.dest)
+        assert done.stdout.strip() == "ok", done.stderr + out.log.read_text()
+        assert out.fanfs("umount", out.mnt).returncode == 0
+        assert out.proc.wait(30) == 0, out.log.read_text()
+    finally:
+        out.stop()
+    assert sorted(tree(out.dest)) == ["a", "y"]
+    assert (out.dest / "a").stat().st_mode & 0o777 == 0o600
+    assert not (out.dest / "d").exists()
+
+
+def test_a_failing_dest_loses_nothing_and_umount_names_what_is_missing(
+    user: User, work: Path
+) -> None:
+    out = Output(user, work)
+    try:
+        write = "import sys; open(sys.argv[1], 'wb').write(bytes(range(256)) * 4096)"
+        assert user.run(sys.executable, "-c", write, out.mnt / "before.pt").returncode == 0
+        assert out.fanfs("sync", out.mnt).returncode == 0
+        out.dest.chmod(0o555)  # DEST fails: the user may not write there any more
+        assert user.run(sys.executable, "-c", write, out.mnt / "ckpt.pt").returncode == 0
+        assert wait_until(lambda: out.status()["landing"]["failing"] is not None, 20)
+        landing = out.status()["landing"]
+        assert landing["backlog_files"] == 1 and landing["backlog_bytes"] == 1 << 20
+        assert "Permission denied" in landing["failing"]["error"]
+        done = out.fanfs("sync", out.mnt, "--timeout", "60")
+        assert done.returncode == ExitCode.NOT_LANDED and "ckpt.pt" in done.stderr, done.stderr
+        done = out.fanfs("umount", out.mnt)
+        assert done.returncode == ExitCode.NOT_LANDED and "ckpt.pt" in done.stderr, done.stderr
+        assert mounts.find(out.mnt) and out.proc.poll() is None  # still there, nothing lost
+        out.dest.chmod(0o755)  # fixed: a retry completes it
+        done = out.fanfs("umount", out.mnt)
+        assert done.returncode == 0, done.stderr
+        assert out.proc.wait(30) == 0, out.log.read_text()
+    finally:
+        out.stop()
+    assert (out.dest / "ckpt.pt").read_bytes() == bytes(range(256)) * 4096
+    assert sorted(tree(out.dest)) == ["before.pt", "ckpt.pt"]
+
+
+def test_a_symlink_planted_in_dest_is_never_followed(user: User, work: Path) -> None:
+    elsewhere = work / "elsewhere"
+    elsewhere.mkdir()
+    os.chown(elsewhere, user.uid, user.gid)
+    out = Output(user, work)
+    try:
+        os.symlink(elsewhere, out.dest / "sub")  # someone's link, where a directory will land
+        make = "import os, sys; os.mkdir(sys.argv[1]); open(sys.argv[1] + '/x', 'w').write('x')"
+        assert user.run(sys.executable, "-c", make, out.mnt / "sub").returncode == 0
+        done = out.fanfs("sync", out.mnt, "--timeout", "60")
+        assert done.returncode == ExitCode.NOT_LANDED and "sub/x" in done.stderr, done.stderr
+        assert "symlink" in out.status()["landing"]["failing"]["error"]
+        assert list(elsewhere.iterdir()) == []
+        (out.dest / "sub").unlink()
+        assert out.fanfs("umount", out.mnt).returncode == 0
+        assert out.proc.wait(30) == 0
+    finally:
+        out.stop()
+    assert (out.dest / "sub" / "x").read_text() == "x" and list(elsewhere.iterdir()) == []
+
+
+def test_stop_signal_with_dest_down_keeps_the_files(user: User, work: Path) -> None:
+    out = Output(user, work, "--drain", "2")
+    try:
+        out.dest.chmod(0o555)
+        write = "import sys; open(sys.argv[1], 'wb').write(b'k' * 5000)"
+        assert user.run(sys.executable, "-c", write, out.mnt / "kept.pt").returncode == 0
+        os.kill(out.status()["pid"], signal.SIGTERM)  # Slurm's, without `fanfs umount` first
+        assert out.proc.wait(30) == ExitCode.NOT_LANDED
+        assert "kept.pt" in out.log.read_text()
+    finally:
+        out.stop()
+    kept = list(work.glob("local/fanfs-stage-*/journal.json"))
+    assert len(kept) == 1, list(work.rglob("*"))
+    journal = json.loads(kept[0].read_text())
+    (put,) = [op for op in journal["ops"] if op["kind"] == "put"]
+    assert put["path"] == "kept.pt"
+    assert (kept[0].parent / f"o{put['ino']}").read_bytes() == b"k" * 5000
+
+
+@pytest.mark.mpi
+def test_replicas_land_a_killed_nodes_closed_file(user: User, work: Path) -> None:
+    out = Output(user, work, "--replicas", "2", "--peer-timeout", "2", ranks=2)
+    payload = os.urandom(3 << 20)
+    src = work / "payload"
+    src.write_bytes(payload)
+    os.chmod(src, 0o644)
+    try:
+        out.dest.chmod(0o555)  # nothing lands yet: the copy is held, not done
+        copy = "import shutil, sys; shutil.copyfile(sys.argv[1], sys.argv[2])"
+        assert user.run(sys.executable, "-c", copy, src, out.mnts[0] / "ckpt.pt").returncode == 0
+        held = out.status(1)["replicas"]
+        assert held["held_files"] == 1, held  # the close returned once rank 1 held it
+        os.kill(out.status(0)["pid"], signal.SIGKILL)
+        out.dest.chmod(0o755)
+        done = out.fanfs("umount", out.mnts[1])
+        assert done.returncode == 0, done.stderr
+        assert wait_until(lambda: (out.dest / "ckpt.pt").exists(), 30), out.log.read_text()
+        out.fanfs("umount", out.mnts[0])  # the dead one's stale mount
+    finally:
+        out.stop()
+    assert (out.dest / "ckpt.pt").read_bytes() == payload
+    assert not [p for p in out.dest.iterdir() if p.name.startswith(".")]
