@@ -76,6 +76,25 @@ class World:
         self._posted = [r for r in self._posted if not r.Test()]
         self._posted.append(self.comm.isend(obj, dest=dest, tag=tag))
 
+    def post_bytes(self, data: bytes, dest: int, tag: int) -> None:
+        """Send bytes without waiting (buffer API: no pickle, so the receiver checks them as
+        data); `in_flight` says how many are still on their way."""
+        self._posted = [r for r in self._posted if not r.Test()]
+        self._posted.append(self.comm.Isend(bytearray(data), dest=dest, tag=tag))
+
+    def recv_bytes(self, source: int, tag: int, limit: int) -> bytes | None:
+        """A waiting message from `source` as bytes, None if none waits (never blocks). A
+        message over `limit` bytes is taken and refused (ValueError): memory stays bounded."""
+        status = self.MPI.Status()
+        if not self.comm.Iprobe(source=source, tag=tag, status=status):
+            return None
+        n = status.Get_count(self.MPI.BYTE)
+        buf = bytearray(min(n, limit))
+        self.comm.Recv(buf, source=source, tag=tag)  # over the limit: MPI_ERR_TRUNCATE
+        if n > limit:
+            raise ValueError(f"a message of {n} bytes, over the limit of {limit}")
+        return bytes(buf)
+
     def in_flight(self) -> int:
         """Messages posted and not yet delivered (never blocks)."""
         self._posted = [r for r in self._posted if not r.Test()]

@@ -276,3 +276,28 @@ def test_replicas_land_a_killed_nodes_closed_file(user: User, work: Path) -> Non
         out.stop()
     assert (out.dest / "ckpt.pt").read_bytes() == payload
     assert not [p for p in out.dest.iterdir() if p.name.startswith(".")]
+
+
+def test_a_peers_message_is_checked_as_data() -> None:
+    from fanfs.output import replicas as r
+
+    good = r.encode(r.M_PUT, 7, b"ckpt/a.pt", mode=0o4755, part=1, parts=3, data=b"xyz")
+    kind, seq, part, parts, mode, path, _, data = r.decode(good)
+    assert (kind, seq, part, parts, mode, path, bytes(data)) == (
+        r.M_PUT, 7, 1, 3, 0o755, b"ckpt/a.pt", b"xyz")  # fmt: skip
+    bad = [
+        b"\x01",  # shorter than a header
+        r.encode(r.M_PUT, 1, b"../../etc/passwd", part=0, parts=1),
+        r.encode(r.M_PUT, 1, b"a/./b", part=0, parts=1),
+        r.encode(r.M_PUT, 1, b"a\0b", part=0, parts=1),
+        r.encode(r.M_PUT, 1, b"", part=0, parts=1),
+        r.encode(r.M_PUT, 1, b"a", part=3, parts=3),
+        r.encode(r.M_PUT, 1, b"a", part=0, parts=r.PARTS_MAX + 1),
+        r.encode(r.M_OPS["rename"], 1, b"a"),  # a rename with no new name
+        r.encode(200, 1),
+        r.HEADER.pack(r.M_PUT, 1, 0, 1, 0, 5000, 0) + b"a" * 5000,  # a path over PATH_MAX
+        r.HEADER.pack(r.M_PUT, 1, 0, 1, 0, 50, 0) + b"a" * 10,  # lengths past the end
+    ]
+    for msg in bad:
+        with pytest.raises(r.BadMessage):
+            r.decode(msg)

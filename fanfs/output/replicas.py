@@ -2,12 +2,17 @@
 DEST, so a node that dies before landing it loses nothing that was closed.
 
 Ring: rank r sends copies to its partner r+1 (mod size) and holds copies for r-1. Messages
-(pickled, one tag, through the World's point-to-point calls; one MPI thread makes them all):
-- owner -> holder: ("put", seq, path, mode, part, parts, bytes) in pieces of PIECE bytes;
-  ("op", seq, kind, path, new) for a rename, unlink, mkdir or rmdir; ("landed", seq): every op
-  up to seq is at DEST; ("bye", seq): the owner is done, everything is at DEST; ("hb",) every
-  HEARTBEAT_S, so a holder can tell a silent owner from a dead one.
-- holder -> owner: ("held", seq) once a put's last piece is on the holder's disk.
+are bytes (never pickles: a peer's message is data, checked before use), one tag, through the
+World's point-to-point calls; one MPI thread makes them all. Each is a HEADER (kind, seq, part,
+parts, mode, path and new lengths) then the path, the new path and a piece of file:
+- owner -> holder: PUT seq, path, mode, piece `part` of `parts` (PIECE bytes each); an op
+  (RENAME, UNLINK, MKDIR, RMDIR) with its paths; LANDED seq: every op up to seq is at DEST;
+  BYE seq: the owner is done, everything is at DEST; HB every HEARTBEAT_S, so a holder can
+  tell a silent owner from a dead one.
+- holder -> owner: HELD seq once a put's last piece is on the holder's disk.
+A message that breaks the format (a size over MESSAGE_MAX, a bad kind, a path with NUL or
+"..", a piece out of range) makes its sender a dead peer: ignored from then on. What a holder
+keeps is bounded by its disk (ENOSPC is an error like any other) and MAX_HELD ops.
 
 Every op the journal takes is queued for the partner as it is enqueued (lander.py's hook), so
 the partner sees them in the journal's order. A close (FLUSH) that enqueued a put waits for
@@ -35,6 +40,7 @@ import contextlib
 import logging
 import os
 import queue
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -43,12 +49,54 @@ from typing import Any
 import trio
 
 from fanfs.node.staging import StagingDir
-from fanfs.output.lander import PUT, LandingError, Op, apply
+from fanfs.output.lander import MKDIR, PUT, RENAME, RMDIR, UNLINK, LandingError, Op, apply
 
 log = logging.getLogger(__name__)
 
 TAG = 71  # the output daemons' messages (no other traffic shares their communicator)
-PIECE = 8 << 20  # bytes per message: bounded memory per message on both sides
+PIECE = 8 << 20  # bytes of file per message: bounded memory per message on both sides
+HEADER = struct.Struct("<BQIIIHH")  # kind, seq, part, parts, mode, len(path), len(new)
+PATH_MAX = 4096
+MESSAGE_MAX = HEADER.size + 2 * PATH_MAX + PIECE
+PARTS_MAX = (1 << 40) // PIECE  # a file of 1 TiB at most
+MAX_HELD = 1 << 20  # ops held for the owner: a peer cannot grow our memory without bound
+M_PUT, M_HELD, M_LANDED, M_BYE, M_HB = 1, 2, 3, 4, 5
+M_OPS = {RENAME: 6, UNLINK: 7, MKDIR: 8, RMDIR: 9}
+OPS_M = {v: k for k, v in M_OPS.items()}
+
+
+class BadMessage(ValueError):
+    """A peer's message that breaks the format."""
+
+
+def encode(kind: int, seq: int = 0, path: bytes = b"", new: bytes = b"", mode: int = 0,
+           part: int = 0, parts: int = 0, data: bytes = b"") -> bytes:  # fmt: skip
+    return HEADER.pack(kind, seq, part, parts, mode, len(path), len(new)) + path + new + data
+
+
+def decode(msg: bytes) -> tuple[int, int, int, int, int, bytes, bytes, memoryview]:
+    """(kind, seq, part, parts, mode, path, new, data) of a peer's message; BadMessage."""
+    if len(msg) < HEADER.size:
+        raise BadMessage(f"{len(msg)} bytes")
+    kind, seq, part, parts, mode, lp, ln = HEADER.unpack_from(msg)
+    body = memoryview(msg)[HEADER.size :]
+    if lp > PATH_MAX or ln > PATH_MAX or lp + ln > len(body):
+        raise BadMessage("path lengths")
+    path, new, data = bytes(body[:lp]), bytes(body[lp : lp + ln]), body[lp + ln :]
+    for p in (path, new):
+        if b"\0" in p or b".." in p.split(b"/") or b"." in p.split(b"/"):
+            raise BadMessage(f"path {p!r}")
+    if kind == M_PUT:
+        if not path or not 0 <= part < parts <= PARTS_MAX or len(data) > PIECE:
+            raise BadMessage("piece out of range")
+    elif kind in OPS_M:
+        if not path or (kind == M_OPS[RENAME]) != bool(new):
+            raise BadMessage("op without its paths")
+    elif kind not in (M_HELD, M_LANDED, M_BYE, M_HB):
+        raise BadMessage(f"kind {kind}")
+    return kind, seq, part, parts, mode & 0o777, path, new, data
+
+
 IN_FLIGHT = 4  # pieces posted and not delivered at most: MPI buffers at most 32 MiB of them
 HEARTBEAT_S = 1.0
 REPLICATE_MB_S = 50.0  # the slowest link a close waits for before it takes the partner for dead
@@ -159,7 +207,7 @@ class Replicas:
                 pass
             if time.monotonic() - last_beat > HEARTBEAT_S:
                 last_beat = time.monotonic()
-                self._post(("hb",), self.partner)
+                self._post(encode(M_HB), self.partner)
             busy = self._take_incoming() or busy
             sleep = IDLE_SLEEP_S[0] if busy else min(IDLE_SLEEP_S[1], sleep * 2)
             time.sleep(sleep)
@@ -167,11 +215,11 @@ class Replicas:
             while True:
                 self._send(self._out.get_nowait())
 
-    def _post(self, msg: tuple[Any, ...], dest: int) -> None:
+    def _post(self, msg: bytes, dest: int) -> None:
         if dest in self.dead or dest == self.rank:
             return
         try:
-            self.world.post(msg, dest, TAG)
+            self.world.post_bytes(msg, dest, TAG)
             # Bounded memory: wait for the pieces in flight, taking messages meanwhile (the
             # partner may be sending us its own copies and waiting for us likewise).
             quiet = time.monotonic()
@@ -188,9 +236,17 @@ class Replicas:
     def _take_incoming(self) -> bool:
         took = False
         for src in {self.owner, self.partner}:
-            while src not in self.dead and self.world.pending(src, TAG):
-                took = True
-                self._receive(src, self.world.recv(src, TAG))
+            while src not in self.dead:
+                try:
+                    msg = self.world.recv_bytes(src, TAG, MESSAGE_MAX)
+                    if msg is None:
+                        break
+                    took = True
+                    self._receive(src, decode(msg))
+                except Exception as e:  # a message over the limit, or breaking the format
+                    log.warning("rank %d sent a bad message (%s): ignoring it from now on",
+                                src, e)  # fmt: skip
+                    self.dead.add(src)
         return took
 
     def _send(self, item: tuple[Any, ...]) -> None:
@@ -198,7 +254,7 @@ class Replicas:
         if what == "send":
             op: Op = item[1]
             if op.kind != PUT:
-                self._post(("op", op.seq, op.kind, op.path, op.new), self.partner)
+                self._post(encode(M_OPS[op.kind], op.seq, op.path, op.new), self.partner)
                 return
             fd = self._open_local(op.ino)
             if fd is None:  # unlinked before it could be sent: nothing to keep
@@ -209,55 +265,56 @@ class Replicas:
                 parts = max(1, -(-size // PIECE))
                 for i in range(parts):
                     data = os.pread(fd, PIECE, i * PIECE)
-                    self._post(("put", op.seq, op.path, op.mode, i, parts, data), self.partner)
+                    self._post(encode(M_PUT, op.seq, op.path, mode=op.mode, part=i, parts=parts,
+                                      data=data), self.partner)  # fmt: skip
                     self.sent_bytes += len(data)
             finally:
                 os.close(fd)
         elif what == "landed":
-            self._post(("landed", item[1]), self.partner)
+            self._post(encode(M_LANDED, item[1]), self.partner)
         elif what == "bye":
-            self._post(("bye", item[1]), self.partner)
+            self._post(encode(M_BYE, item[1]), self.partner)
 
     def _confirm_from_thread(self, seq: int) -> None:
         if self._token is not None:
             with contextlib.suppress(trio.RunFinishedError):
                 trio.from_thread.run_sync(self._confirmed, seq, trio_token=self._token)
 
-    def _receive(self, src: int, msg: Any) -> None:
-        if not isinstance(msg, tuple) or not msg or not isinstance(msg[0], str):
-            log.warning("rank %d sent a malformed message: ignored", src)
-            return
-        kind = msg[0]
-        if src == self.partner and kind == "held" and len(msg) == 2:
-            self._confirm_from_thread(int(msg[1]))
+    def _receive(self, src: int, msg: tuple[int, int, int, int, int, bytes, bytes, memoryview]
+                 ) -> None:  # fmt: skip
+        kind, seq, part, parts, mode, path, new, data = msg
+        if src == self.partner and kind == M_HELD:
+            self._confirm_from_thread(seq)
         if src != self.owner:
             return
         self.owner_heard = time.monotonic()
+        if kind in (M_PUT, *OPS_M) and len(self.holding) >= MAX_HELD and part == 0:
+            raise BadMessage(f"more than {MAX_HELD} changes not landed")
         try:
-            if kind == "put":
-                self._hold_piece(*msg[1:])
-            elif kind == "op":
-                seq, op_kind, path, new = msg[1:]
-                self.holding.append(Op(int(seq), str(op_kind), bytes(path), bytes(new)))
-            elif kind == "landed":
-                self._forget(int(msg[1]))
-            elif kind == "bye":
-                self._forget(int(msg[1]))
+            if kind == M_PUT:
+                self._hold_piece(seq, path, mode, part, parts, data)
+            elif kind in OPS_M:
+                self.holding.append(Op(seq, OPS_M[kind], path, new))
+            elif kind == M_LANDED:
+                self._forget(seq)
+            elif kind == M_BYE:
+                self._forget(seq)
                 self.owner_done = True
-        except (TypeError, ValueError, OSError) as e:
+        except OSError as e:
             log.warning("rank %d: a copy could not be kept (%s)", src, e)
 
     def _name(self, seq: int) -> str:
         return f"r{self.owner}-{seq}"
 
     def _hold_piece(self, seq: int, path: bytes, mode: int, part: int, parts: int,
-                    data: bytes) -> None:  # fmt: skip
-        seq, part, parts = int(seq), int(part), int(parts)
+                    data: memoryview) -> None:  # fmt: skip
         flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
         if part == 0:
             flags |= os.O_CREAT | os.O_TRUNC
-            self.holding.append(Op(seq, PUT, bytes(path), ino=seq, mode=int(mode)))
+            self.holding.append(Op(seq, PUT, path, ino=seq, mode=mode))
             self._incomplete[seq] = parts
+        elif self._incomplete.get(seq, 0) != parts - part:
+            raise BadMessage(f"piece {part} of {parts} of {seq} out of order")
         fd = os.open(self._name(seq), flags, 0o600, dir_fd=self.staging.fd)
         try:
             os.pwrite(fd, data, part * PIECE)
@@ -266,7 +323,7 @@ class Replicas:
         self._incomplete[seq] -= 1
         if self._incomplete[seq] == 0:
             del self._incomplete[seq]
-            self._post(("held", seq), self.owner)
+            self._post(encode(M_HELD, seq), self.owner)
 
     def _forget(self, seq: int) -> None:
         self.owner_landed = max(self.owner_landed, seq)
