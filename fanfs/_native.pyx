@@ -151,6 +151,7 @@ cdef extern from "fanfs_native.h" nogil:
     int fanfs_meta_attr(uint64_t e, uint64_t *out)
     int fanfs_front_writes(int on)
     int fanfs_front_take_written(int fd)
+    int fanfs_front_take_error(int fd)
     uint64_t fanfs_front_written()
     int64_t fanfs_meta_lookup(uint64_t parent, const char *name, size_t len)
 
@@ -572,8 +573,9 @@ def front_start(int fd, int threads, int spin_us):
 
 
 def front_writes(bint on):
-    """Writes mode (`fanfs output`), before front_start: the front answers WRITE with a
-    pwrite to the request's file handle (an fd of the caller's) and forwards the rest."""
+    """Writes mode (`fanfs output`), before front_start: the front answers WRITE at once and
+    writes its bytes behind, to the request's file handle (an fd of the caller's), in order;
+    it forwards the rest once they are written."""
     cdef int ret = fanfs_front_writes(on)
     if ret < 0:
         raise OSError(-ret, "front: " + os.strerror(-ret))
@@ -582,6 +584,11 @@ def front_writes(bint on):
 def front_take_written(int fd):
     """Whether the front wrote to `fd` since the last call (clears it)."""
     return bool(fanfs_front_take_written(fd))
+
+
+def front_take_error(int fd):
+    """The errno of a write through `fd` that failed since the last call (0: none)."""
+    return fanfs_front_take_error(fd)
 
 
 def front_written():

@@ -64,7 +64,8 @@ def tree(root: Path) -> dict[str, str]:
 class Output:
     """`fanfs output DEST MNT --local LOCAL EXTRA...` as the user (or `mpirun -np N` of it)."""
 
-    def __init__(self, user: User, work: Path, *extra: str, ranks: int = 1):
+    def __init__(self, user: User, work: Path, *extra: str, ranks: int = 1,
+                 local: Path | None = None):  # fmt: skip
         self.user, self.work, self.ranks = user, work, ranks
         self.dest = work / "dest"
         self.mnts = [work / (f"mnt-{r}" if ranks > 1 else "mnt") for r in range(ranks)]
@@ -72,7 +73,7 @@ class Output:
             d.mkdir()
             os.chown(d, user.uid, user.gid)
         mnt = work / "mnt-{rank}" if ranks > 1 else self.mnts[0]
-        local = work / "local-{rank}" if ranks > 1 else work / "local"
+        local = local or (work / "local-{rank}" if ranks > 1 else work / "local")
         cmd: list[Any] = [*FANFS, "output", self.dest, mnt, "--local", local, *extra]
         if ranks > 1:
             cmd = ["mpirun", "--oversubscribe", "--enable-recovery", "-np", str(ranks), *cmd]
@@ -301,3 +302,52 @@ def test_a_peers_message_is_checked_as_data() -> None:
     for msg in bad:
         with pytest.raises(r.BadMessage):
             r.decode(msg)
+
+
+FILL = r"""
+import errno, os, sys
+mnt = sys.argv[1]
+try:
+    with open(os.path.join(mnt, "big.pt"), "wb") as f:
+        for _ in range(64):
+            f.write(b"b" * (1 << 20))
+except OSError as e:
+    print("big", errno.errorcode[e.errno])
+else:
+    print("big ok")
+os.unlink(os.path.join(mnt, "big.pt"))
+with open(os.path.join(mnt, "small.pt"), "wb") as f:
+    f.write(b"s" * 4096)
+print("small ok")
+"""
+
+
+def test_a_full_local_disk_fails_writes_with_enospc_and_keeps_serving(
+    user: User, work: Path
+) -> None:
+    small = work / "small"
+    small.mkdir()
+    options = f"size=16m,uid={user.uid},mode=0700"  # a real, small local disk
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(small)],
+                          capture_output=True, text=True, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    try:
+        out = Output(user, work, local=small)
+        try:
+            done = user.run(sys.executable, "-c", FILL, out.mnt)
+            assert done.stdout.split("\n")[:2] == ["big ENOSPC", "small ok"], (
+                done.stdout + done.stderr
+            )
+            assert out.fanfs("umount", out.mnt).returncode == 0
+            assert out.proc.wait(30) == 0, out.log.read_text()
+        finally:
+            out.stop()
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
+    assert tree(out.dest) == tree_of({"small.pt": b"s" * 4096})
+
+
+def tree_of(files: dict[str, bytes]) -> dict[str, str]:
+    import hashlib
+
+    return {k: hashlib.sha256(v).hexdigest() for k, v in files.items()}

@@ -53,6 +53,7 @@ WAYS = {"dd": write_dd, "torch.save": write_torch}
 
 
 def timed(write: object, path: Path, size_mb: int) -> float:
+    os.sync()  # the last turn's dirty pages written back first: each write starts equal
     began = time.perf_counter()
     write(path, size_mb)  # type: ignore[operator]
     return time.perf_counter() - began

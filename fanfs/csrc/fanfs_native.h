@@ -300,13 +300,23 @@ int fanfs_meta_attr(uint64_t e, uint64_t out[12]);
 int64_t fanfs_meta_lookup(uint64_t parent, const char *name, size_t len);
 
 /* Writes mode (`fanfs output`), set before fanfs_front_start (-EBUSY while running): the
- * front answers WRITE with a pwrite to its file handle, which must be an fd of the daemon's
- * below FANFS_FRONT_MAX_FD (others are forwarded), and forwards everything else. Then whether
- * fd was written since the last call (and clears it), and the bytes written in all. */
+ * front answers WRITE at once and queues its bytes for a pwrite to its file handle, which must
+ * be an fd of the daemon's below FANFS_FRONT_MAX_FD (others are forwarded), and forwards
+ * everything else once the queue is written (writes.c). Then whether fd was written since the
+ * last call, the errno of a failed write through it (0: none), both cleared by the call, and
+ * the bytes written in all. */
 #define FANFS_FRONT_MAX_FD 65536
 int fanfs_front_writes(int on);
 int fanfs_front_take_written(int fd);
+int fanfs_front_take_error(int fd);
 uint64_t fanfs_front_written(void);
+/* writes.c, for front.c: start and stop (after writing what is queued) the writer thread;
+ * wait until the queue is written; take a WRITE request in *bufp (0), swapping in a free
+ * buffer, or -1 if it is not one to take. */
+int fanfs_writes_start(void);
+void fanfs_writes_stop(void);
+void fanfs_writes_settle(void);
+int fanfs_writes_take(int ffd, char **bufp, uint32_t n);
 
 /* Raw messages to the FUSE device: a reply (error `err`, or the data), a notify_store. */
 int fanfs_raw_reply(int fd, uint64_t unique, int err, const struct iovec *iov, int n);

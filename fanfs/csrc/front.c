@@ -19,9 +19,10 @@
  *   FORGET, BATCH_FORGET, INTERRUPT: nothing to do (fanfs keeps no per-inode state, and
  *             pyfuse3 does nothing with interrupts).
  * In writes mode (fanfs_front_writes, for `fanfs output`), it answers only
- *   WRITE     one pwrite to the file handle, which the output daemon makes the fd of the
- *             file's local copy; it marks the handle written (fanfs_front_take_written);
- *   FORGET, BATCH_FORGET, INTERRUPT as above.
+ *   WRITE     at once, its bytes queued for a pwrite to the file handle, which the output
+ *             daemon makes the fd of the file's local copy (writes.c: writes behind);
+ *   FORGET, BATCH_FORGET, INTERRUPT as above;
+ * and forwards the rest once the queued writes are in their files.
  * Everything else (INIT first, READDIR, the status attribute, remote and framed files, every
  * request while a planned epoch runs; in writes mode, all but WRITE) is forwarded: queued, and handed to pyfuse3's session
  * loop through its receiver hook (fanfs_front_receive), which waits for the queue's eventfd
@@ -83,8 +84,6 @@ static struct {
     struct fwd *head, *tail;
     uint64_t counts[FANFS_FRONT_COUNTS];
     int writes;              /* writes mode: WRITE answered, everything else forwarded */
-    uint64_t written;        /* bytes written in writes mode */
-    uint8_t dirty[FANFS_FRONT_MAX_FD]; /* per fd: written since fanfs_front_take_written */
 } front = {.fd = -1, .stopfd = -1, .readyfd = -1, .ep = -1, .lock = PTHREAD_MUTEX_INITIALIZER,
          .turn = PTHREAD_COND_INITIALIZER};
 
@@ -311,48 +310,26 @@ static int read_(const struct fuse_in_header *in, const struct fuse_read_in *r) 
     return 0;
 }
 
-/* Writes mode: the data after the header goes to the handle (an fd of the output daemon's). */
-static int write_(const struct fuse_in_header *in, const char *arg, uint32_t arglen) {
-    const struct fuse_write_in *w = (const void *)arg;
-    struct fuse_write_out out = {0};
-    struct iovec iov = {&out, sizeof out};
-    const char *data = arg + sizeof *w;
-    size_t done = 0;
-    if (arglen < sizeof *w || w->size > arglen - sizeof *w || w->fh >= FANFS_FRONT_MAX_FD)
-        return -1; /* not one we can take: pyfuse3 answers it */
-    while (done < w->size) {
-        ssize_t k = pwrite((int)w->fh, data + done, w->size - done, (off_t)(w->offset + done));
-        if (k < 0 && errno == EINTR)
-            continue;
-        if (k <= 0) {
-            if (done == 0) {
-                fanfs_raw_reply(front.fd, in->unique, k < 0 ? errno : EIO, NULL, 0);
-                return 0;
-            }
-            break; /* a short write: the kernel retries the rest, and gets its error then */
-        }
-        done += (size_t)k;
-    }
-    __atomic_store_n(&front.dirty[w->fh], 1, __ATOMIC_RELEASE);
-    __atomic_add_fetch(&front.written, done, __ATOMIC_RELAXED);
-    out.size = (uint32_t)done;
-    fanfs_raw_reply(front.fd, in->unique, 0, &iov, 1);
-    count(FANFS_FRONT_OTHERS);
-    return 0;
-}
-
-static int answer_writes(const char *msg, uint32_t n) {
-    const struct fuse_in_header *in = (const void *)msg;
+/* Writes mode: WRITE goes to the writes-behind queue (writes.c); anything else waits until
+ * the queue is empty, then is forwarded. */
+static int answer_writes(char **bufp, uint32_t n) {
+    const struct fuse_in_header *in = (const void *)*bufp;
     switch (in->opcode) {
     case FUSE_WRITE:
-        return write_(in, msg + sizeof *in, n - sizeof *in);
+        if (fanfs_writes_take(front.fd, bufp, n) == 0) {
+            count(FANFS_FRONT_OTHERS);
+            return 0;
+        }
+        break;
     case FUSE_FORGET:
     case FUSE_BATCH_FORGET:
     case FUSE_INTERRUPT:
         return 0;
     default:
-        return -1;
+        break;
     }
+    fanfs_writes_settle();
+    return -1;
 }
 
 int fanfs_front_writes(int on) {
@@ -362,21 +339,11 @@ int fanfs_front_writes(int on) {
     return 0;
 }
 
-int fanfs_front_take_written(int fd) {
-    if (fd < 0 || fd >= FANFS_FRONT_MAX_FD)
-        return 0;
-    return __atomic_exchange_n(&front.dirty[fd], 0, __ATOMIC_ACQ_REL);
-}
-
-uint64_t fanfs_front_written(void) { return __atomic_load_n(&front.written, __ATOMIC_RELAXED); }
-
 /* Answer what this thread can; 0 if it did, -1 to forward. */
 static int answer(const char *msg, uint32_t n) {
     const struct fuse_in_header *in = (const void *)msg;
     const char *arg = msg + sizeof *in;
     uint32_t arglen = n - sizeof *in;
-    if (front.writes)
-        return answer_writes(msg, n);
     if (!fanfs_pool_fast_on())
         return -1; /* off (a planned epoch, or not started): Python sees everything */
     switch (in->opcode) {
@@ -529,7 +496,8 @@ static ssize_t take(char *buf, int ep) {
     }
 }
 
-static void handle(char *buf, ssize_t n) {
+static void handle(char **bufp, ssize_t n) {
+    char *buf = *bufp;
     const struct fuse_in_header *in = (const void *)buf;
     if ((size_t)n < sizeof *in || in->len != (uint32_t)n)
         return; /* the kernel never sends this */
@@ -540,8 +508,14 @@ static void handle(char *buf, ssize_t n) {
         __atomic_store_n(&front.minor, init->major == 7 && init->minor >= 12 ? 1 : -1,
                          __ATOMIC_RELEASE);
     }
-    if (__atomic_load_n(&front.minor, __ATOMIC_ACQUIRE) <= 0 || answer(buf, (uint32_t)n) != 0)
+    if (__atomic_load_n(&front.minor, __ATOMIC_ACQUIRE) <= 0) {
+        if (front.writes)
+            fanfs_writes_settle();
         forward(buf, (uint32_t)n);
+    } else if (front.writes ? answer_writes(bufp, (uint32_t)n) != 0
+                            : answer(buf, (uint32_t)n) != 0) {
+        forward(*bufp, (uint32_t)n);
+    }
 }
 
 static void *front_main(void *arg) {
@@ -573,14 +547,14 @@ static void *front_main(void *arg) {
             pthread_mutex_unlock(&front.lock);
             break;
         }
-        if ((size_t)n >= sizeof *in && (in->opcode == FUSE_READ || in->opcode == FUSE_WRITE)) {
-            pthread_mutex_lock(&front.lock); /* it may wait for the disk: lead on, someone */
+        if ((size_t)n >= sizeof *in && in->opcode == FUSE_READ) {
+            pthread_mutex_lock(&front.lock); /* a READ may wait for the disk: lead on, someone */
             front.led = 0;
             pthread_cond_signal(&front.turn);
             pthread_mutex_unlock(&front.lock);
             leading = 0;
         }
-        handle(buf, n);
+        handle(&buf, n);
     }
     free(buf);
     return NULL;
@@ -622,6 +596,8 @@ int fanfs_front_start(int fd, int nthreads, int spin_us) {
         err = -errno;
         goto fail;
     }
+    if (front.writes && (err = fanfs_writes_start()) != 0)
+        goto fail;
     sigfillset(&all); /* signals stay with the interpreter's thread */
     pthread_sigmask(SIG_BLOCK, &all, &old);
     for (i = 0; i < nthreads; i++) {
@@ -631,6 +607,7 @@ int fanfs_front_start(int fd, int nthreads, int spin_us) {
     }
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     if (front.nthreads == 0) {
+        fanfs_writes_stop();
         err = -EAGAIN;
         goto fail;
     }
@@ -705,6 +682,7 @@ void fanfs_front_stop(void) {
     for (i = 0; i < front.nthreads; i++)
         pthread_join(front.threads[i], NULL);
     front.nthreads = 0;
+    fanfs_writes_stop(); /* what is queued goes into its files first */
     fanfs_front_drain();
     pthread_mutex_lock(&front.lock);
     front.running = 0;

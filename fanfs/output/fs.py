@@ -13,15 +13,18 @@ mkdir, rmdir, chmod, utimes, fsync, statfs. Hard links, symlinks and device node
 (replicas.py). `fsync` enqueues a put too and returns once the file is at DEST (EIO if landing
 it failed; the journal keeps retrying).
 
-Writes: every open is direct_io, so a writer's write() goes to the daemon as it is (in
-requests of up to 1 MiB: max_pages 256), copied once from the writer's buffer, with no FUSE
-page cache in between (whose pages would be filled, throttled and written back at a cost of
-their own: measured, a 2 GiB dd ran at 0.32 of local disk with the writeback cache, 0.52 with
-direct_io; docs/performance.md). The daemon's handles are fds of the local files (fh is the
-fd), so a WRITE is one pwrite, which the front's C threads (fanfs/csrc/front.c, writes mode) do
-without Python; they mark the handle written, and FLUSH asks them (`lib.front_take_written`).
-Every other request comes here. Reads are direct too (a mount's page cache could otherwise
-hold pages older than a direct write); mmap of a file under the mount is refused (ENODEV).
+Writes: every open is direct_io, so a writer's write() goes to the daemon as it is (requests
+of up to 1 MiB: max_pages 256), with no FUSE page cache in between (whose pages would be
+filled, throttled and written back at a cost of their own: a 2 GiB dd ran at 0.32 of local
+disk with the writeback cache, 0.52 with direct_io; docs/performance.md). The daemon's
+handles are fds of the local files (fh is the fd), and the front's C thread (fanfs/csrc/
+front.c, writes mode) answers each WRITE as soon as its bytes are in the daemon's memory; a
+writer thread puts them into the file in order (fanfs/csrc/writes.c), and every other request
+comes here only once they are there. FLUSH asks which handles were written and whether a
+write behind failed (`lib.front_take_written`, `lib.front_take_error`): the close then fails
+with that errno (ENOSPC, EIO), as a local file system reports write-back errors. Reads are
+direct too (a page cache of the mount could hold pages older than a direct write); mmap of a
+file under the mount is refused (ENODEV).
 """
 
 from __future__ import annotations
@@ -52,7 +55,9 @@ TIMEOUT_S = 60.0  # entries and attributes: only this daemon changes the namespa
 BLKSIZE = 1 << 20  # st_blksize: writers size their buffers from it (1 MiB: one FUSE WRITE)
 FSYNC_GIVE_UP = 1  # fsync answers EIO after the put's first failed attempt (landing goes on)
 _RENAME_NOREPLACE = getattr(os, "RENAME_NOREPLACE", 1)
-FRONT_THREADS = 4  # pwrites at once: the kernel keeps several 1 MiB WRITEs in flight
+# One thread takes requests (a WRITE costs it a buffer swap and an answer); its writer thread
+# does the pwrites. Polling the device after a request (spin) did not help writes: no spin.
+FRONT_THREADS = 1
 
 Handler = TypeVar("Handler", bound=Callable[..., Awaitable[Any]])
 
@@ -280,11 +285,20 @@ class OutputOperations(pyfuse3.Operations):
         return n
 
     def _written(self, fh: int) -> Node | None:
-        """The node behind handle `fh`, marked changed if the front wrote through it."""
+        """The node behind handle `fh`, marked changed if the front wrote through it; the
+        errno of a write behind through it that failed, as a FUSEError (the front has put
+        every write answered so far into its file before it forwards this request)."""
         n = self.tree.nodes.get(self.handles.get(fh, 0))
         if lib.front_take_written(fh) and n is not None:
             n.mark(wrote=True)
+        err = lib.front_take_error(fh)
+        if err:
+            log.warning("a write to %s failed: %s", self._name(n), os.strerror(err))
+            raise pyfuse3.FUSEError(err)
         return n
+
+    def _name(self, n: Node | None) -> str:
+        return os.fsdecode(self.tree.path(n.ino)) if n is not None and n.linked else "a file"
 
     def _put(self, n: Node) -> Op | None:
         """Enqueue `n`'s bytes for DEST (if it still has a name)."""
@@ -324,7 +338,10 @@ class OutputOperations(pyfuse3.Operations):
 
     @_edge
     async def release(self, fh: int) -> None:
-        n = self._written(fh)
+        try:
+            n = self._written(fh)
+        except pyfuse3.FUSEError:  # no one to tell at release: its close was told
+            n = self.tree.nodes.get(self.handles.get(fh, 0))
         self.handles.pop(fh, None)
         os.close(fh)
         if n is None:
