@@ -71,11 +71,11 @@ class Job:
     users' fanfs on this machine are none of the test's business, and are never touched)."""
 
     def __init__(self, env: dict[str, str], image: Path, out: Path, *command: str,
-                 wait: bool = True):  # fmt: skip
+                 wait: bool = True, **extra: str):  # fmt: skip
         args = ["sbatch", "--parsable", "-N", str(NODES), "-o", str(out)]
         args += ["--wait"] if wait else []
         self.watch(out, lambda: subprocess.run([*args, str(JOB), *command],
-                                               env={**env, "FANFS_IMAGE": str(image)},
+                                               env={**env, "FANFS_IMAGE": str(image), **extra},
                                                capture_output=True, text=True, timeout=300,
                                                check=False))  # fmt: skip
 
@@ -97,14 +97,16 @@ class Job:
         return self.out.read_text() if self.out.exists() else self.done.stderr
 
     def leftovers(self) -> list[str]:
-        prefix = f"/tmp/fanfs-mnt-{self.id}-"
+        prefixes = (f"/tmp/fanfs-mnt-{self.id}-", f"/tmp/fanfs-out-{self.id}-")
         left = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()
-                if " fuse.fanfs " in line and line.split()[1].startswith(prefix)]  # fmt: skip
-        left += [str(p) for p in Path("/tmp").glob(f"fanfs-mnt-{self.id}-*")]
+                if line.split()[2] in ("fuse.fanfs", "fuse.fanfs-output")
+                and line.split()[1].startswith(prefixes)]  # fmt: skip
+        left += [str(p) for p in Path("/tmp").glob(f"fanfs-*-{self.id}-*")]
         left += sorted(staging_dirs() - self.before)
-        daemons = subprocess.run(["pgrep", "-f", f"fanfs mount .*{prefix}"],
-                                 capture_output=True, text=True, check=False)  # fmt: skip
-        left += [f"pid {pid}" for pid in daemons.stdout.split()]
+        for what, prefix in zip(("mount", "output"), prefixes, strict=True):
+            daemons = subprocess.run(["pgrep", "-f", f"fanfs {what} .*{prefix}"],
+                                     capture_output=True, text=True, check=False)  # fmt: skip
+            left += [f"pid {pid}" for pid in daemons.stdout.split()]
         return left
 
     def nothing_left(self, timeout: float = 60) -> list[str]:
@@ -124,6 +126,26 @@ def test_job_reads_every_file_on_every_node(slurm: dict[str, str], dataset: tupl
     ok = sorted(re.findall(r"^(n\d): OK (\d+) files$", output, re.M))
     assert ok == [(f"n{i}", "160") for i in range(1, NODES + 1)], output
     assert "command exited with 0" in output
+    assert job.nothing_left() == []
+
+
+def test_job_outputs_land_on_the_shared_destination(
+    slurm: dict[str, str], dataset: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """FANFS_OUTPUT: each node writes and renames a file under $FANFS_OUTPUT_DIR; after the
+    job every one is in DEST (the template drained the outputs before it ended)."""
+    _, image = dataset
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    write = ('f="$FANFS_OUTPUT_DIR/$SLURMD_NODENAME"; head -c 3000000 /dev/zero > "$f.tmp" && '
+             'echo "from $SLURMD_NODENAME" >> "$f.tmp" && mv "$f.tmp" "$f.ckpt"')  # fmt: skip
+    job = Job(slurm, image, tmp_path / "job.out", "bash", "-c", write, FANFS_OUTPUT=str(dest))
+    output = job.output
+    assert job.done.returncode == 0, output
+    names = sorted(p.name for p in dest.iterdir())
+    assert names == [f"n{i}.ckpt" for i in range(1, NODES + 1)], output
+    for i in range(1, NODES + 1):
+        assert (dest / f"n{i}.ckpt").read_bytes() == bytes(3000000) + f"from n{i}\n".encode()
     assert job.nothing_left() == []
 
 

@@ -14,16 +14,19 @@ unmount() { fusermount3 -u -z "$1" 2>/dev/null || umount -l "$1" 2>/dev/null; }
 # A mount of this job is unmounted. Any other fanfs mount is unmounted only if its daemon is
 # gone: the kernel then answers ENOTCONN ("not connected") at once. Root gets EACCES on another
 # user's live FUSE mount, and a busy daemon may answer slowly: both are alive, left alone.
-awk '$3 == "fuse.fanfs" { print $2 }' /proc/mounts | while read -r escaped; do
+# An output mount's files are never lost this way: its staging directory holds them (and,
+# after a stop signal, a journal.json naming where each belongs), and is left in place.
+awk '$3 == "fuse.fanfs" || $3 == "fuse.fanfs-output" { print $2 }' /proc/mounts |
+while read -r escaped; do
     mnt=$(printf '%b' "$escaped")
     case "$mnt" in
-        */fanfs-mnt-"$job"-"$node") unmount "$mnt"; continue ;;
+        */fanfs-mnt-"$job"-"$node" | */fanfs-out-"$job"-"$node") unmount "$mnt"; continue ;;
     esac
     err=$(LC_ALL=C timeout 5 stat -- "$mnt" 2>&1 >/dev/null)  # C: the message is matched
     case "$err" in *"not connected"*) unmount "$mnt" ;; esac
 done
 
-for d in /tmp/fanfs-mnt-"$job"-"$node"; do
+for d in /tmp/fanfs-mnt-"$job"-"$node" /tmp/fanfs-out-"$job"-"$node"; do
     [ -d "$d" ] && rmdir "$d" 2>/dev/null
 done
 # Staged partitions are anonymous files that vanish with their daemon; what a killed daemon
