@@ -37,7 +37,7 @@
 
 #include "fanfs_native.h"
 
-#define WB_SLOTS 4
+#define WB_SLOTS 8
 
 struct job {
     char *buf;
