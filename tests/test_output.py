@@ -307,22 +307,35 @@ def test_a_peers_message_is_checked_as_data() -> None:
 FILL = r"""
 import errno, os, sys
 mnt = sys.argv[1]
+with open(os.path.join(mnt, "filler.bin"), "wb") as f:
+    f.write(b"f" * (6 << 20))
+with open(os.path.join(mnt, "ckpt.pt"), "wb") as f:
+    f.write(b"g" * 4096)  # a good checkpoint, then one that does not fit
 try:
-    with open(os.path.join(mnt, "big.pt"), "wb") as f:
+    with open(os.path.join(mnt, "ckpt.pt"), "wb") as f:
         for _ in range(64):
             f.write(b"b" * (1 << 20))
 except OSError as e:
     print("big", errno.errorcode[e.errno])
 else:
     print("big ok")
-os.unlink(os.path.join(mnt, "big.pt"))
+try:
+    os.close(os.open(os.path.join(mnt, "ckpt.pt"), os.O_WRONLY | os.O_APPEND))
+except OSError as e:  # a close of the failed file, without writing: the error again
+    print("again", errno.errorcode[e.errno])
+os.unlink(os.path.join(mnt, "filler.bin"))  # room again, once its put has landed
+import time
+deadline = time.monotonic() + 30
+while os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize < (1 << 20):
+    assert time.monotonic() < deadline, "no room came back"
+    time.sleep(0.05)
 with open(os.path.join(mnt, "small.pt"), "wb") as f:
     f.write(b"s" * 4096)
 print("small ok")
 """
 
 
-def test_a_full_local_disk_fails_writes_with_enospc_and_keeps_serving(
+def test_a_full_local_disk_fails_writes_with_enospc_and_lands_no_torn_file(
     user: User, work: Path
 ) -> None:
     small = work / "small"
@@ -335,19 +348,104 @@ def test_a_full_local_disk_fails_writes_with_enospc_and_keeps_serving(
         out = Output(user, work, local=small)
         try:
             done = user.run(sys.executable, "-c", FILL, out.mnt)
-            assert done.stdout.split("\n")[:2] == ["big ENOSPC", "small ok"], (
-                done.stdout + done.stderr
-            )
+            lines = done.stdout.split("\n")[:3]
+            assert lines == ["big ENOSPC", "again ENOSPC", "small ok"], done.stdout + done.stderr
             assert out.fanfs("umount", out.mnt).returncode == 0
             assert out.proc.wait(30) == 0, out.log.read_text()
         finally:
             out.stop()
     finally:
         subprocess.run(["umount", "-l", str(small)], check=False)
-    assert tree(out.dest) == tree_of({"small.pt": b"s" * 4096})
+    # The checkpoint that failed never replaced the good one at DEST.
+    assert tree(out.dest) == tree_of({"ckpt.pt": b"g" * 4096, "small.pt": b"s" * 4096})
 
 
 def tree_of(files: dict[str, bytes]) -> dict[str, str]:
     import hashlib
 
     return {k: hashlib.sha256(v).hexdigest() for k, v in files.items()}
+
+
+REWRITE = r"""
+import os, sys, time
+mnt, step = sys.argv[1], sys.argv[2]
+path = os.path.join(mnt, "ckpt.pt")
+if step == "first":
+    with open(path, "wb") as f:
+        f.write(b"A" * (3 << 20))
+else:  # the next checkpoint under the same name, still being written while the first lands
+    f = open(path, "wb", buffering=0)
+    f.write(b"B" * (1 << 20))
+    print("writing", flush=True)
+    sys.stdin.read()  # until the test says close
+    f.write(b"B" * (2 << 20))
+    f.close()
+"""
+
+
+def test_rewriting_a_file_whose_put_is_pending_never_lands_a_torn_copy(
+    user: User, work: Path
+) -> None:
+    out = Output(user, work)
+    try:
+        out.dest.chmod(0o555)  # the first checkpoint's put waits
+        assert user.run(sys.executable, "-c", REWRITE, out.mnt, "first").returncode == 0
+        second = user.cmd(sys.executable, "-c", REWRITE, out.mnt, "second")
+        writer = subprocess.Popen(second, env=user.env(), stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE)  # fmt: skip
+        assert writer.stdout is not None and writer.stdout.readline() == b"writing\n"
+        out.dest.chmod(0o755)
+        assert wait_until(lambda: out.status()["landing"]["landed_files"] >= 1, 30)
+        assert (out.dest / "ckpt.pt").read_bytes() == b"A" * (3 << 20)  # not the half of B
+        writer.communicate(b"", timeout=60)
+        assert writer.returncode == 0
+        assert out.fanfs("umount", out.mnt).returncode == 0
+    finally:
+        out.stop()
+    assert (out.dest / "ckpt.pt").read_bytes() == b"B" * (3 << 20)
+
+
+TOUCH = "import sys; open(sys.argv[1], 'w').close()"
+
+
+def test_a_file_only_created_is_at_dest_after_sync(user: User, work: Path) -> None:
+    out = Output(user, work)
+    try:
+        for i in range(20):  # its RELEASE may come after the close, and after the sync asks
+            assert user.run(sys.executable, "-c", TOUCH, out.mnt / f"DONE-{i}").returncode == 0
+            assert out.fanfs("sync", out.mnt).returncode == 0
+            assert (out.dest / f"DONE-{i}").exists()
+        assert out.fanfs("umount", out.mnt).returncode == 0
+    finally:
+        out.stop()
+
+
+def test_a_holder_skips_what_its_dead_owner_landed(tmp_path: Path) -> None:
+    """The replay after an owner's death starts after the owner's marker at DEST: a rotation
+    (unlink old, rename new to old, put new) applied twice would lose a checkpoint."""
+    import types
+
+    from fanfs.node.staging import StagingDir
+    from fanfs.output import lander, replicas
+
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / "old.pt").write_bytes(b"1")  # what the owner's ops 1-3 left at DEST
+    (dest / "new.pt").write_bytes(b"2")
+    staging = StagingDir(tmp_path / "local")
+    rep = replicas.Replicas(types.SimpleNamespace(rank=1, size=2), staging, lambda d: None,
+                            str(dest), "0-abcd", 1.0)  # fmt: skip
+    ops = [(1, "unlink", b"old.pt", b""), (2, "rename", b"new.pt", b"old.pt"),
+           (3, "put", b"new.pt", b""), (4, "put", b"newest.pt", b"")]  # fmt: skip
+    for seq, kind, path, new in ops:
+        if kind == "put":
+            rep._hold_piece(seq, path, 0o644, 0, 1, memoryview(f"{seq}".encode()))
+        else:
+            rep._receive(0, (replicas.M_OPS[kind], seq, 0, 0, 0, path, new, memoryview(b"")))
+    fd = lander.open_dest_dir(str(dest))
+    lander.write_marker(fd, "0-abcd", 3)  # the owner landed 1-3, its LANDED never arrived
+    os.close(fd)
+    rep._land_owners()
+    assert rep.failed == "" and rep.holding == []
+    assert tree(dest) == tree_of({"old.pt": b"1", "new.pt": b"2", "newest.pt": b"4"})
+    staging.close()

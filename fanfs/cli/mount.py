@@ -20,7 +20,7 @@ from typing import Any
 from fanfs import mounts
 from fanfs.cli.options import Subparsers, env_default, positive_float, positive_int, seconds, share
 from fanfs.cli.reach import PROBE_TIMEOUT_S, ask
-from fanfs.errors import ExitCode, FanfsError, MountpointError, WaitTimeout
+from fanfs.errors import ExitCode, FanfsError, MountpointError, NotLanded, WaitTimeout
 
 log = logging.getLogger("fanfs")
 
@@ -148,6 +148,11 @@ def cmd_umount(args: argparse.Namespace) -> int:
         log.warning("%s: daemon not answering, aborting its connection, lazy unmount", mountpoint)
         _abort(entry)
         _lazy_unmount(mountpoint)
+        if entry.fstype == mounts.OUTPUT_FSTYPE:
+            raise NotLanded(
+                f"{mountpoint}: its daemon did not answer: what it had not landed is in its "
+                "staging directory (fanfs-stage-*, under its --local)"
+            )
         return ExitCode.OK
     pid = int(status["pid"])
     busy = mounts.users(mountpoint, skip=pid)

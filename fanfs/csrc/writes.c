@@ -15,9 +15,10 @@
  * empty before it is forwarded (fanfs_writes_settle): it sees every write answered before it.
  * A close therefore returns after its bytes are in the file.
  *
- * Errors: a pwrite that fails (ENOSPC, EIO) marks its fd; the next WRITE through that fd, its
- * FLUSH (close) and its FSYNC get the errno (the output daemon asks fanfs_front_take_error),
- * as the kernel reports a page cache's write-back errors. Nothing is dropped silently.
+ * Errors: a pwrite that fails (ENOSPC, EIO) marks its fd; every later WRITE through that fd
+ * gets the errno, and so does its FLUSH (close) or FSYNC (the output daemon takes the mark
+ * with fanfs_front_take_error and keeps it on the file), as the kernel reports a page cache's
+ * write-back errors. Nothing is dropped silently.
  *
  * Memory: WB_SLOTS buffers of FANFS_FRONT_BUFSIZE besides the front's own: the front waits
  * for a free one when the disk is slower than the writer.
@@ -168,7 +169,7 @@ int fanfs_writes_take(int ffd, char **bufp, uint32_t n) {
     if (!wb.running || n < sizeof *in + sizeof *w || w->size > n - sizeof *in - sizeof *w ||
         w->fh >= FANFS_FRONT_MAX_FD)
         return -1; /* not one we take: pyfuse3 answers it */
-    e = __atomic_exchange_n(&wb.err[w->fh], 0, __ATOMIC_ACQ_REL);
+    e = __atomic_load_n(&wb.err[w->fh], __ATOMIC_ACQUIRE); /* left for the close to take */
     if (e != 0) {
         fanfs_writes_settle();
         fanfs_raw_reply(ffd, in->unique, e, NULL, 0);

@@ -19,6 +19,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import signal
 import stat
 import time
@@ -33,7 +34,7 @@ from fanfs.errors import ExitCode, FanfsError, Interrupted, MountFailed, Mountpo
 from fanfs.node.daemon import STOP_SIGNALS, check_mountpoint, expand, node_name
 from fanfs.node.staging import StagingDir, default_parent
 from fanfs.output import fs
-from fanfs.output.lander import Lander
+from fanfs.output.lander import PUT, Lander, Op
 from fanfs.output.tree import Tree
 
 log = logging.getLogger(__name__)
@@ -173,15 +174,24 @@ class OutputDaemon:
                 error = e
             self._agree(error)
             self.tree = Tree(staging.fd, mode=0o777 & ~_umask())
-            hooks: dict[str, Any] = {}
+            # This daemon's name in DEST (temporary names, the replicas' marker): pids repeat
+            # across nodes.
+            token = f"{self.rank}-{secrets.token_hex(4)}"
+            on_enqueued: Any = None
             if cfg.replicas > 1:
                 from fanfs.output.replicas import Replicas
 
+                # A start-up collective: each rank learns its owner's token and DEST (which may
+                # differ per node: {node}), to land the owner's files there if it dies.
+                peers = self.world.allgather((token, str(self.dest)))
+                owner_token, owner_dest = peers[(self.rank - 1) % self.size]
                 self.replicas = Replicas(self.world, staging, self.tree.open_local_or_none,
-                                         dest_fd, cfg.peer_timeout)  # fmt: skip
-                hooks = {"on_enqueued": self.replicas.enqueued,
-                         "on_landed": self.replicas.landed}  # fmt: skip
-            self.lander = Lander(dest_fd, self.tree.open_local_or_none, cfg.max_ops, **hooks)
+                                         owner_dest, owner_token, cfg.peer_timeout)  # fmt: skip
+                on_enqueued = self.replicas.enqueued
+            self.lander = Lander(dest_fd, self.tree.open_local_or_none, token, cfg.max_ops,
+                                 on_enqueued=on_enqueued or (lambda op: None),
+                                 on_landed=self._landed,
+                                 marker=self.replicas is not None)  # fmt: skip
             self.ops = fs.OutputOperations(
                 self.tree,
                 self.lander,
@@ -200,17 +210,28 @@ class OutputDaemon:
             log.info("output %s: files land at %s, local %s", self.mountpoint, self.dest,
                      staging.path)  # fmt: skip
             trio.run(self._serve)
-            left = self.lander.journal
-            if left:
-                self._keep(staging, list(left))
+            why = []
+            if self.lander.journal:
                 files = self.lander.pending_files()
-                raise NotLanded(
+                named = ", ".join(files[:10]) + (" ..." if len(files) > 10 else "")
+                why.append(
                     f"{len(files)} closed files not at {self.dest}, kept in {staging.path} "
-                    f"(journal.json says where each belongs): {', '.join(files[:10])}"
-                    + (" ..." if len(files) > 10 else "")
+                    f"(journal.json says where each belongs): {named}"
                 )
+            if self.replicas is not None and self.replicas.failed:
+                why.append(f"rank {self.replicas.owner}'s changes held here not landed "
+                           f"({self.replicas.failed}), kept in {staging.path}")  # fmt: skip
+            if why:
+                raise NotLanded("; ".join(why))
 
-    def _keep(self, staging: StagingDir, ops: list[Any]) -> None:
+    def _landed(self, op: Op) -> None:
+        if op.kind == PUT:
+            assert self.tree is not None
+            self.tree.release(op.ino)  # its data may go now
+        if self.replicas is not None:
+            self.replicas.landed(op)
+
+    def _keep(self, staging: StagingDir, ops: list[Op]) -> None:
         staging.keep_contents()
         fd = os.open("journal.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600,
                      dir_fd=staging.fd)  # fmt: skip
@@ -219,6 +240,13 @@ class OutputDaemon:
                        "ops": [op.to_json() for op in ops]}, f, indent=1)  # fmt: skip
 
     def _close_staging(self, staging: StagingDir) -> None:
+        """However the daemon ends (an exception too): what did not land is kept."""
+        if self.lander is not None and self.lander.journal:
+            try:
+                self._keep(staging, list(self.lander.journal))
+            except OSError as e:
+                staging.keep_contents()
+                log.error("journal.json not written in %s: %s", staging.path, e.strerror)
         if not staging.keep and self.tree is not None:
             for name in os.listdir(staging.fd):
                 with contextlib.suppress(OSError):
@@ -246,12 +274,17 @@ class OutputDaemon:
             await fs.serve()
             self.phase = "draining"
             self._unmount()
+            assert self.ops is not None
+            self.ops.put_settled(everything=True)  # closed, their RELEASE not seen
             with trio.move_on_after(self.cfg.drain) as self._drain_scope:
                 self.lander.poke()
                 await self.lander.wait_landed(self.lander.enqueued)
             if self.replicas is not None:
                 left = self.lander.enqueued - self.lander.landed
-                await self.replicas.finish(self.cfg.drain, not left, self.lander.landed)
+                with trio.CancelScope() as self._drain_scope:
+                    await self.replicas.finish(self.cfg.drain, not left, self.lander.landed)
+                if not left:
+                    self.lander.forget_marker()
             self.phase = "closing"
             nursery.cancel_scope.cancel()
 

@@ -113,7 +113,7 @@ class OutputOperations(pyfuse3.Operations):
             a.st_size = 0
             a.st_mtime_ns = a.st_ctime_ns = a.st_atime_ns = n.mtime_ns
         else:
-            st = self.tree.stat_local(n.ino)
+            st = self.tree.stat_local(n)
             a.st_mode = stat.S_IFREG | n.mode
             a.st_nlink = 1 if n.linked else 0
             a.st_size = st.st_size
@@ -146,14 +146,10 @@ class OutputOperations(pyfuse3.Operations):
             n.chmod(attr.st_mode)
         if not n.is_dir:
             if fields.update_size:
-                if fh is not None:
-                    os.ftruncate(fh, attr.st_size)
-                else:
-                    self._truncate(inode, attr.st_size)
-                n.mark()
+                self._truncate(n, attr.st_size)
             if fields.update_mtime or fields.update_atime:
-                st = self.tree.stat_local(inode)
-                fd = self.tree.open_local(inode, os.O_RDONLY)
+                st = self.tree.stat_local(n)
+                fd = self.tree.open_local(n.data, os.O_RDONLY)
                 try:
                     os.utime(fd, ns=(attr.st_atime_ns if fields.update_atime else st.st_atime_ns,
                                      attr.st_mtime_ns if fields.update_mtime
@@ -167,12 +163,17 @@ class OutputOperations(pyfuse3.Operations):
             self._put(n)  # a truncate or chmod of a closed file: DEST sees it too
         return self._attrs(n)
 
-    def _truncate(self, inode: int, size: int) -> None:
-        fd = self.tree.open_local(inode, os.O_WRONLY)
+    def _truncate(self, n: Node, size: int) -> None:
+        """Through the node's data, not a handle's: a handle may name data a put holds."""
+        self.tree.writable(n, truncate=size == 0)
+        fd = self.tree.open_local(n.data, os.O_WRONLY)
         try:
             os.ftruncate(fd, size)
         finally:
             os.close(fd)
+        if size == 0:
+            n.poison(0)  # nothing left of a failed write
+        n.mark()
 
     # -- directories -----------------------------------------------------------------------
 
@@ -246,10 +247,11 @@ class OutputOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.ENOSPC)  # the journal's bound (memory)
 
     def _open_fh(self, n: Node, flags: int) -> int:
-        fd = self.tree.open_local(n.ino)
         if flags & os.O_TRUNC:
-            os.ftruncate(fd, 0)
-            n.mark()
+            self._truncate(n, 0)
+        elif flags & (os.O_WRONLY | os.O_RDWR):
+            self.tree.writable(n, truncate=False)
+        fd = self.tree.open_local(n.data)
         self.handles[fd] = n.ino
         n.opened()
         return fd
@@ -285,28 +287,48 @@ class OutputOperations(pyfuse3.Operations):
         return n
 
     def _written(self, fh: int) -> Node | None:
-        """The node behind handle `fh`, marked changed if the front wrote through it; the
-        errno of a write behind through it that failed, as a FUSEError (the front has put
-        every write answered so far into its file before it forwards this request)."""
+        """The node behind handle `fh`, marked changed if the front wrote through it, and
+        poisoned if a write behind through it failed (the front has put every write answered
+        so far into its file before it forwards this request)."""
         n = self.tree.nodes.get(self.handles.get(fh, 0))
         if lib.front_take_written(fh) and n is not None:
             n.mark(wrote=True)
         err = lib.front_take_error(fh)
-        if err:
-            log.warning("a write to %s failed: %s", self._name(n), os.strerror(err))
-            raise pyfuse3.FUSEError(err)
+        if err and n is not None:
+            log.warning("a write to %s failed: %s; it is not landed until it is written "
+                        "again from the start", self._name(n), os.strerror(err))  # fmt: skip
+            n.poison(err)
         return n
+
+    @staticmethod
+    def _check(n: Node | None) -> None:
+        """A close or fsync of a file whose write failed fails too, every time."""
+        if n is not None and n.failed:
+            raise pyfuse3.FUSEError(n.failed)
 
     def _name(self, n: Node | None) -> str:
         return os.fsdecode(self.tree.path(n.ino)) if n is not None and n.linked else "a file"
 
     def _put(self, n: Node) -> Op | None:
-        """Enqueue `n`'s bytes for DEST (if it still has a name)."""
-        n.mark(False)
-        if not n.linked:
+        """Enqueue `n`'s bytes for DEST (if it still has a name and no failed write); the
+        put holds its data until it lands."""
+        if not n.linked or n.failed:
             return None
-        size = self.tree.stat_local(n.ino).st_size
-        return self.lander.enqueue(PUT, self.tree.path(n.ino), ino=n.ino, mode=n.mode, size=size)
+        n.mark(False)
+        size = self.tree.stat_local(n).st_size
+        op = self.lander.enqueue(PUT, self.tree.path(n.ino), ino=n.data, mode=n.mode, size=size)
+        self.tree.hold(n.data)
+        return op
+
+    def put_settled(self, everything: bool = False) -> int:
+        """Enqueue the files changed but not being written (created, truncated or chmod-ed
+        and closed, whose RELEASE may not have come yet), or with `everything` every changed
+        file (at the end): a sync or an unmount must not miss them. How many."""
+        nodes = [n for n in self.tree.nodes.values() if not n.is_dir and n.dirty and n.linked
+                 and not n.failed and (everything or not n.wrote)]  # fmt: skip
+        for n in nodes:
+            self._put(n)
+        return len(nodes)
 
     @_edge
     async def flush(self, fh: int) -> None:
@@ -315,6 +337,7 @@ class OutputOperations(pyfuse3.Operations):
         # truncate alone: dd, say, closes a dup of a new file before writing to it, and DEST
         # would see the empty file first (RELEASE lands those).
         n = self._written(fh)
+        self._check(n)
         if n is not None and n.wrote:
             op = self._put(n)
             if op is not None and self.replicate is not None:
@@ -323,6 +346,7 @@ class OutputOperations(pyfuse3.Operations):
     @_edge
     async def fsync(self, fh: int, datasync: bool) -> None:
         n = self._written(fh)
+        self._check(n)
         if n is None or not n.linked:
             return
         op = self._put(n)
@@ -338,10 +362,7 @@ class OutputOperations(pyfuse3.Operations):
 
     @_edge
     async def release(self, fh: int) -> None:
-        try:
-            n = self._written(fh)
-        except pyfuse3.FUSEError:  # no one to tell at release: its close was told
-            n = self.tree.nodes.get(self.handles.get(fh, 0))
+        n = self._written(fh)
         self.handles.pop(fh, None)
         os.close(fh)
         if n is None:
@@ -366,7 +387,8 @@ class OutputOperations(pyfuse3.Operations):
     @_edge
     async def getxattr(self, inode: int, name: bytes, ctx: Any) -> bytes:
         if inode == ROOT and name in (STATUS_XATTR, RETRY_XATTR):
-            if name == RETRY_XATTR:
+            if name == RETRY_XATTR:  # `fanfs sync` or `umount`: what is closed, now
+                self.put_settled()
                 self.lander.poke()
             return json.dumps(self._status()).encode()
         raise pyfuse3.FUSEError(errno.ENODATA)

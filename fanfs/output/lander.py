@@ -158,11 +158,12 @@ def read_crc(fd: int) -> tuple[int, int]:
     return off, crc
 
 
-def apply(root_fd: int, op: Op, open_local: Callable[[int], int | None]) -> int:
+def apply(root_fd: int, op: Op, open_local: Callable[[int], int | None], token: str) -> int:
     """Apply `op` to DEST (in a worker thread); the bytes it landed. OSError or LandingError
-    when it could not: DEST is then as before, but for a hidden partial file at worst."""
+    when it could not: DEST is then as before, but for a hidden partial file at worst. `token`
+    names this daemon in temporary names (nodes share DEST, and pids repeat across nodes)."""
     if op.kind == PUT:
-        return _put(root_fd, op, open_local)
+        return _put(root_fd, op, open_local, token)
     if op.kind == MKDIR:
         fd, name = open_parent(root_fd, op.path, create=True)
         try:
@@ -214,13 +215,13 @@ def apply(root_fd: int, op: Op, open_local: Callable[[int], int | None]) -> int:
     return 0
 
 
-def _put(root_fd: int, op: Op, open_local: Callable[[int], int | None]) -> int:
+def _put(root_fd: int, op: Op, open_local: Callable[[int], int | None], token: str) -> int:
     src = open_local(op.ino)
     if src is None:
         return 0  # unlinked since: nothing to land (the unlink is further down the journal)
     try:
         fd, name = open_parent(root_fd, op.path, create=True)
-        tmp = f".fanfs-{os.getpid()}-{op.seq}.partial"
+        tmp = f".fanfs-{token}-{op.seq}.partial"
         try:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp, dir_fd=fd)  # an earlier attempt's
@@ -252,15 +253,60 @@ def _put(root_fd: int, op: Op, open_local: Callable[[int], int | None]) -> int:
     return size
 
 
+def open_dest_dir(dest: str) -> int:
+    """DEST's directory fd. Symlinks in DEST's own path are the user's choice and followed;
+    inside DEST none is (open_parent)."""
+    return os.open(os.path.realpath(dest), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+
+def marker_name(token: str) -> str:
+    """DEST's record of how far a daemon's journal has landed (replicas: a holder landing a
+    dead owner's journal skips what the owner landed already)."""
+    return f".fanfs-landed-{token}"
+
+
+def write_marker(root_fd: int, token: str, seq: int) -> None:
+    """Record in DEST that every op up to `seq` has landed (atomically: a rename)."""
+    name = marker_name(token)
+    tmp = f"{name}.partial"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600, dir_fd=root_fd)  # fmt: skip
+    try:
+        os.write(fd, b"%d\n" % seq)
+    finally:
+        os.close(fd)
+    os.rename(tmp, name, src_dir_fd=root_fd, dst_dir_fd=root_fd)
+
+
+def read_marker(root_fd: int, token: str) -> int:
+    """What `write_marker` recorded (0: nothing, or not a number)."""
+    try:
+        fd = os.open(marker_name(token), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     dir_fd=root_fd)  # fmt: skip
+    except OSError:
+        return 0
+    try:
+        text = os.read(fd, 32)
+    finally:
+        os.close(fd)
+    return int(text) if text.strip().isdigit() else 0
+
+
+def remove_marker(root_fd: int, token: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(marker_name(token), dir_fd=root_fd)
+
+
 # -- the journal -------------------------------------------------------------------------------
 
 
 class Lander:
     """The journal of one output mount and the task that lands it on DEST."""
 
-    def __init__(self, dest_fd: int, open_local: Callable[[int], int | None],
+    def __init__(self, dest_fd: int, open_local: Callable[[int], int | None], token: str,
                  max_ops: int = 1 << 20, on_enqueued: Callable[[Op], None] = lambda op: None,
-                 on_landed: Callable[[int], None] = lambda seq: None):  # fmt: skip
+                 on_landed: Callable[[Op], None] = lambda op: None,
+                 marker: bool = False):  # fmt: skip
         self.dest_fd = dest_fd
         self._open_local = open_local
         self.max_ops = max_ops  # ops held at most (memory): more fail with ENOSPC
@@ -272,8 +318,10 @@ class Lander:
         self.landed_files = 0
         self.busy_s = 0.0  # time spent landing (throughput = landed_bytes / busy_s)
         self.last_put_s = 0.0  # enqueue to landed, for the last put
+        self.token = token
+        self.marker = marker  # record progress at DEST after each op (write_marker)
         self.on_enqueued = on_enqueued  # replicas.py hears of each op, in order
-        self.on_landed = on_landed  # and of each op landed
+        self.on_landed = on_landed  # and of each op landed; the tree frees a put's data
         self._changed = trio.Event()  # something enqueued, landed or failed
         self._poke = trio.Event()  # retry now (a sync or an umount asks)
         self._backoff_from = 0  # attempts of the head op when a retry was last asked for
@@ -319,9 +367,7 @@ class Lander:
             op = self.journal[0]
             began = time.monotonic()
             try:
-                n = await trio.to_thread.run_sync(
-                    apply, self.dest_fd, op, self._open_local, abandon_on_cancel=True
-                )
+                n = await trio.to_thread.run_sync(self._apply, op, abandon_on_cancel=True)
             except (OSError, LandingError) as e:
                 op.failed(os.strerror(e.errno) if isinstance(e, OSError) and e.errno else str(e))
                 log.warning("%s %s at DEST failed (attempt %d): %s", op.kind, op.describe(),
@@ -344,8 +390,19 @@ class Lander:
             if op.attempts:
                 log.info("%s %s landed after %d failed attempts", op.kind, op.describe(),
                          op.attempts)  # fmt: skip
-            self.on_landed(op.seq)
+            self.on_landed(op)
             self._wake()
+
+    def _apply(self, op: Op) -> int:
+        n = apply(self.dest_fd, op, self._open_local, self.token)
+        if self.marker:
+            write_marker(self.dest_fd, self.token, op.seq)
+        return n
+
+    def forget_marker(self) -> None:
+        """At a clean end, everything landed: DEST needs no record of it."""
+        if self.marker:
+            remove_marker(self.dest_fd, self.token)
 
     def pending_files(self) -> list[str]:
         """The paths of the puts not at DEST yet, oldest first (each once)."""

@@ -23,10 +23,14 @@ copies are no longer kept. A holder keeps an owner's ops in order, each put's by
 staging directory (`r<rank>-<seq>`), and forgets them as "landed" comes.
 
 At the end (`finish`): ops of an owner still not landed are landed by the holder itself, in
-their order, once the owner is gone (dead: silent for the peer timeout) or has not said "bye"
-within the drain time. Ops are idempotent at DEST (lander.py), so landing one the owner had
-landed too ends in the same state. A put whose pieces did not all arrive was never closed by
-its writer (the close waits for "held"): it is skipped.
+their order, into the owner's DEST (every rank's DEST and token are exchanged at start-up),
+once the owner is gone (dead: silent for the peer timeout) or has not said "bye" within the
+drain time. A sequence of ops is not safe to apply twice (unlink old, rename new to old: again,
+and the wrong file is gone), so the owner records at DEST how far it has landed, after each op
+(lander.py's marker), and the holder skips every op up to that record, read again before each
+op; only the op the owner was applying when it died may be applied twice, and each op alone
+is idempotent. A put whose pieces did not all arrive was never closed by its writer (the close
+waits for "held"): it is skipped.
 
 Concurrency: the MPI thread owns every MPI call; trio tasks hand it messages through a
 thread-safe queue and it hands back what trio needs with `trio.from_thread.run_sync`. The
@@ -49,7 +53,19 @@ from typing import Any
 import trio
 
 from fanfs.node.staging import StagingDir
-from fanfs.output.lander import MKDIR, PUT, RENAME, RMDIR, UNLINK, LandingError, Op, apply
+from fanfs.output.lander import (
+    MKDIR,
+    PUT,
+    RENAME,
+    RMDIR,
+    UNLINK,
+    LandingError,
+    Op,
+    apply,
+    open_dest_dir,
+    read_marker,
+    remove_marker,
+)
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +75,8 @@ HEADER = struct.Struct("<BQIIIHH")  # kind, seq, part, parts, mode, len(path), l
 PATH_MAX = 4096
 MESSAGE_MAX = HEADER.size + 2 * PATH_MAX + PIECE
 PARTS_MAX = (1 << 40) // PIECE  # a file of 1 TiB at most
-MAX_HELD = 1 << 20  # ops held for the owner: a peer cannot grow our memory without bound
+MAX_HELD = 1 << 16  # ops held for the owner, and their paths' bytes at most HELD_PATH_BYTES:
+HELD_PATH_BYTES = 64 << 20  # a peer cannot grow our memory without bound
 M_PUT, M_HELD, M_LANDED, M_BYE, M_HB = 1, 2, 3, 4, 5
 M_OPS = {RENAME: 6, UNLINK: 7, MKDIR: 8, RMDIR: 9}
 OPS_M = {v: k for k, v in M_OPS.items()}
@@ -90,8 +107,8 @@ def decode(msg: bytes) -> tuple[int, int, int, int, int, bytes, bytes, memoryvie
         if not path or not 0 <= part < parts <= PARTS_MAX or len(data) > PIECE:
             raise BadMessage("piece out of range")
     elif kind in OPS_M:
-        if not path or (kind == M_OPS[RENAME]) != bool(new):
-            raise BadMessage("op without its paths")
+        if not path or (kind == M_OPS[RENAME]) != bool(new) or part or parts or data:
+            raise BadMessage("op without its paths, or with a piece")
     elif kind not in (M_HELD, M_LANDED, M_BYE, M_HB):
         raise BadMessage(f"kind {kind}")
     return kind, seq, part, parts, mode & 0o777, path, new, data
@@ -105,15 +122,17 @@ IDLE_SLEEP_S = (0.0005, 0.02)  # the MPI thread's poll: quick while busy, backin
 
 class Replicas:
     def __init__(self, world: Any, staging: StagingDir, open_local: Callable[[int], int | None],
-                 dest_fd: int, peer_timeout: float):  # fmt: skip
+                 owner_dest: str, owner_token: str, peer_timeout: float):  # fmt: skip
         self.world = world
         self.rank, self.size = world.rank, world.size
         self.partner = (self.rank + 1) % self.size  # holds my copies
         self.owner = (self.rank - 1) % self.size  # whose copies I hold
         self.staging = staging
         self._open_local = open_local
-        self.dest_fd = dest_fd
+        self.owner_dest = owner_dest  # where the owner's files land, and its name there
+        self.owner_token = owner_token
         self.peer_timeout = peer_timeout
+        self.failed = ""  # why the owner's ops could not all be landed from here
         self.dead: set[int] = set()
         self._out: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self._held: dict[int, trio.Event] = {}  # seq -> set when the partner holds it
@@ -122,6 +141,7 @@ class Replicas:
         self._token: trio.lowlevel.TrioToken | None = None
         # The MPI thread's (then finish's): the owner's ops not landed, in order.
         self.holding: list[Op] = []
+        self._held_bytes = 0
         self._incomplete: dict[int, int] = {}  # put seq -> pieces still to come
         self.owner_heard = time.monotonic()
         self.owner_done = False
@@ -153,7 +173,7 @@ class Replicas:
         """Return once the partner holds the put `op`'s bytes, or once it is taken for dead."""
         held = self._held.get(op.seq)
         if held is None:
-            return
+            return  # confirmed already (or no partner)
         with trio.move_on_after(self.peer_timeout + op.size / (REPLICATE_MB_S * 1e6)):
             await held.wait()
         self._held.pop(op.seq, None)
@@ -162,13 +182,13 @@ class Replicas:
                         "are no longer replicated", self.partner, op.describe())  # fmt: skip
             self.dead.add(self.partner)
 
-    def landed(self, seq: int) -> None:
-        """The lander's hook: everything up to `seq` is at DEST (the partner may forget)."""
+    def landed(self, op: Op) -> None:
+        """The lander's hook: everything up to `op` is at DEST (the partner may forget)."""
         if self.partner not in self.dead:
-            self._out.put(("landed", seq))
+            self._out.put(("landed", op.seq))
 
     def _confirmed(self, seq: int) -> None:
-        event = self._held.get(seq)
+        event = self._held.pop(seq, None)
         if event is not None:
             event.set()
 
@@ -189,7 +209,12 @@ class Replicas:
         if self._thread is not None:
             await trio.to_thread.run_sync(self._thread.join)
         if self.holding and not self.owner_done:
-            await trio.to_thread.run_sync(self._land_owners)
+            with trio.move_on_after(drain_s) as scope:
+                await trio.to_thread.run_sync(self._land_owners, abandon_on_cancel=True)
+            if scope.cancelled_caught:
+                self.failed = f"not done within {drain_s:g} s"
+            if self.failed:
+                self.staging.keep_contents()
 
     # -- the MPI thread --------------------------------------------------------------------
 
@@ -202,7 +227,7 @@ class Replicas:
                 while True:
                     item = self._out.get_nowait()
                     busy = True
-                    self._send(item)
+                    self._send_safely(item)
             except queue.Empty:
                 pass
             if time.monotonic() - last_beat > HEARTBEAT_S:
@@ -213,7 +238,16 @@ class Replicas:
             time.sleep(sleep)
         with contextlib.suppress(queue.Empty):  # a bye queued last
             while True:
-                self._send(self._out.get_nowait())
+                self._send_safely(self._out.get_nowait())
+
+    def _send_safely(self, item: tuple[Any, ...]) -> None:
+        """One item; an error (a local file gone bad) is logged, and the thread goes on."""
+        try:
+            self._send(item)
+        except Exception as e:
+            log.warning("a message for rank %d was not sent: %s", self.partner, e)
+            if item[0] == "send":
+                self._confirm_from_thread(item[1].seq)  # nothing to wait for
 
     def _post(self, msg: bytes, dest: int) -> None:
         if dest in self.dead or dest == self.rank:
@@ -272,6 +306,8 @@ class Replicas:
                 os.close(fd)
         elif what == "landed":
             self._post(encode(M_LANDED, item[1]), self.partner)
+        elif what == "held":
+            self._post(encode(M_HELD, item[1]), self.owner)
         elif what == "bye":
             self._post(encode(M_BYE, item[1]), self.partner)
 
@@ -288,8 +324,13 @@ class Replicas:
         if src != self.owner:
             return
         self.owner_heard = time.monotonic()
-        if kind in (M_PUT, *OPS_M) and len(self.holding) >= MAX_HELD and part == 0:
-            raise BadMessage(f"more than {MAX_HELD} changes not landed")
+        if (kind in OPS_M or (kind == M_PUT and part == 0)) and (
+            len(self.holding) >= MAX_HELD or self._held_bytes > HELD_PATH_BYTES
+        ):
+            raise BadMessage(f"more than {MAX_HELD} changes or {HELD_PATH_BYTES} bytes of "
+                             "paths not landed")  # fmt: skip
+        if kind in OPS_M or (kind == M_PUT and part == 0):
+            self._held_bytes += len(path) + len(new)
         try:
             if kind == M_PUT:
                 self._hold_piece(seq, path, mode, part, parts, data)
@@ -323,7 +364,7 @@ class Replicas:
         self._incomplete[seq] -= 1
         if self._incomplete[seq] == 0:
             del self._incomplete[seq]
-            self._post(encode(M_HELD, seq), self.owner)
+            self._out.put(("held", seq))  # from the loop: no post inside a receive
 
     def _forget(self, seq: int) -> None:
         self.owner_landed = max(self.owner_landed, seq)
@@ -336,6 +377,7 @@ class Replicas:
             else:
                 keep.append(op)
         self.holding = keep
+        self._held_bytes = sum(len(op.path) + len(op.new) for op in keep)
 
     def _open_copy(self, seq: int) -> int | None:
         if seq in self._incomplete:
@@ -347,21 +389,35 @@ class Replicas:
             return None
 
     def _land_owners(self) -> None:
+        """In a worker thread, after the MPI thread stopped: the owner's ops it did not land,
+        into the owner's DEST, skipping what its marker says it landed."""
         log.warning("rank %d left %d changes not at DEST: landing them from the copies here",
                     self.owner, len(self.holding))  # fmt: skip
-        while self.holding:
-            op = self.holding[0]
-            try:
-                apply(self.dest_fd, op, self._open_copy)
-            except (OSError, LandingError) as e:
-                log.error("rank %d's %s %s could not land from here: %s; kept in %s", self.owner,
-                          op.kind, op.describe(), e, self.staging.path)  # fmt: skip
-                self.staging.keep_contents()
-                return
-            self._forget(op.seq)
+        try:
+            dest_fd = open_dest_dir(self.owner_dest)
+        except OSError as e:
+            self.failed = f"{self.owner_dest}: {e.strerror}"
+            log.error("rank %d's DEST cannot be opened from here (%s): its changes are kept in %s",
+                      self.owner, self.failed, self.staging.path)  # fmt: skip
+            return
+        try:
+            while self.holding:
+                op = self.holding[0]
+                if op.seq > read_marker(dest_fd, self.owner_token):
+                    try:
+                        apply(dest_fd, op, self._open_copy, f"{self.owner_token}-r")
+                    except (OSError, LandingError) as e:
+                        self.failed = f"{op.kind} {op.describe()}: {e}"
+                        log.error("rank %d's %s could not land from here; kept in %s",
+                                  self.owner, self.failed, self.staging.path)  # fmt: skip
+                        return
+                self._forget(op.seq)
+            remove_marker(dest_fd, self.owner_token)
+        finally:
+            os.close(dest_fd)
 
     def statistics(self) -> dict[str, Any]:
         return {"partner": self.partner, "holding_for": self.owner,
                 "held_files": sum(1 for op in self.holding if op.kind == PUT),
                 "held_changes": len(self.holding), "sent_bytes": self.sent_bytes,
-                "dead": sorted(self.dead)}  # fmt: skip
+                "dead": sorted(self.dead), "failed": self.failed}  # fmt: skip

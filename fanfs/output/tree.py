@@ -1,9 +1,19 @@
 """The output mount's namespace, in memory, and its files' bytes on the node's disk.
 
 The namespace (names, directories, modes) lives here and nowhere else; a file's bytes live in
-one local file per inode, `o<inode>`, in the daemon's private staging directory (mode 0700,
+a local file, `o<data>`, in the daemon's private staging directory (mode 0700,
 node/staging.py), opened relative to its fd. Renaming or unlinking under the mount changes
-only the namespace; the local file goes when its inode has no name and no open handle.
+only the namespace.
+
+A put (lander.py) lands the local file it names, as it is when it lands, so the bytes of a
+put must not change until then: each put holds a reference to its data (`hold`, `release`),
+and a file opened for writing while a put of its data is pending gets new data first
+(`writable`: an empty local file for O_TRUNC, a copy otherwise). A local file goes when no
+inode uses it (unlinked, not open) and no pending put holds it.
+
+A file whose write failed (ENOSPC, EIO: `poison`) is not put until it is truncated: DEST
+keeps the last good version rather than a file with a hole; every close and fsync of it
+returns the error.
 
 Every change that DEST must see is handed to the journal (lander.py) in the order it happens,
 by the adapter (fs.py), with the path it has now: paths at DEST follow from the order alone.
@@ -45,6 +55,8 @@ class Node:
     opens: int = 0
     dirty: bool = False  # changed since its last put was enqueued
     wrote: bool = False  # bytes written since then (a close then lands it)
+    data: int = 0  # its local file, o<data> (files only)
+    failed: int = 0  # the errno of a write that failed, until truncated
     mtime_ns: int = field(default_factory=time.time_ns)  # directories' (files': the local file's)
 
     # A node changes through these (the tree and the adapter call them).
@@ -79,6 +91,12 @@ class Node:
     def touch(self, mtime_ns: int) -> None:
         self.mtime_ns = mtime_ns
 
+    def use(self, data: int) -> None:
+        self.data = data
+
+    def poison(self, err: int) -> None:
+        self.failed = err
+
 
 class Tree:
     def __init__(self, staging_fd: int, mode: int = 0o755):
@@ -87,6 +105,8 @@ class Tree:
         self._next = ROOT + 1
         self.files = 0
         self.bytes_written = 0
+        self.held: dict[int, int] = {}  # data -> pending puts of it
+        self.used: set[int] = set()  # data of live files
 
     def wrote(self, n: int) -> None:
         self.bytes_written += n
@@ -121,21 +141,66 @@ class Tree:
         return b"/".join(reversed(parts))
 
     @staticmethod
-    def local_name(ino: int) -> str:
-        return f"o{ino}"
+    def local_name(data: int) -> str:
+        return f"o{data}"
 
-    def open_local(self, ino: int, flags: int = os.O_RDWR) -> int:
-        return os.open(self.local_name(ino), flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
+    def open_local(self, data: int, flags: int = os.O_RDWR) -> int:
+        return os.open(self.local_name(data), flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
 
-    def open_local_or_none(self, ino: int) -> int | None:
-        """For the lander (any thread): the file's bytes, None once its inode is gone."""
+    def open_local_or_none(self, data: int) -> int | None:
+        """For the lander and the replicas (any thread): the bytes, None once they are gone."""
         try:
-            return self.open_local(ino, os.O_RDONLY)
+            return self.open_local(data, os.O_RDONLY)
         except FileNotFoundError:
             return None
 
-    def stat_local(self, ino: int) -> os.stat_result:
-        return os.stat(self.local_name(ino), dir_fd=self.fd, follow_symlinks=False)
+    def stat_local(self, n: Node) -> os.stat_result:
+        return os.stat(self.local_name(n.data), dir_fd=self.fd, follow_symlinks=False)
+
+    def _new_data(self) -> int:
+        data = self._next
+        self._next += 1
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        os.close(os.open(self.local_name(data), flags, 0o600, dir_fd=self.fd))
+        self.used.add(data)
+        return data
+
+    def _drop_data(self, data: int) -> None:
+        if data not in self.used and not self.held.get(data):
+            self.held.pop(data, None)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.local_name(data), dir_fd=self.fd)
+
+    def hold(self, data: int) -> None:
+        """A put of `data` is pending: its bytes stay as they are."""
+        self.held[data] = self.held.get(data, 0) + 1
+
+    def release(self, data: int) -> None:
+        """That put landed (or was dropped)."""
+        self.held[data] = self.held.get(data, 1) - 1
+        self._drop_data(data)
+
+    def writable(self, n: Node, truncate: bool) -> None:
+        """Before `n` is written or truncated: new data if a pending put holds its bytes."""
+        if not self.held.get(n.data):
+            return
+        old, new = n.data, self._new_data()
+        if not truncate:
+            src, dst = self.open_local(old, os.O_RDONLY), self.open_local(new, os.O_WRONLY)
+            try:
+                size = os.fstat(src).st_size
+                copied = 0
+                while copied < size:
+                    k = os.copy_file_range(src, dst, size - copied, copied, copied)
+                    if k == 0:
+                        break
+                    copied += k
+            finally:
+                os.close(src)
+                os.close(dst)
+        n.use(new)
+        self.used.discard(old)
+        self._drop_data(old)
 
     # -- changes ---------------------------------------------------------------------------
 
@@ -160,11 +225,9 @@ class Tree:
     def create(self, parent: int, name: bytes, mode: int) -> Node:
         """A new empty file (its local file made O_EXCL); the caller opens it."""
         d = self._free_name(parent, name)
-        fd = os.open(self.local_name(self._next),
-                     os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                     dir_fd=self.fd)  # fmt: skip
-        os.close(fd)
+        data = self._new_data()
         n = self._add(d, name, False, mode)
+        n.use(data)
         n.mark()
         self.files += 1
         return n
@@ -191,8 +254,8 @@ class Tree:
             return
         self.nodes.pop(n.ino, None)
         if not n.is_dir:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.local_name(n.ino), dir_fd=self.fd)
+            self.used.discard(n.data)
+            self._drop_data(n.data)
             self.files -= 1
 
     def rename(self, parent: int, name: bytes, new_parent: int, new_name: bytes,
