@@ -10,7 +10,9 @@ compressible, as image datasets are), it shows the three things fanfs is for:
    epoch read straight from the local disk (the source directory: the fastest a job could
    read, and more than a shared file system gives it); then the second epoch, warm;
 3. nodes serving each other: two daemons (MPI ranks, here on one machine) each hold half of
-   the dataset; node 0 reads every file, half of them from node 1, every byte checked.
+   the dataset; node 0 reads every file, half of them from node 1, every byte checked;
+4. the job's writes: a checkpoint written through `fanfs output` at the speed of the local
+   disk, then landed, checked, on DEST (the shared file system's stand-in here).
 
 Exit status 0 only if every byte read matched the source and nothing is left mounted.
 Cold passes drop the kernel's caches, which only root may; as another user they read what
@@ -22,9 +24,11 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import random
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -144,12 +148,56 @@ def demo(work: Path, files: int) -> int:
                   f"{s['bad_files']} bad")  # fmt: skip
     else:
         print("\n3. two nodes: skipped (no mpirun on this machine)")
+
+    ok &= checkpoint(work)
     left = mounts.under(work)
     print(
         f"\ndemo: every byte {'matched' if ok else 'DID NOT MATCH'} the source; "
         f"{left if left else 'nothing'} left mounted; {time.perf_counter() - t0:.0f} s"
     )
     return 0 if ok and not left else 1
+
+
+CHECKPOINT_MB = 512
+
+
+def checkpoint(work: Path) -> bool:
+    """Step 4: one checkpoint written in one write, to the local disk and through `fanfs
+    output`, alternately (median of 3); then how long until it is at DEST."""
+    dest, out = work / "dest", work / "out"
+    dest.mkdir()
+    out.mkdir()
+    data = random.Random(4).randbytes(1 << 20) * CHECKPOINT_MB  # a model's weights, roughly
+    with open(work / "output.log", "wb") as log:
+        cmd = [*launch.FANFS, "output", dest, out, "--local", work / "local-out"]
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    times: dict[str, list[float]] = {"local": [], "fanfs": []}
+    try:
+        fanfs("wait", out, "--timeout", "30")
+        for i in range(3):
+            for side in ("local", "fanfs") if i % 2 == 0 else ("fanfs", "local"):
+                path = (work if side == "local" else out) / "ckpt.pt"
+                os.sync()
+                began = time.perf_counter()
+                with open(path, "wb") as f:
+                    f.write(data)
+                times[side].append(time.perf_counter() - began)
+                if side == "fanfs":
+                    fanfs("sync", out)
+                    landed = time.perf_counter() - began
+                    same = (dest / "ckpt.pt").read_bytes() == data
+                if i < 2:
+                    path.unlink()
+        fanfs("umount", out)
+    finally:
+        launch.stop_process(proc, [out], None)
+    local, through = (statistics.median(times[k]) for k in ("local", "fanfs"))
+    mb = CHECKPOINT_MB * 1.048576
+    exact = "exact" if same else "NOT EXACT"
+    print(f"\n4. a {mb:.0f} MB checkpoint written through fanfs output: {mb / through:.0f} MB/s, "
+          f"{local / through:.2f} of the local disk's\n   {mb / local:.0f} MB/s; at DEST, checked, "
+          f"{landed:.1f} s after it was opened; {exact}")  # fmt: skip
+    return same
 
 
 if __name__ == "__main__":
