@@ -34,6 +34,22 @@ def launched_size(environ: dict[str, str]) -> int:
     return 1
 
 
+def join(environ: dict[str, str]) -> World | None:
+    """The job's World when an MPI launcher started this process with more than one rank,
+    else None; MountFailed when the MPI library cannot serve fanfs."""
+    from fanfs import logs
+    from fanfs.errors import MountFailed
+
+    if launched_size(environ) <= 1:
+        return None
+    try:
+        world = World()
+    except RuntimeError as e:
+        raise MountFailed(str(e)) from None
+    logs.set_rank(world.rank, world.size)
+    return world
+
+
 class World:
     """COMM_WORLD for start-up collectives (main thread, before the transport thread starts)."""
 

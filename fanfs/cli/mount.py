@@ -18,7 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from fanfs import mounts
-from fanfs.cli.options import Subparsers, env_default, positive_float, positive_int, seconds, share
+from fanfs.cli.options import (
+    Subparsers,
+    env_default,
+    positive_float,
+    positive_int,
+    seconds,
+    share,
+    staging_options,
+)
 from fanfs.cli.reach import PROBE_TIMEOUT_S, ask
 from fanfs.errors import ExitCode, FanfsError, MountpointError, NotLanded, WaitTimeout
 
@@ -208,14 +216,9 @@ def add_parsers(sub: Subparsers) -> None:
     p = sub.add_parser("mount", help="serve an image at MOUNTPOINT (foreground)")
     p.add_argument("image", metavar="IMAGE")
     p.add_argument("mountpoint", metavar="MOUNTPOINT")
-    p.add_argument("--local", metavar="DIR",
-                   help="directory in which to create the private staging directory (default: "
-                   "$TMPDIR; env FANFS_LOCAL)")  # fmt: skip
+    staging_options(p)
     p.add_argument(
         "--keep-local", action="store_true", help="keep the staged copies after unmounting"
-    )
-    p.add_argument(
-        "--nonempty", action="store_true", help="mount over a non-empty directory (hiding it)"
     )
     p.add_argument(
         "--replicas",
@@ -242,7 +245,6 @@ def add_parsers(sub: Subparsers) -> None:
         help="how far planned epochs read ahead of the job (default: a tenth of the "
         "memory available at mount, 64 MiB to 4 GiB; env FANFS_PREFETCH_MB)",
     )
-    env_default(p, "local", "LOCAL", str, None)
     env_default(p, "replicas", "REPLICAS", positive_int, 1)
     env_default(p, "peer_timeout", "PEER_TIMEOUT", positive_float, 5.0)
     env_default(p, "linger", "LINGER", seconds, 60.0)

@@ -124,6 +124,17 @@ def env_default(
     p.set_defaults(**{_ENV_KEY + dest: (var, convert, fallback)})
 
 
+def staging_options(p: argparse.ArgumentParser) -> None:
+    """--local and --nonempty, as every daemon (mount, output) takes them."""
+    p.add_argument("--local", metavar="DIR",
+                   help="directory in which to create the private staging directory (default: "
+                   "$TMPDIR; env FANFS_LOCAL)")  # fmt: skip
+    p.add_argument(
+        "--nonempty", action="store_true", help="mount over a non-empty directory (hiding it)"
+    )
+    env_default(p, "local", "LOCAL", str, None)
+
+
 def resolve_env(args: argparse.Namespace) -> None:
     """Fill every option left unset from its environment variable (UsageError naming the
     variable if its value is bad), else its fallback."""

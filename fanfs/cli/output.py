@@ -13,7 +13,14 @@ import time
 from typing import Any
 
 from fanfs import mounts
-from fanfs.cli.options import Subparsers, env_default, positive_float, positive_int, seconds
+from fanfs.cli.options import (
+    Subparsers,
+    env_default,
+    positive_float,
+    positive_int,
+    seconds,
+    staging_options,
+)
 from fanfs.cli.reach import ask
 from fanfs.errors import ExitCode, MountpointError, NotLanded, WaitTimeout
 
@@ -121,12 +128,7 @@ def add_parsers(sub: Subparsers) -> None:
     )  # fmt: skip
     p.add_argument("dest", metavar="DEST")
     p.add_argument("mountpoint", metavar="MOUNTPOINT")
-    p.add_argument("--local", metavar="DIR",
-                   help="directory in which to create the private staging directory (default: "
-                   "$TMPDIR; env FANFS_LOCAL)")  # fmt: skip
-    p.add_argument(
-        "--nonempty", action="store_true", help="mount over a non-empty directory (hiding it)"
-    )
+    staging_options(p)
     p.add_argument("--replicas", type=positive_int, choices=(1, 2), metavar="R",
                    help="2: under MPI, also keep each closed file on the next rank until it is "
                    "at DEST (default: 1; env FANFS_OUTPUT_REPLICAS)")  # fmt: skip
@@ -136,7 +138,6 @@ def add_parsers(sub: Subparsers) -> None:
     p.add_argument("--drain", type=seconds, metavar="S",
                    help="after a stop signal, land what is left for at most this long, then "
                    "keep it locally (default: 60; env FANFS_DRAIN)")  # fmt: skip
-    env_default(p, "local", "LOCAL", str, None)
     env_default(p, "replicas", "OUTPUT_REPLICAS", positive_int, 1)
     env_default(p, "peer_timeout", "PEER_TIMEOUT", positive_float, 5.0)
     env_default(p, "drain", "DRAIN", seconds, 60.0)

@@ -33,7 +33,7 @@ from typing import Any
 
 import trio
 
-from fanfs import logs, mounts, placement
+from fanfs import mounts, placement
 from fanfs.catalog import Catalog
 from fanfs.errors import ExitCode, FanfsError, Interrupted, MountFailed, MountpointError
 from fanfs.node import assemble, fuse_ops
@@ -148,14 +148,9 @@ class Daemon:
     def _start_world(self) -> None:
         from fanfs import world as mpi
 
-        if mpi.launched_size(dict(os.environ)) <= 1:
-            return
-        try:
-            self.world = mpi.World()
-        except RuntimeError as e:
-            raise MountFailed(str(e)) from None
-        self.rank, self.size = self.world.rank, self.world.size
-        logs.set_rank(self.rank, self.size)
+        self.world = mpi.join(dict(os.environ))
+        if self.world is not None:
+            self.rank, self.size = self.world.rank, self.world.size
 
     def _load_catalog(self) -> Catalog:
         """Rank 0 reads and checks the image; everyone gets the catalog or rank 0's error."""

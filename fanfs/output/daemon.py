@@ -29,7 +29,7 @@ from typing import Any
 
 import trio
 
-from fanfs import logs, mounts
+from fanfs import mounts
 from fanfs.errors import ExitCode, FanfsError, Interrupted, MountFailed, MountpointError, NotLanded
 from fanfs.node.daemon import STOP_SIGNALS, check_mountpoint, expand, node_name
 from fanfs.node.staging import StagingDir, default_parent
@@ -127,17 +127,13 @@ class OutputDaemon:
     def _start_world(self) -> None:
         from fanfs import world as mpi
 
-        if mpi.launched_size(dict(os.environ)) <= 1:
+        self.world = mpi.join(dict(os.environ))
+        if self.world is None:
             if self.cfg.replicas > 1:
                 raise FanfsError("--replicas 2 needs an MPI launcher (mpirun, srun --mpi=pmix) "
                                  "with at least 2 ranks")  # fmt: skip
             return
-        try:
-            self.world = mpi.World()
-        except RuntimeError as e:
-            raise MountFailed(str(e)) from None
         self.rank, self.size = self.world.rank, self.world.size
-        logs.set_rank(self.rank, self.size)
 
     def _agree(self, error: FanfsError | None) -> None:
         if error is None and self.stop_signal:

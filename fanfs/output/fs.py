@@ -206,17 +206,17 @@ class OutputOperations(pyfuse3.Operations):
 
     @_edge
     async def rmdir(self, parent: int, name: bytes, ctx: Any) -> None:
-        self._room()
-        path = self.tree.path(self.tree.child(parent, name).ino)
-        self.tree.unlink(parent, name, want_dir=True)
-        self.lander.enqueue(RMDIR, path)
+        self._remove(parent, name, want_dir=True)
 
     @_edge
     async def unlink(self, parent: int, name: bytes, ctx: Any) -> None:
+        self._remove(parent, name, want_dir=False)
+
+    def _remove(self, parent: int, name: bytes, want_dir: bool) -> None:
         self._room()
         path = self.tree.path(self.tree.child(parent, name).ino)
-        self.tree.unlink(parent, name, want_dir=False)
-        self.lander.enqueue(UNLINK, path)
+        self.tree.unlink(parent, name, want_dir)
+        self.lander.enqueue(RMDIR if want_dir else UNLINK, path)
 
     @_edge
     async def rename(self, parent_old: int, name_old: bytes, parent_new: int, name_new: bytes,
