@@ -350,8 +350,11 @@ def test_a_full_local_disk_fails_writes_with_enospc_and_lands_no_torn_file(
             done = user.run(sys.executable, "-c", FILL, out.mnt)
             lines = done.stdout.split("\n")[:3]
             assert lines == ["big ENOSPC", "again ENOSPC", "small ok"], done.stdout + done.stderr
-            assert out.fanfs("umount", out.mnt).returncode == 0
-            assert out.proc.wait(30) == 0, out.log.read_text()
+            assert "ckpt.pt" in out.status()["failed_writes"]
+            done = out.fanfs("umount", out.mnt)  # unmounts, and says what is not at DEST
+            assert done.returncode == ExitCode.NOT_LANDED and "ckpt.pt" in done.stderr
+            assert out.proc.wait(30) == ExitCode.NOT_LANDED, out.log.read_text()
+            assert not mounts.find(out.mnt)
         finally:
             out.stop()
     finally:

@@ -175,6 +175,7 @@ def cmd_umount(args: argparse.Namespace) -> int:
         from fanfs.cli.output import drain
 
         drain(entry, args.timeout)  # NotLanded: the mount stays, nothing is lost
+        status = ask(entry) or status
     os.kill(pid, signal.SIGTERM)  # the daemon unmounts and removes its staged copies
     deadline = time.monotonic() + args.timeout
     while not _exited(pid):
@@ -185,6 +186,10 @@ def cmd_umount(args: argparse.Namespace) -> int:
         time.sleep(POLL_S)
     if mounts.find(mountpoint) is not None:
         _lazy_unmount(mountpoint)
+    if entry.fstype == mounts.OUTPUT_FSTYPE:
+        from fanfs.cli.output import failed_writes
+
+        failed_writes(entry, status)  # unmounted, but said: their close failed, DEST is older
     return ExitCode.OK
 
 

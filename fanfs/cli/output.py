@@ -85,9 +85,19 @@ def drain(entry: mounts.MountEntry, timeout: float) -> dict[str, Any]:
     return landing
 
 
+def failed_writes(entry: mounts.MountEntry, status: dict[str, Any] | None) -> None:
+    """NotLanded for files whose last write failed (their close said so): DEST keeps their
+    last good version until they are written again."""
+    failed = (status or {}).get("failed_writes") or []
+    if failed:
+        raise NotLanded(f"{entry.mountpoint}: files whose last write failed are not at DEST "
+                        f"(it keeps their last good version): {', '.join(failed)}")  # fmt: skip
+
+
 def cmd_sync(args: argparse.Namespace) -> int:
     entry = output_mount(mounts.canonical(args.mountpoint))
     landing = drain(entry, args.timeout)
+    failed_writes(entry, ask(entry))
     print(f"{entry.mountpoint}: everything closed is at DEST ({landing['landed_files']} "
           f"files, {landing['landed_bytes'] / 1e6:.1f} MB landed so far)")  # fmt: skip
     return ExitCode.OK
@@ -105,6 +115,9 @@ def render(status: dict[str, Any]) -> str:
         f"  backlog     {landing['backlog_files']} files, {landing['backlog_bytes'] / 1e6:.1f} MB"
         f" ({landing['backlog_ops']} changes), oldest {landing['oldest_s']} s",
     ]  # fmt: skip
+    if status.get("failed_writes"):
+        lines.append(f"  WRITE FAILED {', '.join(status['failed_writes'])} (not landed until "
+                     "written again)")  # fmt: skip
     if landing.get("failing"):
         f = landing["failing"]
         lines.append(

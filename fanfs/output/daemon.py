@@ -35,6 +35,7 @@ from fanfs.node.daemon import STOP_SIGNALS, check_mountpoint, expand, node_name
 from fanfs.node.staging import StagingDir, default_parent
 from fanfs.output import fs
 from fanfs.output.lander import PUT, Lander, Op
+from fanfs.output.replicas import MAX_HELD, Replicas
 from fanfs.output.tree import Tree
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ class OutputDaemon:
             "uptime_s": round(time.time() - self.started, 1), "files": self.tree.files,
             "open_handles": len(self.ops.handles) if self.ops else 0,
             "written_bytes": self.tree.bytes_written + fs.written(),
+            "failed_writes": self.ops.failed_files()[:20] if self.ops else [],
             "landing": self.lander.statistics(),
         }  # fmt: skip
         if self.replicas is not None:
@@ -175,8 +177,6 @@ class OutputDaemon:
             token = f"{self.rank}-{secrets.token_hex(4)}"
             on_enqueued: Any = None
             if cfg.replicas > 1:
-                from fanfs.output.replicas import Replicas
-
                 # A start-up collective: each rank learns its owner's token and DEST (which may
                 # differ per node: {node}), to land the owner's files there if it dies.
                 peers = self.world.allgather((token, str(self.dest)))
@@ -184,7 +184,9 @@ class OutputDaemon:
                 self.replicas = Replicas(self.world, staging, self.tree.open_local_or_none,
                                          owner_dest, owner_token, cfg.peer_timeout)  # fmt: skip
                 on_enqueued = self.replicas.enqueued
-            self.lander = Lander(dest_fd, self.tree.open_local_or_none, token, cfg.max_ops,
+            # With replicas, no more pending changes than the partner holds for us.
+            max_ops = cfg.max_ops if self.replicas is None else min(cfg.max_ops, MAX_HELD)
+            self.lander = Lander(dest_fd, self.tree.open_local_or_none, token, max_ops,
                                  on_enqueued=on_enqueued or (lambda op: None),
                                  on_landed=self._landed,
                                  marker=self.replicas is not None)  # fmt: skip
@@ -214,6 +216,10 @@ class OutputDaemon:
                     f"{len(files)} closed files not at {self.dest}, kept in {staging.path} "
                     f"(journal.json says where each belongs): {named}"
                 )
+            failed = self.ops.failed_files()
+            if failed:
+                why.append(f"{len(failed)} files whose last write failed, not landed (DEST keeps "
+                           f"their last good version): {', '.join(failed[:10])}")  # fmt: skip
             if self.replicas is not None and self.replicas.failed:
                 why.append(f"rank {self.replicas.owner}'s changes held here not landed "
                            f"({self.replicas.failed}), kept in {staging.path}")  # fmt: skip
@@ -227,22 +233,32 @@ class OutputDaemon:
         if self.replicas is not None:
             self.replicas.landed(op)
 
-    def _keep(self, staging: StagingDir, ops: list[Op]) -> None:
+    @staticmethod
+    def _keep(staging: StagingDir, name: str, dest: Path, ops: list[Op],
+              local_name: str = "o<ino>") -> None:  # fmt: skip
         staging.keep_contents()
-        fd = os.open("journal.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600,
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600,
                      dir_fd=staging.fd)  # fmt: skip
         with os.fdopen(fd, "w") as f:
-            json.dump({"dest": str(self.dest), "local_name": "o<ino>",
+            json.dump({"dest": str(dest), "local_name": local_name,
                        "ops": [op.to_json() for op in ops]}, f, indent=1)  # fmt: skip
 
     def _close_staging(self, staging: StagingDir) -> None:
         """However the daemon ends (an exception too): what did not land is kept."""
         if self.lander is not None and self.lander.journal:
             try:
-                self._keep(staging, list(self.lander.journal))
+                self._keep(staging, "journal.json", self.dest, list(self.lander.journal))
             except OSError as e:
                 staging.keep_contents()
                 log.error("journal.json not written in %s: %s", staging.path, e.strerror)
+        rep = self.replicas
+        if rep is not None and rep.holding and (staging.keep or rep.failed):
+            try:  # a dead or slow partner's copies, and where they belong
+                self._keep(staging, "held.json", Path(rep.owner_dest), rep.holding,
+                           local_name=f"r{rep.owner}-<seq>")  # fmt: skip
+            except OSError as e:
+                staging.keep_contents()
+                log.error("held.json not written in %s: %s", staging.path, e.strerror)
         if not staging.keep and self.tree is not None:
             for name in os.listdir(staging.fd):
                 with contextlib.suppress(OSError):
@@ -271,7 +287,7 @@ class OutputDaemon:
             self.phase = "draining"
             self._unmount()
             assert self.ops is not None
-            self.ops.put_settled(everything=True)  # closed, their RELEASE not seen
+            self.ops.put_settled()  # closed, their RELEASE not seen
             with trio.move_on_after(self.cfg.drain) as self._drain_scope:
                 self.lander.poke()
                 await self.lander.wait_landed(self.lander.enqueued)
@@ -279,8 +295,8 @@ class OutputDaemon:
                 left = self.lander.enqueued - self.lander.landed
                 with trio.CancelScope() as self._drain_scope:
                     await self.replicas.finish(self.cfg.drain, not left, self.lander.landed)
-                if not left:
-                    self.lander.forget_marker()
+                if not left and self.replicas.partner in self.replicas.dead:
+                    self.lander.forget_marker()  # no partner left to read it (or remove it)
             self.phase = "closing"
             nursery.cancel_scope.cancel()
 

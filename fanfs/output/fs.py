@@ -40,6 +40,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import pyfuse3
+import trio
 
 from fanfs import mounts
 from fanfs.native import lib
@@ -95,6 +96,8 @@ class OutputOperations(pyfuse3.Operations):
         self.lander = lander
         self._status = status
         self.handles: dict[int, int] = {}  # fh (an fd of the local file) -> inode
+        self.writers: set[int] = set()  # handles opened for writing
+        self.flushed: set[int] = set()  # handles closed (FLUSH) since their last write
         self.uid, self.gid = os.geteuid(), os.getegid()
         # Awaited after a put is enqueued at close: replicas.py sends the partner a copy.
         self.replicate = replicate
@@ -146,7 +149,7 @@ class OutputOperations(pyfuse3.Operations):
             n.chmod(attr.st_mode)
         if not n.is_dir:
             if fields.update_size:
-                self._truncate(n, attr.st_size)
+                await self._truncate(n, attr.st_size)
             if fields.update_mtime or fields.update_atime:
                 st = self.tree.stat_local(n)
                 fd = self.tree.open_local(n.data, os.O_RDONLY)
@@ -163,17 +166,39 @@ class OutputOperations(pyfuse3.Operations):
             self._put(n)  # a truncate or chmod of a closed file: DEST sees it too
         return self._attrs(n)
 
-    def _truncate(self, n: Node, size: int) -> None:
+    async def _truncate(self, n: Node, size: int) -> None:
         """Through the node's data, not a handle's: a handle may name data a put holds."""
-        self.tree.writable(n, truncate=size == 0)
+        await self._writable(n, truncate=size == 0)
         fd = self.tree.open_local(n.data, os.O_WRONLY)
         try:
             os.ftruncate(fd, size)
         finally:
             os.close(fd)
-        if size == 0:
-            n.poison(0)  # nothing left of a failed write
+        if size == 0:  # nothing left of a failed write: its marks go too
+            for fh in self._handles_of(n):
+                lib.front_take_error(fh)
+            n.poison(0)
         n.mark()
+
+    async def _writable(self, n: Node, truncate: bool) -> None:
+        """Before `n` is written: new data if a pending put holds its bytes and no handle of
+        it is open (tree.py says why); the copy runs in a worker thread."""
+        if not self.tree.needs_new_data(n) or self._handles_of(n):
+            return
+        old, new = n.data, self.tree.new_data()
+        try:
+            if not truncate:
+                await trio.to_thread.run_sync(self.tree.copy_data, old, new)
+        except BaseException:
+            self.tree.discard_data(new)
+            raise
+        if n.data == old and not self._handles_of(n):
+            self.tree.switch(n, new)
+        else:
+            self.tree.discard_data(new)
+
+    def _handles_of(self, n: Node) -> list[int]:
+        return [fh for fh, ino in self.handles.items() if ino == n.ino]
 
     # -- directories -----------------------------------------------------------------------
 
@@ -246,13 +271,16 @@ class OutputOperations(pyfuse3.Operations):
         if self.lander.full():
             raise pyfuse3.FUSEError(errno.ENOSPC)  # the journal's bound (memory)
 
-    def _open_fh(self, n: Node, flags: int) -> int:
+    async def _open_fh(self, n: Node, flags: int) -> int:
+        writes = bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC))
         if flags & os.O_TRUNC:
-            self._truncate(n, 0)
-        elif flags & (os.O_WRONLY | os.O_RDWR):
-            self.tree.writable(n, truncate=False)
+            await self._truncate(n, 0)
+        elif writes:
+            await self._writable(n, truncate=False)
         fd = self.tree.open_local(n.data)
         self.handles[fd] = n.ino
+        if writes:
+            self.writers.add(fd)
         n.opened()
         return fd
 
@@ -261,7 +289,7 @@ class OutputOperations(pyfuse3.Operations):
                      ctx: Any) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:  # fmt: skip
         self._room()
         n = self.tree.create(parent, name, mode)
-        fi = pyfuse3.FileInfo(fh=self._open_fh(n, flags), direct_io=True)
+        fi = pyfuse3.FileInfo(fh=await self._open_fh(n, flags), direct_io=True)
         return fi, self._attrs(n)
 
     @_edge
@@ -271,7 +299,7 @@ class OutputOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EISDIR)
         if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC):
             self._room()
-        return pyfuse3.FileInfo(fh=self._open_fh(n, flags), direct_io=True)
+        return pyfuse3.FileInfo(fh=await self._open_fh(n, flags), direct_io=True)
 
     @_edge
     async def read(self, fh: int, off: int, size: int) -> bytes:
@@ -281,6 +309,7 @@ class OutputOperations(pyfuse3.Operations):
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         n = os.pwrite(fh, buf, off)
         node = self.tree.nodes.get(self.handles.get(fh, 0))
+        self.flushed.discard(fh)
         if node is not None:
             node.mark(wrote=True)
         self.tree.wrote(n)
@@ -291,8 +320,10 @@ class OutputOperations(pyfuse3.Operations):
         poisoned if a write behind through it failed (the front has put every write answered
         so far into its file before it forwards this request)."""
         n = self.tree.nodes.get(self.handles.get(fh, 0))
-        if lib.front_take_written(fh) and n is not None:
-            n.mark(wrote=True)
+        if lib.front_take_written(fh):
+            self.flushed.discard(fh)
+            if n is not None:
+                n.mark(wrote=True)
         err = lib.front_take_error(fh)
         if err and n is not None:
             log.warning("a write to %s failed: %s; it is not landed until it is written "
@@ -300,11 +331,21 @@ class OutputOperations(pyfuse3.Operations):
             n.poison(err)
         return n
 
-    @staticmethod
-    def _check(n: Node | None) -> None:
-        """A close or fsync of a file whose write failed fails too, every time."""
-        if n is not None and n.failed:
+    def _check(self, n: Node | None, fh: int) -> None:
+        """A close or fsync, through a handle for writing, of a file whose write failed
+        fails too, every time (a reader's close does not)."""
+        if n is not None and n.failed and fh in self.writers:
             raise pyfuse3.FUSEError(n.failed)
+
+    def _refresh(self, n: Node) -> None:
+        """What the front knows of every handle of `n`: written, failed."""
+        for fh in self._handles_of(n):
+            self._written(fh)
+
+    def failed_files(self) -> list[str]:
+        """Files whose last write failed: not landed (DEST keeps their last good version)."""
+        return [os.fsdecode(self.tree.path(n.ino)) for n in self.tree.nodes.values()
+                if not n.is_dir and n.linked and n.failed]  # fmt: skip
 
     def _name(self, n: Node | None) -> str:
         return os.fsdecode(self.tree.path(n.ino)) if n is not None and n.linked else "a file"
@@ -312,6 +353,7 @@ class OutputOperations(pyfuse3.Operations):
     def _put(self, n: Node) -> Op | None:
         """Enqueue `n`'s bytes for DEST (if it still has a name and no failed write); the
         put holds its data until it lands."""
+        self._refresh(n)
         if not n.linked or n.failed:
             return None
         n.mark(False)
@@ -320,15 +362,21 @@ class OutputOperations(pyfuse3.Operations):
         self.tree.hold(n.data)
         return op
 
-    def put_settled(self, everything: bool = False) -> int:
-        """Enqueue the files changed but not being written (created, truncated or chmod-ed
-        and closed, whose RELEASE may not have come yet), or with `everything` every changed
-        file (at the end): a sync or an unmount must not miss them. How many."""
-        nodes = [n for n in self.tree.nodes.values() if not n.is_dir and n.dirty and n.linked
-                 and not n.failed and (everything or not n.wrote)]  # fmt: skip
-        for n in nodes:
+    def put_settled(self) -> int:
+        """Enqueue the files changed whose every handle has been closed since it was last
+        written (a file created or truncated and closed, whose RELEASE has not come yet): a
+        sync or an unmount must not miss them, nor land a file still being written. How
+        many."""
+        settled = []
+        for n in self.tree.nodes.values():
+            if n.is_dir or not n.dirty or not n.linked:
+                continue
+            self._refresh(n)
+            if not n.failed and all(fh in self.flushed for fh in self._handles_of(n)):
+                settled.append(n)
+        for n in settled:
             self._put(n)
-        return len(nodes)
+        return len(settled)
 
     @_edge
     async def flush(self, fh: int) -> None:
@@ -337,7 +385,8 @@ class OutputOperations(pyfuse3.Operations):
         # truncate alone: dd, say, closes a dup of a new file before writing to it, and DEST
         # would see the empty file first (RELEASE lands those).
         n = self._written(fh)
-        self._check(n)
+        self._check(n, fh)
+        self.flushed.add(fh)
         if n is not None and n.wrote:
             op = self._put(n)
             if op is not None and self.replicate is not None:
@@ -346,7 +395,7 @@ class OutputOperations(pyfuse3.Operations):
     @_edge
     async def fsync(self, fh: int, datasync: bool) -> None:
         n = self._written(fh)
-        self._check(n)
+        self._check(n, fh)
         if n is None or not n.linked:
             return
         op = self._put(n)
@@ -364,6 +413,8 @@ class OutputOperations(pyfuse3.Operations):
     async def release(self, fh: int) -> None:
         n = self._written(fh)
         self.handles.pop(fh, None)
+        self.writers.discard(fh)
+        self.flushed.discard(fh)
         os.close(fh)
         if n is None:
             return

@@ -147,6 +147,12 @@ def copy_checked(src: int, dst: int) -> tuple[int, int]:
         crc = zlib.crc32(data, crc)
 
 
+def _version(fd: int) -> tuple[int, int, int]:
+    """What changes when a file is written: size, mtime, ctime (fine-grained on this kernel)."""
+    st = os.fstat(fd)
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
 def read_crc(fd: int) -> tuple[int, int]:
     """(size, CRC-32) of what `fd` holds, read back (from storage where the kernel lets us)."""
     with contextlib.suppress(OSError):
@@ -228,6 +234,7 @@ def _put(root_fd: int, op: Op, open_local: Callable[[int], int | None], token: s
             flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
             out = os.open(tmp, flags, 0o600, dir_fd=fd)
             try:
+                before = _version(src)
                 size, crc = copy_checked(src, out)
                 os.fsync(out)
                 back = read_crc(out)
@@ -235,11 +242,22 @@ def _put(root_fd: int, op: Op, open_local: Callable[[int], int | None], token: s
                     raise LandingError(f"{os.fsdecode(op.path)}: read back {back[0]} bytes "
                                        f"(crc {back[1]:08x}) at DEST, wrote {size} (crc "
                                        f"{crc:08x})")  # fmt: skip
+                if _version(src) != before:
+                    # Written meanwhile (through a handle opened before the close that
+                    # enqueued this put): not what was closed. The close after that write
+                    # enqueues the next put; DEST keeps what it has until then.
+                    log.info("%s changed while it was copied: left to its next close",
+                             os.fsdecode(op.path))  # fmt: skip
+                    os.close(out)
+                    out = -1
+                    os.unlink(tmp, dir_fd=fd)
+                    return 0
                 os.fchmod(out, op.mode & 0o777)
                 st = os.fstat(src)
                 os.utime(out, ns=(st.st_atime_ns, st.st_mtime_ns))
             finally:
-                os.close(out)
+                if out >= 0:
+                    os.close(out)
             os.rename(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
             os.fsync(fd)
         except BaseException:
@@ -361,6 +379,9 @@ class Lander:
 
     async def run(self) -> None:
         """Land the journal, in order, for ever (cancelled by the daemon at the end)."""
+        if self.marker:  # from the start: a missing marker means "unknown", not "nothing"
+            with contextlib.suppress(OSError):
+                await trio.to_thread.run_sync(write_marker, self.dest_fd, self.token, 0)
         while True:
             while not self.journal:
                 await self._changed.wait()
@@ -400,7 +421,7 @@ class Lander:
         return n
 
     def forget_marker(self) -> None:
-        """At a clean end, everything landed: DEST needs no record of it."""
+        """Remove this daemon's marker from DEST (its partner, which would, is gone)."""
         if self.marker:
             remove_marker(self.dest_fd, self.token)
 

@@ -75,8 +75,10 @@ HEADER = struct.Struct("<BQIIIHH")  # kind, seq, part, parts, mode, len(path), l
 PATH_MAX = 4096
 MESSAGE_MAX = HEADER.size + 2 * PATH_MAX + PIECE
 PARTS_MAX = (1 << 40) // PIECE  # a file of 1 TiB at most
-MAX_HELD = 1 << 16  # ops held for the owner, and their paths' bytes at most HELD_PATH_BYTES:
-HELD_PATH_BYTES = 64 << 20  # a peer cannot grow our memory without bound
+# Ops held for the owner, and their paths' bytes at most: a peer cannot grow our memory without
+# bound (an owner's journal is capped at MAX_HELD with replicas: more changes fail ENOSPC).
+MAX_HELD = 1 << 14
+HELD_PATH_BYTES = 64 << 20
 M_PUT, M_HELD, M_LANDED, M_BYE, M_HB = 1, 2, 3, 4, 5
 M_OPS = {RENAME: 6, UNLINK: 7, MKDIR: 8, RMDIR: 9}
 OPS_M = {v: k for k, v in M_OPS.items()}
@@ -193,9 +195,10 @@ class Replicas:
             event.set()
 
     async def finish(self, drain_s: float, all_landed: bool, landed: int) -> None:
-        """After the unmount: say bye to the partner if everything of ours is at DEST, wait
-        for the owner's bye (at most `drain_s`, less if it is dead), then land what the owner
-        left."""
+        """After the unmount: say bye to the partner if everything of ours is at DEST, and
+        wait (at most `drain_s`) for the owner's bye. If it comes, the owner landed all it
+        had; if the owner is dead (silent for the peer timeout), land what it left; if it is
+        alive and still landing, keep the copies (held.json) and let it finish."""
         if all_landed:
             self._out.put(("bye", landed))
         deadline = trio.current_time() + drain_s
@@ -208,13 +211,28 @@ class Replicas:
         self._stop.set()
         if self._thread is not None:
             await trio.to_thread.run_sync(self._thread.join)
-        if self.holding and not self.owner_done:
-            with trio.move_on_after(drain_s) as scope:
-                await trio.to_thread.run_sync(self._land_owners, abandon_on_cancel=True)
-            if scope.cancelled_caught:
-                self.failed = f"not done within {drain_s:g} s"
-            if self.failed:
-                self.staging.keep_contents()
+        if self.owner_done or not self.holding:
+            with contextlib.suppress(OSError):
+                await trio.to_thread.run_sync(self._remove_owner_marker)
+            return
+        if self.owner not in self.dead:
+            log.warning("rank %d is still landing %d changes: its copies stay in %s (held.json)",
+                        self.owner, len(self.holding), self.staging.path)  # fmt: skip
+            self.staging.keep_contents()
+            return
+        with trio.move_on_after(drain_s) as scope:
+            await trio.to_thread.run_sync(self._land_owners, abandon_on_cancel=True)
+        if scope.cancelled_caught:
+            self.failed = f"not done within {drain_s:g} s"
+        if self.failed:
+            self.staging.keep_contents()
+
+    def _remove_owner_marker(self) -> None:
+        fd = open_dest_dir(self.owner_dest)
+        try:
+            remove_marker(fd, self.owner_token)
+        finally:
+            os.close(fd)
 
     # -- the MPI thread --------------------------------------------------------------------
 

@@ -7,8 +7,11 @@ only the namespace.
 
 A put (lander.py) lands the local file it names, as it is when it lands, so the bytes of a
 put must not change until then: each put holds a reference to its data (`hold`, `release`),
-and a file opened for writing while a put of its data is pending gets new data first
-(`writable`: an empty local file for O_TRUNC, a copy otherwise). A local file goes when no
+and a file opened for writing while a put of its data is pending, and no other handle of it
+is open, gets new data first (`new_data`, `copy_data`, `switch`: an empty local file for
+O_TRUNC, a copy otherwise). Handles already open keep their data (their fds name it), so a
+file written through several at once is not switched: the lander then sees the bytes change
+under a put and skips it (lander.py), and the next close lands them. A local file goes when no
 inode uses it (unlinked, not open) and no pending put holds it.
 
 A file whose write failed (ENOSPC, EIO: `poison`) is not put until it is truncated: DEST
@@ -180,27 +183,39 @@ class Tree:
         self.held[data] = self.held.get(data, 1) - 1
         self._drop_data(data)
 
-    def writable(self, n: Node, truncate: bool) -> None:
-        """Before `n` is written or truncated: new data if a pending put holds its bytes."""
-        if not self.held.get(n.data):
-            return
-        old, new = n.data, self._new_data()
-        if not truncate:
-            src, dst = self.open_local(old, os.O_RDONLY), self.open_local(new, os.O_WRONLY)
-            try:
-                size = os.fstat(src).st_size
-                copied = 0
-                while copied < size:
-                    k = os.copy_file_range(src, dst, size - copied, copied, copied)
-                    if k == 0:
-                        break
-                    copied += k
-            finally:
-                os.close(src)
-                os.close(dst)
+    def needs_new_data(self, n: Node) -> bool:
+        """Whether `n` must get new data before it is written: a pending put holds its bytes."""
+        return bool(self.held.get(n.data))
+
+    def new_data(self) -> int:
+        """An empty local file for `switch` (`copy_data` fills it, in a worker thread)."""
+        return self._new_data()
+
+    def copy_data(self, old: int, new: int) -> None:
+        """`old`'s bytes into `new` (any thread: both are the caller's until `switch`)."""
+        src, dst = self.open_local(old, os.O_RDONLY), self.open_local(new, os.O_WRONLY)
+        try:
+            size, copied = os.fstat(src).st_size, 0
+            while copied < size:
+                k = os.copy_file_range(src, dst, size - copied, copied, copied)
+                if k == 0:
+                    break
+                copied += k
+        finally:
+            os.close(src)
+            os.close(dst)
+
+    def switch(self, n: Node, new: int) -> None:
+        """`n` uses `new` from now on; its old data goes once no put holds it."""
+        old = n.data
         n.use(new)
         self.used.discard(old)
         self._drop_data(old)
+
+    def discard_data(self, data: int) -> None:
+        """New data that was not switched to (its copy failed)."""
+        self.used.discard(data)
+        self._drop_data(data)
 
     # -- changes ---------------------------------------------------------------------------
 
