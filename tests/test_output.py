@@ -280,7 +280,7 @@ def test_replicas_land_a_killed_nodes_closed_file(user: User, work: Path) -> Non
 
 
 def test_a_peers_message_is_checked_as_data() -> None:
-    from fanfs.output import replicas as r
+    from fanfs.output import messages as r
 
     good = r.encode(r.M_PUT, 7, b"ckpt/a.pt", mode=0o4755, part=1, parts=3, data=b"xyz")
     kind, seq, part, parts, mode, path, _, data = r.decode(good)
@@ -429,7 +429,8 @@ def test_a_holder_skips_what_its_dead_owner_landed(tmp_path: Path) -> None:
     import types
 
     from fanfs.node.staging import StagingDir
-    from fanfs.output import lander, replicas
+    from fanfs.output import dest as lander
+    from fanfs.output import messages, replicas
 
     dest = tmp_path / "dest"
     dest.mkdir()
@@ -444,7 +445,7 @@ def test_a_holder_skips_what_its_dead_owner_landed(tmp_path: Path) -> None:
         if kind == "put":
             rep._hold_piece(seq, path, 0o644, 0, 1, memoryview(f"{seq}".encode()))
         else:
-            rep._receive(0, (replicas.M_OPS[kind], seq, 0, 0, 0, path, new, memoryview(b"")))
+            rep._receive(0, (messages.M_OPS[kind], seq, 0, 0, 0, path, new, memoryview(b"")))
     fd = lander.open_dest_dir(str(dest))
     lander.write_marker(fd, "0-abcd", 3)  # the owner landed 1-3, its LANDED never arrived
     os.close(fd)

@@ -249,10 +249,11 @@ MOUNT_OPTIONS = {"fsname=fanfs", "subtype=fanfs", "ro", "default_permissions", "
 _session_open = False
 
 
-def mount(ops: FanfsOperations, mountpoint: str) -> None:
-    """Mount `ops` at `mountpoint` (RuntimeError if the kernel refuses)."""
+def mount(ops: pyfuse3.Operations, mountpoint: str, options: set[str] = MOUNT_OPTIONS) -> None:
+    """Mount `ops` at `mountpoint` (RuntimeError if the kernel refuses); the output daemon
+    (output/fs.py) mounts its own operations with its own options."""
     global _session_open
-    pyfuse3.init(ops, mountpoint, set(pyfuse3.default_options) | MOUNT_OPTIONS)
+    pyfuse3.init(ops, mountpoint, set(pyfuse3.default_options) | options)
     _session_open = True
 
 

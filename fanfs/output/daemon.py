@@ -31,10 +31,13 @@ import trio
 
 from fanfs import mounts
 from fanfs.errors import ExitCode, FanfsError, Interrupted, MountFailed, MountpointError, NotLanded
+from fanfs.native import lib
+from fanfs.node import fuse_ops
 from fanfs.node.daemon import STOP_SIGNALS, check_mountpoint, expand, node_name
 from fanfs.node.staging import StagingDir, default_parent
 from fanfs.output import fs
-from fanfs.output.lander import PUT, Lander, Op
+from fanfs.output.dest import PUT, Op
+from fanfs.output.lander import Lander
 from fanfs.output.replicas import MAX_HELD, Replicas
 from fanfs.output.tree import Tree
 
@@ -97,7 +100,7 @@ class OutputDaemon:
             "dest": str(self.dest), "serving": self.phase == "serving", "phase": self.phase,
             "uptime_s": round(time.time() - self.started, 1), "files": self.tree.files,
             "open_handles": len(self.ops.handles) if self.ops else 0,
-            "written_bytes": self.tree.bytes_written + fs.written(),
+            "written_bytes": self.tree.bytes_written + _front_written(),
             "failed_writes": self.ops.failed_files()[:20] if self.ops else [],
             "landing": self.lander.statistics(),
         }  # fmt: skip
@@ -198,13 +201,13 @@ class OutputDaemon:
             )
             error = None
             try:
-                fs.mount(self.ops, str(self.mountpoint))
+                fuse_ops.mount(self.ops, str(self.mountpoint), fs.MOUNT_OPTIONS)
                 self._mounted = True
                 stack.callback(self._unmount)
             except RuntimeError as e:
                 error = MountFailed(f"{self.mountpoint}: cannot mount: {e}")
             self._agree(error)
-            self._front = fs.start_front(stack)
+            self._front = _start_front(stack)
             log.info("output %s: files land at %s, local %s", self.mountpoint, self.dest,
                      staging.path)  # fmt: skip
             trio.run(self._serve)
@@ -272,8 +275,8 @@ class OutputDaemon:
             self._mounted = False
             if self._front:
                 self._front = False
-                fs.stop_front()
-            fs.unmount()
+                _stop_front()
+            fuse_ops.unmount()
 
     async def _serve(self) -> None:
         assert self.lander is not None
@@ -283,7 +286,7 @@ class OutputDaemon:
             if self.replicas is not None:
                 await nursery.start(self.replicas.run)
             self.phase = "serving"
-            await fs.serve()
+            await fuse_ops.serve()
             self.phase = "draining"
             self._unmount()
             assert self.ops is not None
@@ -304,7 +307,7 @@ class OutputDaemon:
         with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
             task_status.started()
             if self.stop_signal:
-                fs.terminate()
+                fuse_ops.terminate()
             async for signum in signals:
                 if not self.stop_signal:
                     self.stop_signal = signum
@@ -312,7 +315,7 @@ class OutputDaemon:
                         "%s: unmounting, then landing what is left", signal.Signals(signum).name
                     )
                 if self.phase == "serving":
-                    fs.terminate()
+                    fuse_ops.terminate()
                 elif self.phase == "draining":
                     self._drain_scope.cancel()  # a second signal: stop waiting, keep the rest
 
@@ -321,3 +324,38 @@ def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
+
+
+# -- the front: C threads answering WRITEs (fanfs/csrc/front.c, writes.c) ----------------------
+# One thread takes requests (a WRITE costs it a buffer swap and an answer); its writer thread
+# does the pwrites. Polling the device after a request (spin) did not help writes: no spin.
+FRONT_THREADS = 1
+
+
+def _start_front(stack: contextlib.ExitStack) -> bool:
+    """Let the front's C threads answer WRITEs (after the mount); False (and a warning) if
+    they cannot: pyfuse3 then reads every request itself."""
+    if fuse_ops.RECEIVER is None:
+        return False
+    install, session_fd = fuse_ops.RECEIVER
+    try:
+        lib.front_writes(True)
+        ready = lib.front_start(session_fd(), FRONT_THREADS, 0)
+    except OSError as e:
+        log.warning("front threads unavailable, writes go through the event loop: %s", e)
+        return False
+    stack.callback(lib.front_close)  # after trio is done with the receiver's fd
+    install(lib.receiver(), ready)
+    return True
+
+
+def _stop_front() -> None:
+    """Before the unmount: pyfuse3 reads the device again, the threads stop."""
+    assert fuse_ops.RECEIVER is not None
+    fuse_ops.RECEIVER[0](None, -1)
+    lib.front_stop()
+
+
+def _front_written() -> int:
+    """Bytes the front wrote."""
+    return int(lib.front_written())

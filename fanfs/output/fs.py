@@ -2,8 +2,9 @@
 FUSEError out; and its FUSE session (mount, serve, terminate, unmount).
 
 The dataset mount's adapter is node/fuse_ops.py; this is the output wing's own (an output
-daemon is a process of its own: pyfuse3 holds one session per process). Together they are the
-only modules that import pyfuse3.
+daemon is a process of its own), and it uses fuse_ops's session functions (mount, serve,
+terminate, unmount) and its receiver hook. Together they are the only modules that import
+pyfuse3.
 
 POSIX for one writer: create, write, read back, truncate, rename (RENAME_NOREPLACE too), unlink,
 mkdir, rmdir, chmod, utimes, fsync, statfs. Hard links, symlinks and device nodes are refused
@@ -29,7 +30,6 @@ file under the mount is refused (ENODEV).
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import functools
 import json
@@ -44,7 +44,8 @@ import trio
 
 from fanfs import mounts
 from fanfs.native import lib
-from fanfs.output.lander import MKDIR, PUT, RENAME, RMDIR, UNLINK, Lander, LandingError, Op
+from fanfs.output.dest import MKDIR, PUT, RENAME, RMDIR, UNLINK, LandingError, Op
+from fanfs.output.lander import Lander
 from fanfs.output.tree import ROOT, Node, Tree, TreeError
 
 log = logging.getLogger(__name__)
@@ -56,9 +57,6 @@ TIMEOUT_S = 60.0  # entries and attributes: only this daemon changes the namespa
 BLKSIZE = 1 << 20  # st_blksize: writers size their buffers from it (1 MiB: one FUSE WRITE)
 FSYNC_GIVE_UP = 1  # fsync answers EIO after the put's first failed attempt (landing goes on)
 _RENAME_NOREPLACE = getattr(os, "RENAME_NOREPLACE", 1)
-# One thread takes requests (a WRITE costs it a buffer swap and an answer); its writer thread
-# does the pwrites. Polling the device after a request (spin) did not help writes: no spin.
-FRONT_THREADS = 1
 
 Handler = TypeVar("Handler", bound=Callable[..., Awaitable[Any]])
 
@@ -457,58 +455,7 @@ class OutputOperations(pyfuse3.Operations):
         return None
 
 
-# -- the session -------------------------------------------------------------------------------
-# nosuid, nodev as the dataset mount; default_permissions: the kernel checks modes.
-FSTYPE = mounts.OUTPUT_FSTYPE
+# -- the session: the dataset mount's (node/fuse_ops.py), with this mount's options ----------
+# nosuid, nodev as the dataset mount, but writable; default_permissions: the kernel checks modes.
 MOUNT_OPTIONS = {"fsname=fanfs-output", "subtype=fanfs-output", "default_permissions",
                  "nosuid", "nodev"}  # fmt: skip
-_session_open = False
-
-
-def mount(ops: OutputOperations, mountpoint: str) -> None:
-    global _session_open
-    pyfuse3.init(ops, mountpoint, set(pyfuse3.default_options) | MOUNT_OPTIONS)
-    _session_open = True
-
-
-async def serve() -> None:
-    await pyfuse3.main()
-
-
-def start_front(stack: contextlib.ExitStack) -> bool:
-    """Let the front's C threads answer WRITEs (after `mount`); False (and a warning) if they
-    cannot: pyfuse3 then reads every request itself."""
-    if not hasattr(pyfuse3, "set_receiver"):
-        return False
-    try:
-        lib.front_writes(True)
-        ready = lib.front_start(pyfuse3.session_fileno(), FRONT_THREADS, 0)  # type: ignore[attr-defined]
-    except OSError as e:
-        log.warning("front threads unavailable, writes go through the event loop: %s", e)
-        return False
-    stack.callback(lib.front_close)  # after trio is done with the receiver's fd
-    pyfuse3.set_receiver(lib.receiver(), ready)
-    return True
-
-
-def stop_front() -> None:
-    """Before the unmount: pyfuse3 reads the device again, the threads stop."""
-    pyfuse3.set_receiver(None, -1)  # type: ignore[attr-defined]
-    lib.front_stop()
-
-
-def written() -> int:
-    """Bytes the front wrote."""
-    return int(lib.front_written())
-
-
-def terminate() -> None:
-    if _session_open:
-        pyfuse3.terminate()
-
-
-def unmount() -> None:
-    global _session_open
-    if _session_open:
-        _session_open = False
-        pyfuse3.close(unmount=True)

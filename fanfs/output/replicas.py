@@ -2,9 +2,8 @@
 DEST, so a node that dies before landing it loses nothing that was closed.
 
 Ring: rank r sends copies to its partner r+1 (mod size) and holds copies for r-1. Messages
-are bytes (never pickles: a peer's message is data, checked before use), one tag, through the
-World's point-to-point calls; one MPI thread makes them all. Each is a HEADER (kind, seq, part,
-parts, mode, path and new lengths) then the path, the new path and a piece of file:
+are bytes (never pickles: a peer's message is data, checked before use; messages.py), one tag,
+through the World's point-to-point calls; one MPI thread makes them all:
 - owner -> holder: PUT seq, path, mode, piece `part` of `parts` (PIECE bytes each); an op
   (RENAME, UNLINK, MKDIR, RMDIR) with its paths; LANDED seq: every op up to seq is at DEST;
   BYE seq: the owner is done, everything is at DEST; HB every HEARTBEAT_S, so a holder can
@@ -27,7 +26,7 @@ their order, into the owner's DEST (every rank's DEST and token are exchanged at
 once the owner is gone (dead: silent for the peer timeout) or has not said "bye" within the
 drain time. A sequence of ops is not safe to apply twice (unlink old, rename new to old: again,
 and the wrong file is gone), so the owner records at DEST how far it has landed, after each op
-(lander.py's marker), and the holder skips every op up to that record, read again before each
+(dest.py's marker), and the holder skips every op up to that record, read again before each
 op; only the op the owner was applying when it died may be applied twice, and each op alone
 is idempotent. A put whose pieces did not all arrive was never closed by its writer (the close
 waits for "held"): it is skipped.
@@ -44,7 +43,6 @@ import contextlib
 import logging
 import os
 import queue
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -53,12 +51,8 @@ from typing import Any
 import trio
 
 from fanfs.node.staging import StagingDir
-from fanfs.output.lander import (
-    MKDIR,
+from fanfs.output.dest import (
     PUT,
-    RENAME,
-    RMDIR,
-    UNLINK,
     LandingError,
     Op,
     apply,
@@ -66,54 +60,28 @@ from fanfs.output.lander import (
     read_marker,
     remove_marker,
 )
+from fanfs.output.messages import (
+    M_BYE,
+    M_HB,
+    M_HELD,
+    M_LANDED,
+    M_OPS,
+    M_PUT,
+    MESSAGE_MAX,
+    OPS_M,
+    PIECE,
+    BadMessage,
+    decode,
+    encode,
+)
 
 log = logging.getLogger(__name__)
 
 TAG = 71  # the output daemons' messages (no other traffic shares their communicator)
-PIECE = 8 << 20  # bytes of file per message: bounded memory per message on both sides
-HEADER = struct.Struct("<BQIIIHH")  # kind, seq, part, parts, mode, len(path), len(new)
-PATH_MAX = 4096
-MESSAGE_MAX = HEADER.size + 2 * PATH_MAX + PIECE
-PARTS_MAX = (1 << 40) // PIECE  # a file of 1 TiB at most
 # Ops held for the owner, and their paths' bytes at most: a peer cannot grow our memory without
 # bound (an owner's journal is capped at MAX_HELD with replicas: more changes fail ENOSPC).
 MAX_HELD = 1 << 14
 HELD_PATH_BYTES = 64 << 20
-M_PUT, M_HELD, M_LANDED, M_BYE, M_HB = 1, 2, 3, 4, 5
-M_OPS = {RENAME: 6, UNLINK: 7, MKDIR: 8, RMDIR: 9}
-OPS_M = {v: k for k, v in M_OPS.items()}
-
-
-class BadMessage(ValueError):
-    """A peer's message that breaks the format."""
-
-
-def encode(kind: int, seq: int = 0, path: bytes = b"", new: bytes = b"", mode: int = 0,
-           part: int = 0, parts: int = 0, data: bytes = b"") -> bytes:  # fmt: skip
-    return HEADER.pack(kind, seq, part, parts, mode, len(path), len(new)) + path + new + data
-
-
-def decode(msg: bytes) -> tuple[int, int, int, int, int, bytes, bytes, memoryview]:
-    """(kind, seq, part, parts, mode, path, new, data) of a peer's message; BadMessage."""
-    if len(msg) < HEADER.size:
-        raise BadMessage(f"{len(msg)} bytes")
-    kind, seq, part, parts, mode, lp, ln = HEADER.unpack_from(msg)
-    body = memoryview(msg)[HEADER.size :]
-    if lp > PATH_MAX or ln > PATH_MAX or lp + ln > len(body):
-        raise BadMessage("path lengths")
-    path, new, data = bytes(body[:lp]), bytes(body[lp : lp + ln]), body[lp + ln :]
-    for p in (path, new):
-        if b"\0" in p or b".." in p.split(b"/") or b"." in p.split(b"/"):
-            raise BadMessage(f"path {p!r}")
-    if kind == M_PUT:
-        if not path or not 0 <= part < parts <= PARTS_MAX or len(data) > PIECE:
-            raise BadMessage("piece out of range")
-    elif kind in OPS_M:
-        if not path or (kind == M_OPS[RENAME]) != bool(new) or part or parts or data:
-            raise BadMessage("op without its paths, or with a piece")
-    elif kind not in (M_HELD, M_LANDED, M_BYE, M_HB):
-        raise BadMessage(f"kind {kind}")
-    return kind, seq, part, parts, mode & 0o777, path, new, data
 
 
 IN_FLIGHT = 4  # pieces posted and not delivered at most: MPI buffers at most 32 MiB of them

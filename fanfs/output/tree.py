@@ -5,13 +5,13 @@ a local file, `o<data>`, in the daemon's private staging directory (mode 0700,
 node/staging.py), opened relative to its fd. Renaming or unlinking under the mount changes
 only the namespace.
 
-A put (lander.py) lands the local file it names, as it is when it lands, so the bytes of a
+A put (dest.py) lands the local file it names, as it is when it lands, so the bytes of a
 put must not change until then: each put holds a reference to its data (`hold`, `release`),
 and a file opened for writing while a put of its data is pending, and no other handle of it
 is open, gets new data first (`new_data`, `copy_data`, `switch`: an empty local file for
 O_TRUNC, a copy otherwise). Handles already open keep their data (their fds name it), so a
 file written through several at once is not switched: the lander then sees the bytes change
-under a put and skips it (lander.py), and the next close lands them. A local file goes when no
+under a put and skips it (dest.py), and the next close lands them. A local file goes when no
 inode uses it (unlinked, not open) and no pending put holds it.
 
 A file whose write failed (ENOSPC, EIO: `poison`) is not put until it is truncated: DEST
