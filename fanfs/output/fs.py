@@ -96,6 +96,7 @@ class OutputOperations(pyfuse3.Operations):
         self.handles: dict[int, int] = {}  # fh (an fd of the local file) -> inode
         self.writers: set[int] = set()  # handles opened for writing
         self.flushed: set[int] = set()  # handles closed (FLUSH) since their last write
+        self.poisoned: set[int] = set()  # inodes whose last write failed (not walked per status)
         self.uid, self.gid = os.geteuid(), os.getegid()
         # Awaited after a put is enqueued at close: replicas.py sends the partner a copy.
         self.replicate = replicate
@@ -176,6 +177,7 @@ class OutputOperations(pyfuse3.Operations):
             for fh in self._handles_of(n):
                 lib.front_take_error(fh)
             n.poison(0)
+            self.poisoned.discard(n.ino)
         n.mark()
 
     async def _writable(self, n: Node, truncate: bool) -> None:
@@ -327,6 +329,7 @@ class OutputOperations(pyfuse3.Operations):
             log.warning("a write to %s failed: %s; it is not landed until it is written "
                         "again from the start", self._name(n), os.strerror(err))  # fmt: skip
             n.poison(err)
+            self.poisoned.add(n.ino)
         return n
 
     def _check(self, n: Node | None, fh: int) -> None:
@@ -342,8 +345,9 @@ class OutputOperations(pyfuse3.Operations):
 
     def failed_files(self) -> list[str]:
         """Files whose last write failed: not landed (DEST keeps their last good version)."""
-        return [os.fsdecode(self.tree.path(n.ino)) for n in self.tree.nodes.values()
-                if not n.is_dir and n.linked and n.failed]  # fmt: skip
+        nodes = [self.tree.nodes.get(ino) for ino in self.poisoned]
+        return [os.fsdecode(self.tree.path(n.ino)) for n in nodes
+                if n is not None and n.linked and n.failed]  # fmt: skip
 
     def _name(self, n: Node | None) -> str:
         return os.fsdecode(self.tree.path(n.ino)) if n is not None and n.linked else "a file"

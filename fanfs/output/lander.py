@@ -50,6 +50,7 @@ class Lander:
         self.enqueued = 0  # seq of the last op enqueued
         self.landed = 0  # every op with seq <= landed is at DEST
         self.pending_bytes = 0
+        self.pending_puts = 0
         self.landed_bytes = 0
         self.landed_files = 0
         self.busy_s = 0.0  # time spent landing (throughput = landed_bytes / busy_s)
@@ -71,6 +72,7 @@ class Lander:
         op = Op(self.enqueued, kind, path, new, ino, mode, size)
         self.journal.append(op)
         self.pending_bytes += size
+        self.pending_puts += kind == PUT
         self.on_enqueued(op)
         self._wake()
         return op
@@ -120,6 +122,7 @@ class Lander:
             self.busy_s += time.monotonic() - began
             self.journal.popleft()
             self.pending_bytes -= op.size
+            self.pending_puts -= op.kind == PUT
             self.landed = op.seq
             if op.kind == PUT and n:
                 self.landed_bytes += n
@@ -143,12 +146,15 @@ class Lander:
         if self.marker:
             remove_marker(self.dest_fd, self.token)
 
-    def pending_files(self) -> list[str]:
-        """The paths of the puts not at DEST yet, oldest first (each once)."""
+    def pending_files(self, most: int | None = None) -> list[str]:
+        """The paths of the puts not at DEST yet, oldest first (each once; at most `most`,
+        looking no further than needed: the status asks ten times a second during a sync)."""
         seen: dict[str, None] = {}
         for op in self.journal:
             if op.kind == PUT:
                 seen.setdefault(os.fsdecode(op.path), None)
+                if most is not None and len(seen) >= most:
+                    break
         return list(seen)
 
     def statistics(self) -> dict[str, Any]:
@@ -158,7 +164,7 @@ class Lander:
             "enqueued": self.enqueued,
             "landed": self.landed,
             "backlog_ops": len(self.journal),
-            "backlog_files": sum(1 for op in self.journal if op.kind == PUT),
+            "backlog_files": self.pending_puts,
             "backlog_bytes": self.pending_bytes,
             "oldest_s": round(now - head.queued, 3) if head is not None else 0.0,
             "landed_files": self.landed_files,
@@ -170,5 +176,5 @@ class Lander:
                 "op": head.kind, "path": head.describe(), "attempts": head.attempts,
                 "error": head.error,
             },
-            "pending": self.pending_files()[:20],
+            "pending": self.pending_files(20),
         }  # fmt: skip
