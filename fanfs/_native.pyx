@@ -21,6 +21,7 @@ from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
 
 import os
+import numpy as np
 
 cdef extern from "fanfs_native.h" nogil:
     enum: FANFS_NATIVE_API
@@ -98,6 +99,10 @@ cdef extern from "fanfs_native.h" nogil:
     void fanfs_pool_fast_part(uint32_t part, int fd, int dfd)
     void fanfs_pool_fast_enable(int on)
     uint64_t fanfs_pool_fast_count()
+    enum:
+        FANFS_PLAN_HELD
+        FANFS_PLAN_AHEAD
+    void fanfs_pool_plan_mark(uint64_t e, int flag, int on)
     int fanfs_run_job(const fanfs_dicts *dicts, const fanfs_job *job, char *out)
     int fanfs_job_check(const fanfs_job *job)
     enum:
@@ -154,6 +159,9 @@ cdef extern from "fanfs_native.h" nogil:
     int fanfs_front_take_error(int fd)
     uint64_t fanfs_front_written()
     int64_t fanfs_meta_lookup(uint64_t parent, const char *name, size_t len)
+    unsigned long long FANFS_FOLLOW_READ
+    void fanfs_front_follow(int efd)
+    int fanfs_front_followed(uint64_t *out, int max, uint64_t *lost)
 
 API_VERSION = FANFS_NATIVE_API
 MAX_PIECES = FANFS_MAX_PIECES
@@ -492,6 +500,36 @@ def pool_fast_part(unsigned int part, int fd, int dfd):
 
 def pool_fast_enable(bint on):
     fanfs_pool_fast_enable(on)
+
+
+PLAN_HELD = FANFS_PLAN_HELD
+PLAN_AHEAD = FANFS_PLAN_AHEAD
+
+
+def pool_plan_mark(uint64_t entry, int flag, bint on):
+    """Mark `entry` for a planned epoch (PLAN_HELD: its READs go to Python, which holds its
+    bytes; PLAN_AHEAD: no read starts at its LOOKUP), or clear the mark. Any thread."""
+    with nogil:
+        fanfs_pool_plan_mark(entry, flag, on)
+
+
+def front_follow(int efd):
+    """Record the files the front looks up and reads from their start, writing the eventfd
+    `efd` when the record stops being empty (-1: stop recording)."""
+    fanfs_front_follow(efd)
+
+
+def front_followed(int most=4096):
+    """What the front recorded, oldest first: (entries, whether each was a READ (else a
+    LOOKUP), records lost to a full record since start)."""
+    cdef uint64_t lost = 0
+    cdef int n
+    buf = bytearray(8 * max(0, min(most, 1 << 16)))
+    cdef char *at = buf
+    n = fanfs_front_followed(<uint64_t *>at, len(buf) // 8, &lost)
+    got = np.frombuffer(buf, np.uint64, n)
+    flag = np.uint64(FANFS_FOLLOW_READ)
+    return (got & ~flag).astype(np.int64), (got & flag) != 0, lost
 
 
 def pool_fast_count():

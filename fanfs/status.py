@@ -107,6 +107,8 @@ class PlanStatus:
     failed: int  # read-aheads that failed (the READ then fetches the file itself)
     refused: int  # plan requests refused (malformed, too large, another user)
     budget_bytes: int
+    followed: int = 0  # LOOKUPs and READs the front answered in C and told the planner of
+    followed_lost: int = 0  # ... and could not tell (its record was full)
 
 
 NO_PLAN = PlanStatus(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)

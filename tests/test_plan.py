@@ -120,6 +120,33 @@ def test_unlisted_files_wait_in_memory_and_unread_ones_are_dropped(
         assert (mount.mountpoint / r).read_bytes() == (tree / r).read_bytes(), r
 
 
+def test_a_planned_epoch_keeps_the_front_answering(tree: Path, image: Path, tmp_path: Path) -> None:
+    """With a plan, the job's LOOKUPs and READs are still answered in C (a plan once sent every
+    request through Python, which made planned epochs slower than unplanned ones); only READs of
+    files whose bytes the daemon holds reach it. The front tells the planner which files it
+    answered: the plan follows the job to its end, and bytes read ahead for a file the front
+    read itself are let go."""
+    rels = order(tree, 7)
+    with mounted(image, tmp_path / "mnt", tmp_path / "local", "--prefetch-mb", "1") as m:
+        before = m.status()["front"]
+        assert before["running"], before
+        plan.publish(m.mountpoint, rels)
+        read_ahead(m, 20)
+        # In order (the bytes read ahead), then past what the budget let it read ahead, then
+        # what was skipped.
+        for r in rels[:200] + rels[300:] + rels[200:300]:
+            assert (m.mountpoint / r).read_bytes() == (tree / r).read_bytes(), r
+        front = m.status()["front"]
+        assert front["lookups"] - before["lookups"] >= N_FILES, front  # every open's LOOKUP
+        assert front["reads"] > before["reads"], front  # files not read ahead yet: in C
+        assert wait_until(lambda: plan_status(m)["position"] == N_FILES), plan_status(m)
+        assert wait_until(lambda: plan_status(m)["held_bytes"] == 0), plan_status(m)
+        s = plan_status(m)
+        assert s["hits"] >= 20 and s["misses"] > 0, s  # held bytes by Python, the rest in C
+        assert s["followed"] >= N_FILES and s["followed_lost"] == 0, s
+        assert s["hits"] + s["misses"] <= N_FILES, s
+
+
 def test_a_budget_bounds_how_far_ahead(tree: Path, image: Path, tmp_path: Path) -> None:
     rels = order(tree, 3)
     with mounted(image, tmp_path / "mnt", tmp_path / "local", "--prefetch-mb", "1") as m:

@@ -24,7 +24,7 @@
 #include <stdint.h>
 #include <sys/uio.h>
 
-#define FANFS_NATIVE_API 6
+#define FANFS_NATIVE_API 7
 
 /* What a piece's stored bytes are (fanfs/node/pool.py names the same numbers). */
 enum {
@@ -172,9 +172,16 @@ struct fanfs_fast_table {
 int fanfs_pool_fast_set(const struct fanfs_fast_table *t);
 /* Partition `part` is staged here: read it through `fd` (and `dfd` with O_DIRECT, or -1). */
 void fanfs_pool_fast_part(uint32_t part, int fd, int dfd);
-/* Turn the fast path on or off (off: a planned epoch, whose READs Python must see). */
+/* Turn the fast path on or off. */
 void fanfs_pool_fast_enable(int on);
 uint64_t fanfs_pool_fast_count(void); /* READs answered by it */
+/* Planned epochs (fanfs/node/planner.py) mark entries: bytes read ahead wait in Python for the
+ * READ (FANFS_PLAN_HELD: its READs go to Python), or a read-ahead is under way
+ * (FANFS_PLAN_AHEAD: no read is started at its LOOKUP, the planner's would be read twice).
+ * Any thread. */
+#define FANFS_PLAN_HELD 1
+#define FANFS_PLAN_AHEAD 2
+void fanfs_pool_plan_mark(uint64_t e, int flag, int on);
 
 /* The fast path's job for a READ of inode `ino`: 0, or -1 when Python must answer it
  * (entries whose job failed once go to Python from then on, which knows them bad). */
@@ -298,6 +305,14 @@ int fanfs_front_latencies(uint32_t out[FANFS_FRONT_SAMPLES], uint32_t *longest);
  * not a directory), from the catalog given to fanfs_meta_set: for the tests. */
 int fanfs_meta_attr(uint64_t e, uint64_t out[12]);
 int64_t fanfs_meta_lookup(uint64_t parent, const char *name, size_t len);
+
+/* Planned epochs: while `efd` >= 0 (an eventfd; -1 stops it), the front records the entries
+ * of the regular files it looks up and of those it READs from offset 0 (FANFS_FOLLOW_READ
+ * set), and writes `efd` when the record stops being empty; fanfs_front_followed takes up to
+ * `max` of them, oldest first, and says how many were lost to a full record since start. */
+#define FANFS_FOLLOW_READ (1ull << 63)
+void fanfs_front_follow(int efd);
+int fanfs_front_followed(uint64_t *out, int max, uint64_t *lost);
 
 /* Writes mode (`fanfs output`), set before fanfs_front_start (-EBUSY while running): the
  * front answers WRITE at once and queues its bytes for a pwrite to its file handle, which must

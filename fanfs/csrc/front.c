@@ -14,6 +14,8 @@
  *   READ      of a file stored whole in a partition staged here (the pool's job, run in
  *             this thread: read, check, decode, reply, push the rest), or held by a peer
  *             (fetched by the MPI thread into the pool's cache, this thread waiting for it);
+ *   (while a planned epoch runs, the files looked up and read are recorded for Python,
+ *   which follows the job through its plan with them: fanfs_front_follow)
  *   IOCTL     ENOSYS, as libfuse answers it (the kernel makes it ENOTTY; Python's open()
  *             asks every file whether it is a terminal);
  *   FORGET, BATCH_FORGET, INTERRUPT: nothing to do (fanfs keeps no per-inode state, and
@@ -23,8 +25,9 @@
  *             daemon makes the fd of the file's local copy (writes.c: writes behind);
  *   FORGET, BATCH_FORGET, INTERRUPT as above;
  * and forwards the rest once the queued writes are in their files.
- * Everything else (INIT first, READDIR, the status attribute, remote and framed files, every
- * request while a planned epoch runs; in writes mode, all but WRITE) is forwarded: queued, and handed to pyfuse3's session
+ * Everything else (INIT first, READDIR, the status attribute, framed and large files, files
+ * whose bytes a planned epoch read ahead and holds in Python; in writes mode, all but WRITE)
+ * is forwarded: queued, and handed to pyfuse3's session
  * loop through its receiver hook (fanfs_front_receive), which waits for the queue's eventfd
  * instead of the FUSE device. A request is answered on the device it was read from, and
  * forwarded ones are read from the session's own fd, so libfuse's replies land right.
@@ -247,6 +250,61 @@ int64_t fanfs_meta_lookup(uint64_t parent, const char *name, size_t len) {
     return -2; /* no such name */
 }
 
+/* -- what a planned epoch follows ---------------------------------------------------------- */
+
+/* The files the front looked up and READ from their start, in order, while a planned epoch
+ * follows them (fanfs_front_follow): the job's position in its plan moves with them. The
+ * record is bounded; past FOLLOW_MAX, new ones are counted as lost (the plan then moves with
+ * the job's progress messages alone until Python catches up). */
+#define FOLLOW_MAX 16384
+static struct {
+    pthread_mutex_t lock;
+    int efd; /* eventfd written when the record stops being empty; -1: not following */
+    uint64_t e[FOLLOW_MAX];
+    uint32_t head, n;
+    uint64_t lost;
+} follow = {.lock = PTHREAD_MUTEX_INITIALIZER, .efd = -1};
+
+void fanfs_front_follow(int efd) {
+    pthread_mutex_lock(&follow.lock);
+    follow.efd = efd;
+    follow.head = follow.n = 0;
+    pthread_mutex_unlock(&follow.lock);
+}
+
+static void followed(uint64_t e, int read) {
+    uint64_t one = 1;
+    ssize_t w;
+    if (__atomic_load_n(&follow.efd, __ATOMIC_RELAXED) < 0)
+        return;
+    pthread_mutex_lock(&follow.lock);
+    if (follow.efd >= 0) {
+        if (follow.n == FOLLOW_MAX) {
+            follow.lost++;
+        } else {
+            follow.e[(follow.head + follow.n) % FOLLOW_MAX] = e | (read ? FANFS_FOLLOW_READ : 0);
+            if (follow.n++ == 0) {
+                w = write(follow.efd, &one, sizeof one);
+                (void)w;
+            }
+        }
+    }
+    pthread_mutex_unlock(&follow.lock);
+}
+
+int fanfs_front_followed(uint64_t *out, int max, uint64_t *lost) {
+    int k = 0;
+    pthread_mutex_lock(&follow.lock);
+    while (k < max && follow.n > 0) {
+        out[k++] = follow.e[follow.head];
+        follow.head = (follow.head + 1) % FOLLOW_MAX;
+        follow.n--;
+    }
+    *lost = follow.lost;
+    pthread_mutex_unlock(&follow.lock);
+    return k;
+}
+
 /* -- requests ------------------------------------------------------------------------------- */
 
 static int reply_entry(const struct fuse_in_header *in, int64_t e) {
@@ -283,6 +341,9 @@ static int lookup(const struct fuse_in_header *in, const char *arg, uint32_t arg
         if (part < m->nparts && !m->part_local[part] && !fanfs_remote_on())
             return -1; /* a peer's file, no remote path here: Python starts its fetch now */
         fanfs_pool_looked_up((uint64_t)e + 1);
+        reply_entry(in, e);
+        followed((uint64_t)e, 0);
+        return 0;
     }
     return reply_entry(in, e);
 }
@@ -307,6 +368,8 @@ static int read_(const struct fuse_in_header *in, const struct fuse_read_in *r) 
         return -1;
     took(began);
     count(FANFS_FRONT_READS);
+    if (r->offset == 0)
+        followed(in->nodeid - 1, 1);
     return 0;
 }
 
@@ -345,7 +408,7 @@ static int answer(const char *msg, uint32_t n) {
     const char *arg = msg + sizeof *in;
     uint32_t arglen = n - sizeof *in;
     if (!fanfs_pool_fast_on())
-        return -1; /* off (a planned epoch, or not started): Python sees everything */
+        return -1; /* off (not started, or no fast path): Python sees everything */
     switch (in->opcode) {
     case FUSE_LOOKUP:
         return lookup(in, arg, arglen);

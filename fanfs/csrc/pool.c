@@ -592,6 +592,7 @@ static struct {
     int on;
     int *fd, *dfd;  /* per partition, -1 until staged */
     uint8_t *bad;   /* per entry: a job failed, Python answers from now on */
+    uint8_t *plan;  /* per entry: FANFS_PLAN_HELD, FANFS_PLAN_AHEAD (fanfs_pool_plan_mark) */
     int32_t *owners; /* per partition, FANFS_MAX_OWNERS ranks holding it (-1: none) */
     uint8_t *remote; /* per partition: held by peers only (fanfs_pool_fast_owners) */
     uint64_t taken;
@@ -1276,15 +1277,18 @@ int fanfs_pool_fast_set(const struct fanfs_fast_table *t) {
     free(fast.fd);
     free(fast.dfd);
     free(fast.bad);
+    free(fast.plan);
     fast.fd = malloc(t->nparts * sizeof(int));
     fast.dfd = malloc(t->nparts * sizeof(int));
     fast.bad = calloc(t->n, 1);
-    if (fast.fd == NULL || fast.dfd == NULL || fast.bad == NULL) {
+    fast.plan = calloc(t->n, 1);
+    if (fast.fd == NULL || fast.dfd == NULL || fast.bad == NULL || fast.plan == NULL) {
         free(fast.fd);
         free(fast.dfd);
         free(fast.bad);
+        free(fast.plan);
         fast.fd = fast.dfd = NULL;
-        fast.bad = NULL;
+        fast.bad = fast.plan = NULL;
         return -ENOMEM;
     }
     for (i = 0; i < t->nparts; i++)
@@ -1335,6 +1339,15 @@ int fanfs_pool_fast_owners(const int32_t *owners, uint32_t nparts, int self) {
 
 int fanfs_pool_fast_on(void) { return __atomic_load_n(&fast.on, __ATOMIC_SEQ_CST); }
 
+void fanfs_pool_plan_mark(uint64_t e, int flag, int on) {
+    if (fast.plan == NULL || e >= fast.t.n)
+        return;
+    if (on)
+        __atomic_or_fetch(&fast.plan[e], (uint8_t)flag, __ATOMIC_RELEASE);
+    else
+        __atomic_and_fetch(&fast.plan[e], (uint8_t)~flag, __ATOMIC_RELEASE);
+}
+
 static void lookahead_read(uint64_t ino);
 
 /* The fast path's job for [off, off + size) of inode `ino`: 0, or -1 (Python answers). */
@@ -1348,7 +1361,8 @@ static int fast_build(uint64_t ino, int64_t off, uint64_t size, struct fanfs_job
         return -1;
     e = ino - 1;
     if (e >= fast.t.n || fast.t.kind[e] == FANFS_FAST_NO ||
-        __atomic_load_n(&fast.bad[e], __ATOMIC_RELAXED))
+        __atomic_load_n(&fast.bad[e], __ATOMIC_RELAXED) ||
+        (__atomic_load_n(&fast.plan[e], __ATOMIC_ACQUIRE) & FANFS_PLAN_HELD))
         return -1;
     kind = fast.t.kind[e];
     part = field32(fast.t.part, e);
@@ -1463,8 +1477,9 @@ static void looked_up(uint64_t ino) {
     int i, fetch;
     uint64_t e = ino - 1;
     if (!__atomic_load_n(&fast.on, __ATOMIC_ACQUIRE) || fast.fd == NULL || ino < 1 ||
-        e >= fast.t.n || field64(fast.t.size, e) > fast.t.parts_limit)
-        return;
+        e >= fast.t.n || field64(fast.t.size, e) > fast.t.parts_limit ||
+        __atomic_load_n(&fast.plan[e], __ATOMIC_ACQUIRE))
+        return; /* (a planned epoch reads it ahead, or holds it read) */
     pthread_mutex_lock(&la.lock);
     if ((i = la_find(ino)) >= 0)
         la_remove(i); /* looked up again before it was read: counted once */

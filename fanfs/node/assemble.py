@@ -91,9 +91,10 @@ def build(catalog: Catalog, store: PartitionStore, owners: list[tuple[int, ...]]
         front=front,
     )
     budget = cfg.prefetch_bytes if cfg.prefetch_bytes is not None else default_budget()
-    plans = Plans(catalog, budget, pool.planned)
+    plans = Plans(catalog, budget, pool.planned, pool.held)
     reader = Reader(catalog, sources, cfg.cache_bytes, bad, pool, plans)
-    read_ahead = ReadAhead(catalog, plans, sources, fuse_ops.push_to_kernel, reader.cached)
+    read_ahead = ReadAhead(catalog, plans, sources, fuse_ops.push_to_kernel, reader.cached,
+                           pool)  # fmt: skip
     plan_server = PlanServer(
         catalog, plans, WHOLE_FILE_LIMIT, dropper(catalog, store, pool, reader)
     )
@@ -168,6 +169,7 @@ def report(node: Node, *, image: str, mountpoint: str, rank: int, size: int, rep
     """The status record of a daemon: its own facts, then every part's statistics."""
     pool = node.pool.stats()
     r = node.read_ahead
+    pool_lost = node.pool.followed_lost
     c = node.catalog
     return Status(
         pid=os.getpid(),
@@ -198,6 +200,8 @@ def report(node: Node, *, image: str, mountpoint: str, rank: int, size: int, rep
         store=node.store.statistics(),
         reader=node.reader.statistics(),
         peers=node.transport.statistics() if node.transport is not None else None,
-        plan=node.plans.statistics(r.prefetched, r.pushed, r.prefetched_bytes, r.failed),
+        plan=node.plans.statistics(
+            r.prefetched, r.pushed, r.prefetched_bytes, r.failed, r.followed, pool_lost
+        ),
         plan_socket=plan_socket,
     )

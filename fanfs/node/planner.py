@@ -9,6 +9,11 @@ looked up its inode) goes back to the event loop to wait in `Plans` for its READ
 file is read frame by frame, each frame decoded and stored at its offset, up to the bytes
 `Plans` planned for it: memory never holds more than one frame per thread.
 
+With the front (fanfs/csrc/front.c) running, the job's LOOKUPs and READs are answered in C,
+except READs of files whose bytes wait here (`NativePool.held`): the front records the files
+it answered, and `_follow` moves the plans with them. A file being read ahead is marked so
+that its LOOKUP starts no second read of it (`NativePool.ahead`).
+
 It degrades to reading without a plan: a read-ahead that fails (a dead peer, a corrupt file)
 is counted and left to the job's READ, which tries every source and reports it; the engine
 never makes a read wrong or makes a READ wait.
@@ -33,6 +38,7 @@ import trio
 from fanfs import catalog as cat
 from fanfs import codec
 from fanfs.node.plans import Plans, Share
+from fanfs.node.pool import NativePool
 from fanfs.node.sources import Sources
 
 log = logging.getLogger(__name__)
@@ -51,15 +57,18 @@ Push = Callable[[int, int, bytes], bool]  # (entry, offset, data) -> stored in t
 
 class ReadAhead:
     def __init__(self, catalog: cat.Catalog, plans: Plans, sources: Sources, push: Push,
-                 cached: Callable[[int], bool]):  # fmt: skip
+                 cached: Callable[[int], bool], pool: NativePool):  # fmt: skip
         """`push(entry, offset, data)`: store bytes of a file in the kernel's page cache,
         False when the kernel does not know its inode; `cached(entry)`: whether the reader
-        holds the file's decoded bytes already."""
+        holds the file's decoded bytes already; `pool`: the native pool, whose front answers
+        LOOKUPs and READs with no Python (it tells which files it did, `followed`, and is told
+        which files are being read ahead, `ahead`)."""
         self.catalog = catalog
         self.plans = plans
         self.sources = sources
         self.push = push
         self.cached = cached
+        self.pool = pool
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._count = threading.Lock()
         self._token: trio.lowlevel.TrioToken | None = None
@@ -70,6 +79,7 @@ class ReadAhead:
         self.pushed = 0
         self.prefetched_bytes = 0
         self.failed = 0
+        self.followed = 0  # files the front answered and told of
 
     async def run(self) -> None:
         """Read ahead of every share until cancelled or stopped."""
@@ -80,20 +90,35 @@ class ReadAhead:
             t.start()
         try:
             with self._scope:
-                while True:
-                    due = self.plans.due(DUE_PER_TURN)
-                    for job in due:
-                        if not self.plans.has(job[3]) and not self.cached(job[3]):
-                            self.sources.local.advise(job[3])  # the disk starts on it now
-                            self._jobs.put(job)
-                    if due or self.plans.scanning:
-                        await trio.lowlevel.checkpoint()  # let READs in between
-                    else:
-                        await self.plans.changed()
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._follow)
+                    while True:
+                        due = self.plans.due(DUE_PER_TURN)
+                        for job in due:
+                            if not self.plans.has(job[3]) and not self.cached(job[3]):
+                                self.sources.local.advise(job[3])  # the disk starts on it now
+                                self.pool.ahead(job[3], True)
+                                self._jobs.put(job)
+                        if due or self.plans.scanning:
+                            await trio.lowlevel.checkpoint()  # let READs in between
+                        else:
+                            await self.plans.changed()
         finally:
             for _ in self._threads:
                 self._jobs.put(None)
             self._finished.set()
+
+    async def _follow(self) -> None:
+        """Move the plans with the files the front looked up and read with no Python."""
+        while True:
+            entries, reads = await self.pool.followed()
+            self.followed += len(entries)
+            for entry, read in zip(entries.tolist(), reads.tolist(), strict=True):
+                if read:
+                    self.plans.answered(entry)
+                else:
+                    self.plans.accessed(entry, None)
+            await trio.lowlevel.checkpoint()
 
     async def stop(self) -> None:
         """Stop reading ahead and wait until no pusher thread stores into the page cache any
@@ -130,6 +155,8 @@ class ReadAhead:
                     self.failed += 1
                 log.info("read-ahead of %s failed (its READ will fetch it): %s",
                          os.fsdecode(b"/" + self.catalog.path(entry)), e)  # fmt: skip
+            finally:
+                self.pool.ahead(entry, False)
 
     def _stored(self, entry: int, offset: int, length: int, crc: int | None) -> tuple[bytes, bool]:
         assert self._token is not None

@@ -5,7 +5,8 @@ A *share* is one training rank's plan on this node (fanfs/node/planner.py reads 
 fanfs/node/plansocket.py takes it from the job). What this module decides:
 
 - **Where the job is.** The job's position moves with the READs and LOOKUPs of planned files
-  that reach the daemon and with progress messages. A file may appear several times in a plan
+  (those the front answers in C it records for the daemon: `accessed`, `answered`) and with
+  progress messages. A file may appear several times in a plan
   (samplers pad ranks by repeating samples, sampling with replacement repeats them) and in
   several shares (ranks of one node share padding): an access is matched to its first
   occurrence at or after the share's *window* behind the reads, so a repeat later in the plan
@@ -129,11 +130,15 @@ class Held:
 
 class Plans:
     def __init__(self, catalog: cat.Catalog, budget: int,
-                 on_install: Callable[[], None] = lambda: None):  # fmt: skip
-        """`on_install`: called when a plan comes in (READs must reach the planner)."""
+                 on_install: Callable[[], None] = lambda: None,
+                 on_hold: Callable[[int, bool], None] = lambda entry, held: None):  # fmt: skip
+        """`on_install`: called when a plan comes in (the front starts telling which files
+        it looks up and reads); `on_hold(entry, held)`: bytes of `entry` are held here for its
+        READ (True, its READs must reach the daemon) or not any more (False)."""
         self.catalog = catalog
         self.budget = budget
         self.on_install = on_install
+        self.on_hold = on_hold
         self.shares: dict[int, Share] = {}
         n = catalog.n_entries
         self._share_of = np.full(n, -1, dtype=np.int32)  # the latest share naming each entry
@@ -228,6 +233,22 @@ class Plans:
             self._drop(share, s, s.read_floor)
         self.progress(share, pos + 1)
 
+    def answered(self, entry: int) -> None:
+        """The front answered a READ of `entry` from its start with no daemon's Python (it
+        read the file itself, nothing was held for it then): the job is there in its plan (a
+        miss), and bytes held or still coming for it are not wanted any more (bytes held
+        since: their read-ahead lost the race to the READ, which is counted as the miss)."""
+        if not self.shares or not self._naming[entry]:
+            return
+        self.accessed(entry, False)
+        self._miss(entry)
+        self._release(entry)
+
+    def _miss(self, entry: int) -> None:
+        self._missed[entry] = None
+        if len(self._missed) > MISSED_KEPT:
+            self._missed.popitem(last=False)
+
     # -- what to read ahead ------------------------------------------------------------------
 
     def active(self) -> int:
@@ -303,6 +324,7 @@ class Plans:
         self._held[entry] = Held(data, share, pos)
         s.keep(pos, entry, len(data))
         self.held_bytes += len(data)
+        self.on_hold(entry, True)
         return True
 
     def has(self, entry: int) -> bool:
@@ -317,9 +339,7 @@ class Plans:
             self.accessed(entry, held is not None)
         if held is None:
             if self.shares:
-                self._missed[entry] = None
-                if len(self._missed) > MISSED_KEPT:
-                    self._missed.popitem(last=False)
+                self._miss(entry)
             return None
         self.hits += 1
         if offset + size >= len(held.data):
@@ -329,6 +349,7 @@ class Plans:
     def _release(self, entry: int) -> Held | None:
         held = self._held.pop(entry, None)
         if held is not None:
+            self.on_hold(entry, False)
             self.held_bytes -= len(held.data)
             self._changed.set()  # room in the budget again
             s = self.shares.get(held.share)
@@ -345,8 +366,8 @@ class Plans:
             if held is not None:
                 self.dropped_unread_bytes += len(held.data)
 
-    def statistics(self, prefetched: int, pushed: int, prefetched_bytes: int, failed: int
-                   ) -> PlanStatus:  # fmt: skip
+    def statistics(self, prefetched: int, pushed: int, prefetched_bytes: int, failed: int,
+                   followed: int = 0, followed_lost: int = 0) -> PlanStatus:  # fmt: skip
         shares = list(self.shares.values())
         return PlanStatus(
             shares=len(shares),
@@ -363,4 +384,6 @@ class Plans:
             failed=failed,
             refused=self.refused,
             budget_bytes=self.budget,
+            followed=followed,
+            followed_lost=followed_lost,
         )

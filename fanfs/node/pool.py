@@ -15,8 +15,9 @@ from the catalog. Registering the hook with pyfuse3 comes in from fuse_ops (`ins
 the one module importing pyfuse3.
 
 Concurrency: `start` and `stop` run in the main thread around the trio run (stop while the
-FUSE session still exists, so queued READs are answered); `errors` is a trio task; the rest
-runs in the trio thread (`running` and `decodes` are plain reads, safe anywhere).
+FUSE session still exists, so queued READs are answered); `errors` and `followed` are trio
+tasks; `held` and `ahead` run in any thread; the rest runs in the trio thread (`running` and
+`decodes` are plain reads, safe anywhere).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ MAX_PIECES = lib.MAX_PIECES  # stored pieces (frames) one job may span
 # (it keeps the decoded file in its cache of pieces, 64 MiB in all, for the other parts, and
 # pushes them into the kernel's page cache).
 PARTS_LIMIT = 4 << 20
+FOLLOWED_AT_ONCE = 4096  # files the front recorded, taken per turn of the event loop
 JOB_FIELDS = lib.JOB_FIELDS  # a job's header; then 6 numbers per piece
 INODE_BASE = 1  # inode = entry + INODE_BASE (pyfuse3.ROOT_INODE; fuse_ops checks it)
 # The pool's failure record (native byte order): entry, errno, padding.
@@ -201,6 +203,9 @@ class NativePool:
         self._fast_parts: set[int] = set()
         self.flags = lib.JOB_PUSH if push else 0
         self._rfd = self._wfd = -1
+        self._follow_fd = -1  # the front writes it when it has recorded files (planned epochs)
+        self._following = trio.Event()
+        self.followed_lost = 0  # records the front could not keep (planned epochs)
         self.running = False
         self.crc32 = lib.CRC_LIBRARY  # the library the pool checks CRCs with
         self.can_decode = False  # libzstd found and the image's dictionaries taken
@@ -248,6 +253,9 @@ class NativePool:
             self.fast = self.front.start(c, stack)
             if not self.fast:
                 lib.pool_fast_enable(False)
+            else:
+                self._follow_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+                stack.callback(os.close, self._follow_fd)  # once trio is done with it
         return True
 
     def fast_part(self, part: int, fd: int, dfd: int) -> None:
@@ -257,12 +265,37 @@ class NativePool:
             lib.pool_fast_part(part, fd, dfd)
 
     def planned(self) -> None:
-        """A planned epoch began: its READs must reach Python (the plan follows them), so
-        the fast path stops for the rest of the mount."""
+        """A planned epoch began: the front records the files it looks up and reads from
+        their start (it answers them with no Python), for the plan to follow the job
+        (`followed`), from now on."""
+        if self.fast and not self._following.is_set():
+            lib.front_follow(self._follow_fd)
+            self._following.set()
+            log.info("planned epoch: the front tells the planner which files the job opens")
+
+    async def followed(self) -> tuple[np.ndarray, np.ndarray]:
+        """The next files the front recorded, oldest first: (entries, whether each was a
+        READ, else a LOOKUP); waits for some (for ever without a planned epoch)."""
+        await self._following.wait()
+        while True:
+            entries, reads, self.followed_lost = lib.front_followed(FOLLOWED_AT_ONCE)
+            if len(entries):
+                return entries, reads
+            await trio.lowlevel.wait_readable(self._follow_fd)
+            with contextlib.suppress(BlockingIOError):
+                os.eventfd_read(self._follow_fd)
+
+    def held(self, entry: int, held: bool) -> None:
+        """A planned epoch holds bytes of `entry` for its READ (its READs must reach the
+        daemon), or not any more. Any thread."""
         if self.fast:
-            self.fast = False
-            lib.pool_fast_enable(False)
-            log.info("planned epoch: every READ goes through the planner from now on")
+            lib.pool_plan_mark(entry, lib.PLAN_HELD, held)
+
+    def ahead(self, entry: int, ahead: bool) -> None:
+        """A planned epoch reads `entry` ahead (no read of it starts at its LOOKUP), or has
+        done. Any thread."""
+        if self.fast:
+            lib.pool_plan_mark(entry, lib.PLAN_AHEAD, ahead)
 
     async def errors(self) -> None:
         """Mark every file the pool reports as bad, until the pool stops."""
@@ -291,6 +324,8 @@ class NativePool:
             lib.pool_stop()
             if self.front is not None:
                 self.front.stop()
+            if self._follow_fd >= 0:
+                lib.front_follow(-1)
             os.close(self._wfd)
 
     def stats(self) -> dict[str, int]:

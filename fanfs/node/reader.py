@@ -216,6 +216,8 @@ class Reader:
         c = self.catalog
         part, start = self.local.where(entry)
         length = int(c.size[entry])
+        if self.local.staged(part):  # from now on the pool answers its files' READs alone
+            self.pool.fast_part(part, self.local.fd(part), self.local.dfd(part))
         if codec_id == cat.CODEC_RAW and offset == 0 and size == length <= NOWAIT_LIMIT:
             began = time.perf_counter()
             cached = self.local.cached(part, start, length)
@@ -227,10 +229,7 @@ class Reader:
                 self.local.record(began, length)
                 return memoryview(cached)
         self.local.native(part, int(c.stored_len[entry]))
-        fd, dfd = self.local.fd(part), self.local.dfd(part)
-        if self.local.staged(part):  # from now on the pool answers its files' READs alone
-            self.pool.fast_part(part, fd, dfd)
-        return self.pool.whole(fd, dfd, entry, offset, size)
+        return self.pool.whole(self.local.fd(part), self.local.dfd(part), entry, offset, size)
 
     def _native_frames(self, entry: int, table: codec.FrameTable, offset: int,
                        size: int) -> NativeJob | None:  # fmt: skip
