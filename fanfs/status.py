@@ -87,6 +87,8 @@ class PeerStatus:
     malformed_messages: int
     dead_peers: list[int]
     peers_said_bye: list[int]
+    batch_fetches: int = 0  # round trips that fetched several files for a planned epoch
+    batched_files: int = 0  # ... and the files they fetched
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,7 +278,8 @@ def render(s: Status) -> str:
     if p is not None:
         lines.append(
             f"remote:   {p.remote_fetches} fetched ({human_bytes(p.remote_bytes)}), "
-            f"p50 {p.remote_ms.p50} ms, p99 {p.remote_ms.p99} ms, {rd.lookup_fetches} at lookup "
+            f"p50 {p.remote_ms.p50} ms, p99 {p.remote_ms.p99} ms, {p.batched_files} more in "
+            f"{p.batch_fetches} batches, {rd.lookup_fetches} at lookup "
             f"({rd.lookup_fetches_read} read); {p.served_to_peers} served "
             f"to peers ({human_bytes(p.bytes_served_to_peers)}); {rd.hedged} hedged "
             f"({rd.hedges_won} won); {rd.fallbacks} image fallbacks, {p.peer_timeouts} peer "
@@ -288,6 +291,7 @@ def render(s: Status) -> str:
             f"plan:     {pl.shares} shares, {pl.planned} planned ({pl.missing} missing), at "
             f"{pl.position}; {pl.prefetched} read ahead ({pl.pushed_to_kernel} into the page "
             f"cache), {pl.hits} hits, {pl.misses} misses, "
-            f"{human_bytes(pl.dropped_unread_bytes)} dropped unread"
+            f"{human_bytes(pl.dropped_unread_bytes)} dropped unread; {pl.followed} opens and "
+            f"reads answered in C followed ({pl.followed_lost} lost)"
         )
     return "\n".join(lines)

@@ -7,7 +7,9 @@ Steps, each waiting for a file the test writes in BASE: `go` (the test has measu
 memory), then one request for a whole large raw file (over the daemon's MAX_REQUEST) and
 REQUESTS requests of MAX_REQUEST bytes whose replies it does not take; it writes what came
 back (each reply's size, from a probe) to BASE/result.json; `done` (the test has measured
-again): it takes the pending replies, says bye, and leaves the job cleanly.
+again): it takes the pending replies, then sends batch requests (`batches`: malformed ones, one
+over MAX_REQUEST, one naming no file, one of small files) and writes what came back to
+BASE/batches.json, says bye, and leaves the job cleanly.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import numpy as np
 from fanfs import catalog as cat
 from fanfs import placement
 from fanfs import world as mpi
+from fanfs.checksum import crc32
+from fanfs.node.transport.inbox import BATCH_HEADER, BATCH_MAX, TAG_BATCH, batch_header
 from fanfs.node.transport.mpi import FIRST_REPLY_TAG, MAX_REQUEST, TAG_BYE, TAG_REQUEST
 
 REQUESTS = 10
@@ -30,6 +34,44 @@ REQUESTS = 10
 def wait_for(path: Path) -> None:
     while not path.exists():
         time.sleep(0.05)
+
+
+def reply(world: mpi.World, tag: int, timeout: float = 30) -> bytes | None:
+    """Rank 0's reply on `tag`, or None if none came within `timeout`."""
+    comm, MPI = world.comm, world.MPI
+    status = MPI.Status()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if comm.Iprobe(0, tag, status):
+            buf = bytearray(max(1, status.Get_count(MPI.BYTE)))
+            comm.Recv([buf, status.Get_count(MPI.BYTE), MPI.BYTE], 0, tag)
+            return bytes(buf[: status.Get_count(MPI.BYTE)])
+        time.sleep(0.01)
+    return None
+
+
+def batches(world: mpi.World, c: cat.Catalog, big: int, small: list[int]) -> dict[str, object]:
+    """Batch requests a well-behaved requester never sends, then a good one."""
+    comm = world.comm
+    tag = FIRST_REPLY_TAG + 100
+    bad = batch_header(tag, [small[0]])
+    bad[1] = BATCH_MAX + 1  # more files than a batch names
+    comm.Send(bad, 0, TAG_BATCH)
+    comm.Send(batch_header(tag, [small[0]])[: BATCH_HEADER - 1], 0, TAG_BATCH)  # short
+    comm.Send(batch_header(tag + 1, [small[0], big]), 0, TAG_BATCH)  # over MAX_REQUEST
+    comm.Send(batch_header(tag + 2, [small[0], 1 << 40]), 0, TAG_BATCH)  # no such entry
+    asked = (small * BATCH_MAX)[:BATCH_MAX]
+    comm.Send(batch_header(tag + 3, asked), 0, TAG_BATCH)
+    got = [reply(world, tag + k, 2 if k == 0 else 30) for k in range(4)]
+    good = got[3] or b""
+    crcs, at = [], 0
+    for e in asked:
+        n = int(c.stored_len[e])
+        crcs.append(crc32(good[at : at + n]) == int(c.crc[e]))
+        at += n
+    size = [None if g is None else len(g) for g in got]
+    return {"malformed_reply": got[0] is not None, "too_large": size[1], "no_file": size[2],
+            "good_size": len(good), "expected_size": at, "good_crcs": all(crcs)}  # fmt: skip
 
 
 def main() -> int:
@@ -68,6 +110,11 @@ def main() -> int:
     for tag in tags:  # take every reply, so that rank 0's sends complete
         if comm.Iprobe(0, tag, status):
             comm.Recv(bytearray(max(1, status.Get_count(MPI.BYTE))), 0, tag)
+    time.sleep(0.5)  # rank 0 sees its sends complete and releases their reply bytes
+    small = [e for e in range(c.n_entries) if c.is_file[e] and 0 < int(c.stored_len[e]) < 1 << 20
+             and 0 in owners[int(c.part[e])]]  # fmt: skip
+    got = batches(world, c, entry, small)
+    (base / "batches.json").write_text(json.dumps({**got, "small": len(small)}))
     comm.Send(np.array([world.rank], dtype=np.int64), 0, TAG_BYE)
     world.finalize()
     return 0

@@ -28,7 +28,14 @@ from fanfs.node.reader import Reader
 from fanfs.node.sources import PeerServer
 from fanfs.node.store import PartitionStore
 from fanfs.node.transport import PeerTimeout
-from fanfs.node.transport.inbox import FIRST_REPLY_TAG, parse_request
+from fanfs.node.transport.inbox import (
+    BATCH_HEADER,
+    BATCH_MAX,
+    FIRST_REPLY_TAG,
+    batch_header,
+    parse_batch,
+    parse_request,
+)
 
 SETTINGS = settings(max_examples=300, deadline=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
@@ -176,6 +183,29 @@ def test_peer_request_parser(header: list[int]) -> None:
         entry, offset, length, tag = got
         assert len(header) == 4 and entry >= -1 and offset >= 0 and length >= 0
         assert FIRST_REPLY_TAG <= tag < 32767
+
+
+@SETTINGS
+@given(header=st.lists(st.integers(-(2**63), 2**63 - 1), min_size=0, max_size=BATCH_HEADER + 2))
+def test_peer_batch_parser(header: list[int]) -> None:
+    got = parse_batch(np.array(header, dtype=np.int64), 32767)
+    if got is not None:
+        tag, entries = got
+        assert len(header) == BATCH_HEADER and FIRST_REPLY_TAG <= tag < 32767
+        assert 1 <= len(entries) <= BATCH_MAX and min(entries) >= 0
+
+
+def test_peer_batch_header_round_trip() -> None:
+    for n in (1, 7, BATCH_MAX):
+        entries = list(range(3, 3 + n))
+        assert parse_batch(batch_header(FIRST_REPLY_TAG + 1, entries), 32767) == (
+            FIRST_REPLY_TAG + 1,
+            entries,
+        )
+    header = batch_header(FIRST_REPLY_TAG, [5])
+    header[2] = -1  # an entry that cannot be
+    assert parse_batch(header, 32767) is None
+    assert parse_batch(batch_header(32767, [5]), 32767) is None  # a tag beyond the bound
 
 
 @pytest.fixture

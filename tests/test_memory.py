@@ -104,7 +104,8 @@ def test_a_peer_asking_too_much_gets_refusals_and_no_memory(tmp_path: Path) -> N
     rng = np.random.default_rng(2)
     (src / "big.bin").write_bytes(rng.bytes(200 * MIB))
     for i in range(8):
-        (src / f"small{i}.bin").write_bytes(rng.bytes(100_000))
+        (src / f"a{i}.bin").write_bytes(rng.bytes(100_000))  # (sorted first: some share
+        # the big file's partition, so that rank 0 holds small files too)
     image = prepare(src, tmp_path / "img", "--compress", "none", "--partitions", "4")
     base = tmp_path / "hostile"
     base.mkdir()
@@ -135,6 +136,16 @@ def test_a_peer_asking_too_much_gets_refusals_and_no_memory(tmp_path: Path) -> N
         s = json.loads(fanfs("status", mnt, "--json").stdout)["reader"]
         assert s["refused_to_peers"] >= 1 + 10 - len(taken), s
         (base / "done").touch()
+        # Batches (planned epochs' fetches): malformed ones dropped unanswered, one asking
+        # more than MAX_REQUEST or naming no file refused with an empty reply, a good one of
+        # BATCH_MAX files answered with their exact stored bytes.
+        assert wait_until(lambda: (base / "batches.json").exists(), 90)
+        b = json.loads((base / "batches.json").read_text())
+        assert b["small"] > 0 and not b["malformed_reply"], b
+        assert b["too_large"] == 0 and b["no_file"] == 0, b
+        assert b["good_size"] == b["expected_size"] and b["good_crcs"], b
+        s = json.loads(fanfs("status", mnt, "--json").stdout)["reader"]
+        assert s["malformed_messages"] >= 2, s
         done = fanfs("umount", mnt, timeout=120)
         assert done.returncode == 0, done.stderr
         assert proc.wait(60) == 0, (tmp_path / "mpirun.log").read_text()

@@ -229,11 +229,16 @@ def test_a_planned_epoch_reads_remote_files_ahead(tree: Path, image: Path, tmp_p
             assert time.monotonic() < deadline, s["plan"]
             time.sleep(0.1)
         assert s["plan"]["pushed_to_kernel"] == len(rels) and s["plan"]["failed"] == 0, s
-        assert s["reader"]["remote_fetches"] > len(rels) // 4, s["reader"]  # fetched ahead
-        reads = s["reader"]["reads"]
+        r = s["reader"]
+        assert r["remote_fetches"] + r["batched_files"] > len(rels) // 4, r  # fetched ahead
+        assert 0 < r["batch_fetches"] < r["batched_files"], r  # several files a round trip
+        assert m.status(1)["reader"]["served_to_peers"] >= r["batched_files"], r
+        reads = r["reads"]
         for rel in rels:
             assert (m.mnts[0] / rel).read_bytes() == (tree / rel).read_bytes(), rel
-        assert m.status(0)["reader"]["reads"] == reads
+        # None of those READs reached the daemon: the page cache had them all. (A few may,
+        # when the kernel evicts pages under the memory pressure of a full CI run.)
+        assert m.status(0)["reader"]["reads"] - reads <= len(rels) // 10
         _clean_after(m)
 
 

@@ -14,6 +14,11 @@ except READs of files whose bytes wait here (`NativePool.held`): the front recor
 it answered, and `_follow` moves the plans with them. A file being read ahead is marked so
 that its LOOKUP starts no second read of it (`NativePool.ahead`).
 
+A peer's small file is not fetched alone: it waits in its peer's queue, and the pusher whose
+turn comes takes everything waiting for that peer (up to BATCH_MAX files) in one round trip
+(`Sources.batch_blocking`, as AIStore's GetBatch does). While the pushers are busy the queues
+fill and the batches grow; when they are idle a batch is one file and nothing waits.
+
 It degrades to reading without a plan: a read-ahead that fails (a dead peer, a corrupt file)
 is counted and left to the job's READ, which tries every source and reports it; the engine
 never makes a read wrong or makes a READ wait.
@@ -31,7 +36,9 @@ import logging
 import os
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import trio
 
@@ -40,6 +47,7 @@ from fanfs import codec
 from fanfs.node.plans import Plans, Share
 from fanfs.node.pool import NativePool
 from fanfs.node.sources import Sources
+from fanfs.node.transport.inbox import BATCH_MAX
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +57,22 @@ log = logging.getLogger(__name__)
 PUSH_THREADS = 8
 DUE_PER_TURN = 256  # positions taken per turn of the event loop (a large plan never stalls it)
 STOP_TIMEOUT_S = 30.0  # a pusher ends its store within this (it waits for a READ at most)
+# A peer's file stored whole in up to this many bytes is fetched in a batch with the others the
+# same peer holds and the plan wants now (one round trip for up to BATCH_MAX files, at most
+# BATCH_BYTES stored bytes: inbox.MAX_REQUEST is 16 MiB).
+BATCH_FILE_LIMIT = 1 << 20
+BATCH_BYTES = 8 << 20
 
 # (share, its plan, position, entry, decoded bytes to read ahead)
 Job = tuple[int, Share, int, int, int]
 Push = Callable[[int, int, bytes], bool]  # (entry, offset, data) -> stored in the page cache
+
+
+@dataclass(frozen=True, slots=True)
+class _PeerTurn:
+    """A pusher's turn to fetch, in one batch, what waits for `peer`."""
+
+    peer: int
 
 
 class ReadAhead:
@@ -69,7 +89,10 @@ class ReadAhead:
         self.push = push
         self.cached = cached
         self.pool = pool
-        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Job | _PeerTurn | None] = queue.SimpleQueue()
+        # Per peer, the read-aheads of files it holds that wait for a batch: each was queued
+        # with a _PeerTurn behind it, so no job waits without a turn to come.
+        self._for_peer: dict[int, deque[Job]] = {}
         self._count = threading.Lock()
         self._token: trio.lowlevel.TrioToken | None = None
         self._scope = trio.CancelScope()
@@ -96,9 +119,7 @@ class ReadAhead:
                         due = self.plans.due(DUE_PER_TURN)
                         for job in due:
                             if not self.plans.has(job[3]) and not self.cached(job[3]):
-                                self.sources.local.advise(job[3])  # the disk starts on it now
-                                self.pool.ahead(job[3], True)
-                                self._jobs.put(job)
+                                self._queue(job)
                         if due or self.plans.scanning:
                             await trio.lowlevel.checkpoint()  # let READs in between
                         else:
@@ -107,6 +128,27 @@ class ReadAhead:
             for _ in self._threads:
                 self._jobs.put(None)
             self._finished.set()
+
+    def _queue(self, job: Job) -> None:
+        entry = job[3]
+        self.sources.local.advise(entry)  # the disk starts on it now
+        self.pool.ahead(entry, True)
+        peer = self._batch_peer(entry)
+        if peer is None:
+            self._jobs.put(job)
+        else:
+            self._for_peer.setdefault(peer, deque()).append(job)
+            self._jobs.put(_PeerTurn(peer))
+
+    def _batch_peer(self, entry: int) -> int | None:
+        """The peer to fetch `entry` from in a batch, or None (held here, framed, large)."""
+        c = self.catalog
+        if (not self.sources.batches or self.sources.mine(entry)
+                or int(c.codec[entry]) == cat.CODEC_FRAMED
+                or int(c.stored_len[entry]) > BATCH_FILE_LIMIT):  # fmt: skip
+            return None
+        peers = self.sources.peers(entry)
+        return peers[0] if peers else None
 
     async def _follow(self) -> None:
         """Move the plans with the files the front looked up and read with no Python."""
@@ -142,31 +184,70 @@ class ReadAhead:
 
     def _pusher(self) -> None:
         while (job := self._jobs.get()) is not None:
-            share, s, pos, entry, nbytes = job
+            if isinstance(job, _PeerTurn):
+                self._batch(job.peer)
+            else:
+                self._one(job)
+
+    def _one(self, job: Job, stored: bytes | None = None) -> None:
+        """Read one file ahead (`stored`: its checked stored bytes, fetched in a batch)."""
+        share, s, pos, entry, nbytes = job
+        try:
             if not self.plans.current(share, s, pos):
-                continue  # replaced, or the job passed it meanwhile
+                return  # replaced, or the job passed it meanwhile
+            if int(self.catalog.codec[entry]) == cat.CODEC_FRAMED:
+                self._framed(entry, nbytes)
+            else:
+                self._whole(job, stored)
+        except Exception as e:  # the READ fetches it itself (and reports a corrupt file)
+            with self._count:
+                self.failed += 1
+            log.info("read-ahead of %s failed (its READ will fetch it): %s",
+                     os.fsdecode(b"/" + self.catalog.path(entry)), e)  # fmt: skip
+        finally:
+            self.pool.ahead(entry, False)
+
+    def _batch(self, peer: int) -> None:
+        """Fetch what waits for `peer` (up to BATCH_MAX files, BATCH_BYTES) in one round trip,
+        then each file as `_one` does; a file the batch did not bring is read the usual way."""
+        waiting = self._for_peer[peer]
+        jobs: list[Job] = []
+        nbytes = 0
+        while len(jobs) < BATCH_MAX:
             try:
-                if int(self.catalog.codec[entry]) == cat.CODEC_FRAMED:
-                    self._framed(entry, nbytes)
-                else:
-                    self._whole(job)
-            except Exception as e:  # the READ fetches it itself (and reports a corrupt file)
-                with self._count:
-                    self.failed += 1
-                log.info("read-ahead of %s failed (its READ will fetch it): %s",
-                         os.fsdecode(b"/" + self.catalog.path(entry)), e)  # fmt: skip
-            finally:
-                self.pool.ahead(entry, False)
+                job = waiting.popleft()
+            except IndexError:
+                break
+            if not self.plans.current(*job[:3]):
+                self.pool.ahead(job[3], False)
+                continue
+            size = int(self.catalog.stored_len[job[3]])
+            if jobs and nbytes + size > BATCH_BYTES:
+                waiting.appendleft(job)  # (its turn is still queued)
+                break
+            jobs.append(job)
+            nbytes += size
+        if not jobs:
+            return  # an earlier turn took them
+        try:
+            got = self.sources.batch_blocking(peer, [job[3] for job in jobs])
+        except Exception as e:  # not expected: each file is then read the usual way
+            log.warning("a batch from rank %d failed: %s", peer, e)
+            got = [None] * len(jobs)
+        for job, stored in zip(jobs, got, strict=True):
+            self._one(job, stored)
 
     def _stored(self, entry: int, offset: int, length: int, crc: int | None) -> tuple[bytes, bool]:
         assert self._token is not None
         return self.sources.stored_blocking(entry, offset, length, crc, self._token)
 
-    def _whole(self, job: Job) -> None:
+    def _whole(self, job: Job, stored: bytes | None = None) -> None:
         share, s, pos, entry, _ = job
         c = self.catalog
         crc = int(c.crc[entry])
-        stored, checked = self._stored(entry, 0, int(c.stored_len[entry]), crc)
+        checked = stored is not None
+        if stored is None:
+            stored, checked = self._stored(entry, 0, int(c.stored_len[entry]), crc)
         data = codec.decode(stored, int(c.codec[entry]), int(c.size[entry]),
                             None if checked else crc, c.dicts)  # fmt: skip
         pushed = self.push(entry, 0, data)

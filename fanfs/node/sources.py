@@ -217,6 +217,15 @@ class PeerServer:
         """The bytes if the page cache holds them all (never waits for the disk), else None."""
         return self.local.cached(part, start, length)
 
+    def whole(self, entry: int) -> tuple[int, int, int] | None:
+        """(partition, start, stored length) of a file's whole stored bytes when a plain read
+        answers them, or None."""
+        if not 0 <= entry < self.catalog.n_entries:
+            return None
+        length = int(self.catalog.stored_len[entry])
+        located = self.locate(entry, 0, length)
+        return None if located is None else (*located, length)
+
     def pread(self, part: int, start: int, length: int) -> bytes:
         """Exactly the bytes (may wait for the disk; OSError on failure)."""
         return self.local.pread(part, start, length)
@@ -284,6 +293,28 @@ class Sources:
             self._fell_back(began)
             return data, False
         return self.local.read_blocking(entry, offset, length), False
+
+    @property
+    def batches(self) -> bool:
+        """Whether whole files can be fetched from a peer several at a time (`batch_blocking`)."""
+        return self.transport is not None and self.transport.batches
+
+    def batch_blocking(self, peer: int, entries: list[int]) -> list[bytes | None]:
+        """The whole stored bytes of files `peer` holds, in one round trip, for a thread of
+        the daemon's own: per file, its bytes checked against its CRC, or None where they did
+        not come (a refusal, no answer in time, a bad copy): the caller then reads that file
+        the usual way (`stored_blocking`: the other holders, then the image)."""
+        assert self.transport is not None
+        c = self.catalog
+        lengths = [int(c.stored_len[e]) for e in entries]
+        try:
+            got = self.transport.fetch_batch_blocking(peer, entries, lengths)
+        except PeerTimeout:
+            got = None
+        if got is None:
+            return [None] * len(entries)
+        return [bytes(stored) if self._good(e, peer, stored, int(c.crc[e])) else None
+                for e, stored in zip(entries, got, strict=True)]  # fmt: skip
 
     def peers(self, entry: int) -> list[int]:
         """Peers holding `entry`, live ones only, rotated per file to spread load over replicas."""
@@ -382,7 +413,7 @@ class Sources:
             self.fallbacks += 1
             self.image_latency.record(time.perf_counter() - began)
 
-    def _good(self, entry: int, peer: int, stored: bytes, crc: int | None) -> bool:
+    def _good(self, entry: int, peer: int, stored: bytes | memoryview, crc: int | None) -> bool:
         """Whether a peer's reply matches its CRC; a bad copy is counted and logged."""
         if crc is None or crc32(stored) == crc:
             return True

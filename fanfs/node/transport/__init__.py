@@ -46,6 +46,10 @@ class Served(Protocol):
     def pread(self, part: int, start: int, length: int) -> bytes:
         """Exactly the bytes (may wait for the disk; OSError on failure)."""
 
+    def whole(self, entry: int) -> tuple[int, int, int] | None:
+        """(partition, start, stored length) of a file's whole stored bytes when a plain read
+        answers them (any thread), or None."""
+
 
 class PeerTimeout(Exception):
     """A peer did not answer within the peer timeout; it is routed around from now on."""
@@ -53,6 +57,7 @@ class PeerTimeout(Exception):
 
 class PeerTransport:
     blocking_fetch = False  # whether `fetch_blocking` works (threads of its own serve it)
+    batches = False  # whether `fetch_batch_blocking` works
 
     def __init__(self, rank: int, size: int, peer_timeout: float, server: Served):
         self.rank = rank
@@ -74,6 +79,8 @@ class PeerTransport:
         self._hedge_at = 0  # fetches counted when the hedge delay was last computed
         self.hedged = 0  # the front's fetches asked of another holder too (mpi.py)
         self.hedges_won = 0
+        self.batch_fetches = 0  # batches of whole files fetched in one round trip (planners')
+        self.batched_files = 0  # ... and the files in them
 
     async def fetch(self, peer: int, entry: int, offset: int, length: int) -> bytes | None:
         """`length` stored bytes of `entry` from `offset`, from `peer`; None if it has none.
@@ -83,6 +90,12 @@ class PeerTransport:
     def fetch_blocking(self, peer: int, entry: int, offset: int, length: int) -> bytes | None:
         """`fetch` from a thread of the daemon's own, where the transport has threads of its
         own to serve it (the MPI one); NotImplementedError elsewhere."""
+        raise NotImplementedError
+
+    def fetch_batch_blocking(self, peer: int, entries: list[int],
+                             lengths: list[int]) -> list[memoryview] | None:  # fmt: skip
+        """The whole stored bytes of several files `peer` holds, in one round trip, from a
+        thread of the daemon's own (`batches`); NotImplementedError elsewhere."""
         raise NotImplementedError
 
     def _say_bye(self) -> None:
@@ -141,12 +154,11 @@ class PeerTransport:
                 data = None
         return data
 
-    def _count_reply(
-        self, entry: int, data: bytes | bytearray | memoryview | None, direct: bool = False
-    ) -> None:
+    def _count_reply(self, entry: int, data: bytes | bytearray | memoryview | None,
+                     direct: bool = False, files: int = 1) -> None:  # fmt: skip
         if data is not None:
-            self.served += 1
-            self.served_direct += direct
+            self.served += files
+            self.served_direct += direct * files
             self.served_bytes += len(data)
         elif entry >= 0:  # not a ping
             self.refused += 1
@@ -200,6 +212,8 @@ class PeerTransport:
             bytes_served_to_peers=self.served_bytes,
             refused_to_peers=self.refused,
             malformed_messages=self.malformed,
+            batch_fetches=self.batch_fetches,
+            batched_files=self.batched_files,
             dead_peers=sorted(self._dead),
             peers_said_bye=sorted(self._byes),
         )

@@ -6,6 +6,11 @@ Protocol (point-to-point on a duplicate of COMM_WORLD, buffer API, no pickle on 
 - reply, tag `reply_tag`: the stored bytes (still compressed) in chunks under 2 GiB, or one
   empty message when the owner cannot serve them. The requester knows `length` from its own
   catalog;
+- batch, tag 3: int64 `(reply_tag, n, entry_1, ..., entry_n)` padded with -1 to BATCH_MAX
+  entries, 272 bytes: a planner asks for the whole stored bytes of up to BATCH_MAX files the
+  peer holds. The reply (tag `reply_tag`) is their stored bytes back to back, in that order,
+  or one empty message if the owner cannot serve them all (the requester then asks file by
+  file). The requester knows each length from its own catalog;
 - bye, tag 2: "I have unmounted". A daemon stops serving only when every peer said bye or is
   found dead, so no peer loses its source while it still reads.
 Reply tags cycle through [16, TAG_UB) and are never reused while a fetch is outstanding.
@@ -42,6 +47,7 @@ log = logging.getLogger(__name__)
 
 TAG_REQUEST = 1
 TAG_BYE = 2
+TAG_BATCH = 3
 FIRST_REPLY_TAG = 16
 
 # The most stored bytes a peer may ask for at once: a raw file read whole (the reader's
@@ -53,6 +59,9 @@ DISCARD_MAX = MAX_REQUEST
 # A quarantined reply tag is released after this many peer timeouts even if its reply never
 # came (a dead peer): tags cycle through millions, so this only bounds the bookkeeping.
 QUARANTINE_TIMEOUTS = 10
+# Files one batch request names at most; its header is always BATCH_HEADER int64s.
+BATCH_MAX = 32
+BATCH_HEADER = 2 + BATCH_MAX
 
 
 def parse_request(header: Any, tag_ub: int) -> tuple[int, int, int, int] | None:
@@ -67,6 +76,33 @@ def parse_request(header: Any, tag_ub: int) -> tuple[int, int, int, int] | None:
     if not FIRST_REPLY_TAG <= tag < tag_ub or offset < 0 or length < 0 or entry < -1:
         return None
     return entry, offset, length, tag
+
+
+def batch_header(tag: int, entries: list[int]) -> np.ndarray:
+    """A batch request's header: reply tag, count, entries, -1 padding."""
+    assert 1 <= len(entries) <= BATCH_MAX
+    header = np.full(BATCH_HEADER, -1, dtype=np.int64)
+    header[:2] = tag, len(entries)
+    header[2 : 2 + len(entries)] = entries
+    return header
+
+
+def parse_batch(header: Any, tag_ub: int) -> tuple[int, list[int]] | None:
+    """(reply tag, entries) of a peer's batch header, or None if it is not a well-formed one.
+    The entries are checked later against the catalog by the serving side."""
+    try:
+        values = [int(x) for x in header]
+    except (TypeError, ValueError):
+        return None
+    if len(values) != BATCH_HEADER:
+        return None
+    tag, n = values[:2]
+    if not FIRST_REPLY_TAG <= tag < tag_ub or not 1 <= n <= BATCH_MAX:
+        return None
+    entries = values[2 : 2 + n]
+    if min(entries) < 0:
+        return None
+    return tag, entries
 
 
 @dataclass

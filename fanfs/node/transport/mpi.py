@@ -16,6 +16,9 @@ about 1 % of one). A peer's request that a plain read answers (the server's `loc
 without the event loop: the MPI thread reads what the page cache holds, SERVER_THREADS threads
 read the rest from the disk, and both put the reply on the command queue. Other requests
 (refusals, large raw files not checked yet) go to the server's `serve` in the event loop.
+A planner's batch (`fetch_batch_blocking`: the whole stored bytes of up to BATCH_MAX files in
+one round trip) is read by a server thread, or refused whole if one file is not a plain read
+here or the reply would pass MAX_REQUEST.
 After start-up no collective operation is used, so a dead rank can only cost its own
 requests a peer timeout, after which it is routed around.
 
@@ -44,6 +47,7 @@ import queue
 import select
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,12 +58,17 @@ from fanfs.native import lib
 from fanfs.node.pool import THREADS as FRONT_THREADS
 from fanfs.node.transport import PeerTimeout, PeerTransport, Served
 from fanfs.node.transport.inbox import (
+    BATCH_HEADER,
+    BATCH_MAX,
     FIRST_REPLY_TAG,
     MAX_REQUEST,
+    TAG_BATCH,
     TAG_BYE,
     TAG_REQUEST,
     Fetch,
     Inbox,
+    batch_header,
+    parse_batch,
     parse_request,
 )
 from fanfs.world import CHUNK, World
@@ -111,6 +120,7 @@ class _Send:
     tag: int
     header: np.ndarray
     job: Fetch
+    kind: int = TAG_REQUEST  # or TAG_BATCH
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +140,7 @@ class _Reply:
     entry: int
     direct: bool = False  # read by the transport's threads, not through the event loop
     reserved: int = 0  # reply bytes `_request` reserved for it, released once sent
+    files: int = 1  # files it answers (a batch's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,8 +156,14 @@ class _Stop:
 _Command = _Send | _Cancel | _Reply | _Bye | _Stop
 
 
+# A server thread's read: (peer, reply tag, entry, pieces (partition, start, length)), the
+# reply being the pieces back to back.
+_Read = tuple[int, int, int, tuple[tuple[int, int, int], ...]]
+
+
 class MpiTransport(PeerTransport):
     blocking_fetch = True
+    batches = True
 
     def __init__(
         self,
@@ -166,8 +183,7 @@ class MpiTransport(PeerTransport):
         self._asked: dict[tuple[Any, ...], int] = {}  # front's request -> its fetches out
         self.MPI = world.MPI
         self.comm = world.comm
-        self._reads: queue.SimpleQueue[tuple[int, int, int, int, int, int] | None]
-        self._reads = queue.SimpleQueue()  # (peer, tag, entry, part, start, length) to read
+        self._reads: queue.SimpleQueue[_Read | None] = queue.SimpleQueue()
         self._servers: list[threading.Thread] = []
         self._cmds: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._tag_ub = int(self.comm.Get_attr(self.MPI.TAG_UB) or 32767)
@@ -206,13 +222,17 @@ class MpiTransport(PeerTransport):
             if tag not in self._outstanding:
                 return tag
 
-    def _start(self, peer: int, entry: int, offset: int, length: int, job: Fetch) -> int:
-        """Hand the MPI thread a fetch (any thread); its reply tag."""
+    def _start(self, peer: int, entry: int, offset: int, length: int, job: Fetch,
+               batch: list[int] | None = None) -> int:  # fmt: skip
+        """Hand the MPI thread a fetch (any thread), or a batch of whole files; its reply tag."""
         with self._lock:
             tag = self._tag()
             self._outstanding[tag] = job
-        header = np.array([entry, offset, length, tag], dtype=np.int64)
-        self._post(_Send(peer, tag, header, job))
+        if batch is not None:
+            self._post(_Send(peer, tag, batch_header(tag, batch), job, TAG_BATCH))
+        else:
+            header = np.array([entry, offset, length, tag], dtype=np.int64)
+            self._post(_Send(peer, tag, header, job))
         return tag
 
     def _forget(self, tag: int, done: bool) -> None:
@@ -226,16 +246,20 @@ class MpiTransport(PeerTransport):
             self._outstanding.pop(tag, None)
 
     def _result(self, peer: int, job: Fetch, done: bool, began: float) -> bytes | None:
+        if not self._arrived(peer, job, done):
+            return None  # a refusal, or a reply of the wrong size: another source
+        with self._lock:
+            self._fetched(began, job.length, time.perf_counter())
+        return bytes(job.buf) if job.length <= CHUNK else job.buf  # type: ignore[return-value]
+
+    def _arrived(self, peer: int, job: Fetch, done: bool) -> bool:
+        """Whether all `job` asked for came; PeerTimeout if the peer did not answer."""
         if not done:
             raise self._timed_out(peer)
         if job.count == -1:
             self._mark_dead(peer, "cannot be reached")
             raise PeerTimeout(f"rank {peer} cannot be reached")
-        if job.count != job.length:
-            return None  # a refusal, or a reply of the wrong size: another source
-        with self._lock:
-            self._fetched(began, job.length, time.perf_counter())
-        return bytes(job.buf) if job.length <= CHUNK else job.buf  # type: ignore[return-value]
+        return job.count == job.length
 
     async def fetch(self, peer: int, entry: int, offset: int, length: int) -> bytes | None:
         if peer in self._dead:
@@ -263,6 +287,34 @@ class MpiTransport(PeerTransport):
         done = waiter.wait(self.peer_timeout)
         self._forget(tag, done)
         return self._result(peer, job, done, began)
+
+    def fetch_batch_blocking(self, peer: int, entries: list[int],
+                             lengths: list[int]) -> list[memoryview] | None:  # fmt: skip
+        """The whole stored bytes of up to BATCH_MAX files `peer` holds, in one round trip
+        (`lengths`: their stored lengths, from this daemon's catalog, at most MAX_REQUEST in
+        all), for a thread of the daemon's own; None if the peer refused them. PeerTimeout as
+        `fetch`. Not checked here (their CRCs are the caller's)."""
+        if not 1 <= len(entries) == len(lengths) <= BATCH_MAX or sum(lengths) > MAX_REQUEST:
+            raise ValueError(f"a batch of {len(entries)} files, {sum(lengths)} bytes")
+        if peer in self._dead:
+            raise PeerTimeout(f"rank {peer} is dead")
+        total = sum(lengths)
+        waiter = threading.Event()
+        job = Fetch(peer, total, bytearray(total), waiter=waiter)
+        tag = self._start(peer, -1, 0, total, job, batch=entries)
+        done = waiter.wait(self.peer_timeout)
+        self._forget(tag, done)
+        if not self._arrived(peer, job, done):
+            return None
+        with self._lock:
+            self.fetch_bytes += total
+            self.batch_fetches += 1
+            self.batched_files += len(entries)
+        view, out, at = memoryview(job.buf), [], 0
+        for n in lengths:
+            out.append(view[at : at + n])
+            at += n
+        return out
 
     def _delivered(self, job: Fetch, count: int) -> None:
         """(The MPI thread.) Wake whoever waits for `job`: a thread at once, a task through
@@ -299,15 +351,19 @@ class MpiTransport(PeerTransport):
     def _server(self) -> None:
         """Read what peers asked for that is not in the page cache (may wait for the disk)."""
         while (job := self._reads.get()) is not None:
-            peer, tag, entry, part, start, length = job
+            peer, tag, entry, pieces = job
             data: bytes | None = None
             try:
-                data = self.server.pread(part, start, length)
+                if len(pieces) == 1:
+                    data = self.server.pread(*pieces[0])
+                else:
+                    data = b"".join(self.server.pread(*p) for p in pieces)
             except OSError as e:
                 log.warning("cannot serve entry %d to rank %d: %s", entry, peer, e)
             except Exception:
                 log.exception("serving entry %d to rank %d failed", entry, peer)
-            self._post(_Reply(peer, tag, data, entry, direct=True, reserved=length))
+            reserved = sum(n for _, _, n in pieces)
+            self._post(_Reply(peer, tag, data, entry, True, reserved, len(pieces)))
 
     # -- the MPI thread --------------------------------------------------------------------
 
@@ -336,6 +392,7 @@ class MpiTransport(PeerTransport):
     def _serve(self) -> None:
         MPI = self.MPI
         header = np.empty(4, dtype=np.int64)
+        batch = np.empty(BATCH_HEADER, dtype=np.int64)
         bye = np.empty(1, dtype=np.int64)
         status = MPI.Status()
         inbox = Inbox(self.comm, MPI, self.peer_timeout, self._delivered, self._release,
@@ -356,15 +413,9 @@ class MpiTransport(PeerTransport):
                 if isinstance(cmd, _Stop):
                     return
                 self._command(cmd, inbox, sending)
-            while (size := inbox.probe(MPI.ANY_SOURCE, TAG_REQUEST, status, header)) is not None:
-                busy = True
-                peer = status.Get_source()
-                request = parse_request(header, self._tag_ub) if size == header.nbytes else None
-                if request is not None:
-                    self._request(peer, *request)
-                else:
-                    self._count_malformed()
-                    log.warning("malformed request (%d bytes) from rank %d ignored", size, peer)
+            asked = self._take_asked
+            busy |= asked(inbox, status, TAG_REQUEST, header, parse_request, self._request)
+            busy |= asked(inbox, status, TAG_BATCH, batch, parse_batch, self._batch)
             while (size := inbox.probe(MPI.ANY_SOURCE, TAG_BYE, status, bye)) is not None:
                 busy = True
                 if size == bye.nbytes:
@@ -392,6 +443,24 @@ class MpiTransport(PeerTransport):
                 idle = 0.0
             else:
                 idle = POLL_MIN_S if now < hot_until else min(max(idle, POLL_MIN_S) * 2, POLL_MAX_S)
+
+    def _take_asked(self, inbox: Inbox, status: Any, tag: int, buf: np.ndarray,
+                    parse: Callable[[np.ndarray, int], tuple[Any, ...] | None],
+                    answer: Callable[..., None]) -> bool:  # fmt: skip
+        """Take every pending message with `tag` (requests, batches) into `buf`, each checked
+        by `parse` and answered by `answer(peer, *parsed)`; True if any came."""
+        busy = False
+        while (size := inbox.probe(self.MPI.ANY_SOURCE, tag, status, buf)) is not None:
+            busy = True
+            peer = status.Get_source()
+            asked = parse(buf, self._tag_ub) if size == buf.nbytes else None
+            if asked is not None:
+                answer(peer, *asked)
+            else:
+                self._count_malformed()
+                log.warning("malformed message (tag %d, %d bytes) from rank %d ignored", tag,
+                            size, peer)  # fmt: skip
+        return busy
 
     def _count_malformed(self) -> None:
         self.malformed += 1
@@ -517,9 +586,31 @@ class MpiTransport(PeerTransport):
         except Exception as e:  # a disk error: the server thread tries again and reports it
             log.debug("inline read for rank %d failed: %s", peer, e)
         if located is not None:
-            self._reads.put((peer, tag, entry, *located, length))
+            self._reads.put((peer, tag, entry, ((*located, length),)))
         else:
             self._call_trio(self._on_request, peer, entry, offset, length, tag)
+
+    def _batch(self, peer: int, tag: int, entries: list[int]) -> None:
+        """Answer a peer's batch: every file's whole stored bytes, back to back, read by a
+        server thread; refused whole (an empty reply) if one is not a plain read here or the
+        reply would be too large, and the requester asks file by file."""
+        pieces = []
+        for entry in entries:
+            try:
+                piece = self.server.whole(entry)
+            except Exception as e:  # not expected: the requester asks file by file
+                log.warning("batch entry %d from rank %d: %s", entry, peer, e)
+                piece = None
+            if piece is None:
+                self._post(_Reply(peer, tag, None, entry))
+                return
+            pieces.append(piece)
+        total = sum(n for _, _, n in pieces)
+        if total > MAX_REQUEST or self._reply_bytes + total > REPLY_BYTES:
+            self._post(_Reply(peer, tag, None, entries[0]))
+            return
+        self._reply_bytes += total
+        self._reads.put((peer, tag, entries[0], tuple(pieces)))
 
     def _done(self, req: Any) -> bool:
         try:
@@ -533,11 +624,11 @@ class MpiTransport(PeerTransport):
         try:
             if isinstance(cmd, _Send):
                 inbox.expect(cmd.tag, cmd.job)
-                sending.append((comm.Isend(cmd.header, cmd.peer, TAG_REQUEST), cmd.header, 0))
+                sending.append((comm.Isend(cmd.header, cmd.peer, cmd.kind), cmd.header, 0))
             elif isinstance(cmd, _Cancel):
                 inbox.forget(cmd.tag)
             elif isinstance(cmd, _Reply):
-                self._count_reply(cmd.entry, cmd.data, cmd.direct)
+                self._count_reply(cmd.entry, cmd.data, cmd.direct, cmd.files)
                 # What `_request` reserved for it is released once its last part is sent.
                 if cmd.data is None:
                     sending.append((comm.Isend([b"", self.MPI.BYTE], cmd.peer, cmd.tag), None,
