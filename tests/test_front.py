@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import itertools
 import os
 import subprocess
 import sys
@@ -139,34 +140,97 @@ def test_with_the_front_off_the_event_loop_answers_everything(
         m.stop()
 
 
+def cpu_stalled_us() -> int:
+    """Microseconds in which some thread waited for a CPU, since boot: what the front reads
+    (/proc/pressure/cpu, "some" total) to decide whether to poll."""
+    some = Path("/proc/pressure/cpu").read_text().split("total=", 1)[1]
+    return int(some.split()[0])
+
+
+def cpu_busy_ticks() -> int:
+    """Clock ticks all CPUs have spent busy since boot (/proc/stat: all but idle and iowait)."""
+    ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return sum(ticks) - ticks[3] - ticks[4]
+
+
+# The front polls only while threads waited for a CPU in less than a tenth of the last ~100 ms
+# or more (front.c's cpu_pressed), and the test itself keeps both cores busy (its requests, the
+# polling leader): anything else that wants a CPU then may stop the poll, rightly. Processes of
+# earlier tests or of a neighbour on this shared machine did (CI: 198 sleeps of 300). So the
+# idle half waits for a quiet machine, tries again if a stall came during the attempt, and
+# fails only if the leader slept through an attempt that stayed quiet.
+QUIET_BUSY = 0.1  # share of all cores others may use while the test waits for a quiet machine
+QUIET_STALL = 0.1  # the front's bar: share of time in which some thread waited for a CPU
+QUIET_WAIT_S = 8.0  # for a quiet machine and the attempts (e.g. earlier tests winding down)
+IDLE_ATTEMPTS = 5  # an attempt takes about 0.4 s
+
+
+def wait_quiet(deadline: float) -> bool:
+    """Wait until for 0.3 s (three of the front's looks at the pressure) no other process used
+    a tenth of the cores and no thread waited for a CPU a tenth of the time; False if the
+    machine was not quiet by `deadline`."""
+    hz = os.sysconf("SC_CLK_TCK")
+    while time.monotonic() < deadline:
+        busy, stalled, began = cpu_busy_ticks(), cpu_stalled_us(), time.monotonic()
+        time.sleep(0.3)
+        took = time.monotonic() - began
+        if (cpu_busy_ticks() - busy < QUIET_BUSY * took * hz * (os.cpu_count() or 1)
+                and cpu_stalled_us() - stalled < QUIET_STALL * took * 1e6):  # fmt: skip
+            return True
+    return False
+
+
 def test_the_leader_polls_only_while_a_core_is_free(tree: tuple[Path, Path],
                                                     tmp_path: Path) -> None:  # fmt: skip
     """Requests 0.2 ms apart: the leader's poll catches them (it seldom sleeps). The same
     while more threads want a CPU than there are cores (a loader's workers decoding between
-    two requests): a poll would take a core from someone, so it sleeps after each."""
+    two requests): a poll would take a core from someone, so it sleeps after each.
+
+    The first half needs a free core: when a loaded machine never leaves one for a whole
+    attempt, it is skipped (with the stalls seen), after the second half has been checked."""
     src, image = tree
     with mounted(image, tmp_path / "mnt", tmp_path / "local") as m:
         fd = os.open(m.mountpoint / files(src)[0].relative_to(src), os.O_RDONLY)
 
-        def sleeps_over(n: int, gap_s: float) -> int:
+        def sleeps_over(n: int, gap_s: float) -> tuple[int, float]:
+            """(Times the leader slept over `n` requests `gap_s` apart, the larger share of
+            time in which some thread waited for a CPU: while the status was asked, the span
+            the front judges the first requests by, or while the requests came.)"""
+            marks = [(time.monotonic(), cpu_stalled_us())]
             before = m.status()["front"]["waits"]
+            marks.append((time.monotonic(), cpu_stalled_us()))
             for _ in range(n):
                 with contextlib.suppress(OSError):  # ENOTTY, answered by the front
                     fcntl.ioctl(fd, termios.TCGETS, bytes(64))
                 time.sleep(gap_s)
-            return int(m.status()["front"]["waits"]) - before - 1  # less the status call
+            marks.append((time.monotonic(), cpu_stalled_us()))
+            waits = int(m.status()["front"]["waits"]) - before - 1  # less the status call
+            stalled = max((s1 - s0) / 1e6 / (t1 - t0)
+                          for (t0, s0), (t1, s1) in itertools.pairwise(marks))  # fmt: skip
+            return waits, round(stalled, 3)
 
         burners: list[subprocess.Popen[bytes]] = []
+        idle: list[tuple[int, float]] = []  # (sleeps, stalled) of each attempt
         try:
-            time.sleep(0.3)  # an idle machine: no CPU pressure
-            idle = sleeps_over(300, 0.0002)
+            deadline = time.monotonic() + QUIET_WAIT_S
+            while len(idle) < IDLE_ATTEMPTS and wait_quiet(deadline):
+                idle.append(sleeps_over(300, 0.0002))
+                if idle[-1][0] < 100:
+                    break
             burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
                        for _ in range(2 * (os.cpu_count() or 2))]  # fmt: skip
             time.sleep(0.3)  # the kernel's CPU pressure rises
-            busy = sleeps_over(200, 0.003)
+            busy, _ = sleeps_over(200, 0.003)
         finally:
             os.close(fd)
             for p in burners:
                 p.kill()
                 p.wait()
-        assert idle < 100 and busy > 150, (idle, busy)
+        assert busy > 150, (busy, idle)
+        if not any(sleeps < 100 for sleeps, _ in idle):
+            quiet = [a for a in idle if a[1] < QUIET_STALL]
+            assert not quiet, f"the leader slept after requests on a quiet machine: {idle}"
+            pytest.skip(
+                f"no free core for the leader's poll in {QUIET_WAIT_S:.0f} s; attempts "
+                f"(sleeps of 300, share of time stalled): {idle}"
+            )
