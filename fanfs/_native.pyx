@@ -161,6 +161,7 @@ cdef extern from "fanfs_native.h" nogil:
     int64_t fanfs_meta_lookup(uint64_t parent, const char *name, size_t len)
     unsigned long long FANFS_FOLLOW_READ
     void fanfs_front_follow(int efd)
+    int fanfs_cpu_pressed()
     int fanfs_front_followed(uint64_t *out, int max, uint64_t *lost)
 
 API_VERSION = FANFS_NATIVE_API
@@ -530,6 +531,12 @@ def front_followed(int most=4096):
     got = np.frombuffer(buf, np.uint64, n)
     flag = np.uint64(FANFS_FOLLOW_READ)
     return (got & ~flag).astype(np.int64), (got & flag) != 0, lost
+
+
+def cpu_pressed():
+    """Whether threads waited for a CPU in more than a tenth of the last ~100 ms (the kernel's
+    CPU pressure): polling instead of sleeping would take a core from them."""
+    return bool(fanfs_cpu_pressed())
 
 
 def pool_fast_count():

@@ -24,7 +24,7 @@
 #include <stdint.h>
 #include <sys/uio.h>
 
-#define FANFS_NATIVE_API 7
+#define FANFS_NATIVE_API 8
 
 /* What a piece's stored bytes are (fanfs/node/pool.py names the same numbers). */
 enum {
@@ -332,6 +332,11 @@ int fanfs_writes_start(void);
 void fanfs_writes_stop(void);
 void fanfs_writes_settle(void);
 int fanfs_writes_take(int ffd, char **bufp, uint32_t n);
+
+/* Whether threads waited for a CPU in more than a tenth of the last ~100 ms (the kernel's CPU
+ * pressure, read at most every 100 ms): then a thread that polls instead of sleeping takes a
+ * core from others (the front's leader, the MPI thread). Any thread; 0 without PSI. */
+int fanfs_cpu_pressed(void);
 
 /* Raw messages to the FUSE device: a reply (error `err`, or the data), a notify_store. */
 int fanfs_raw_reply(int fd, uint64_t unique, int err, const struct iovec *iov, int n);

@@ -267,7 +267,7 @@ static struct {
 
 void fanfs_front_follow(int efd) {
     pthread_mutex_lock(&follow.lock);
-    follow.efd = efd;
+    __atomic_store_n(&follow.efd, efd, __ATOMIC_RELAXED);
     follow.head = follow.n = 0;
     pthread_mutex_unlock(&follow.lock);
 }
@@ -497,35 +497,42 @@ static void end_session(void) {
  * for a CPU (the kernel's CPU pressure): then polling takes a core from the readers. */
 
 /* Whether threads waited for a CPU in more than a tenth of the last ~100 ms (/proc/pressure/cpu
- * "some"). Read at most every 100 ms, by the leader only; a reading more than 200 ms old is
- * only a new baseline (what happened while the front was idle says nothing about now). 0
- * when the kernel has no PSI. */
-static int cpu_pressed(void) {
+ * "some"). Read at most every 100 ms, by one caller at a time (the others take the last
+ * answer); a reading more than 200 ms old is only a new baseline (what happened while nobody
+ * asked says nothing about now). 0 when the kernel has no PSI. */
+int fanfs_cpu_pressed(void) {
+    static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
     static int64_t last_ns, last_stall_us = -1;
     static int pressed;
     int64_t now = now_ns(), stall_us;
     char buf[256], *at;
     ssize_t n;
-    int fd;
-    if (now - last_ns < 100000000)
-        return pressed;
-    fd = open("/proc/pressure/cpu", O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-        return pressed = 0;
-    n = read(fd, buf, sizeof buf - 1);
-    close(fd);
-    if (n <= 0)
-        return pressed = 0;
-    buf[n] = 0;
-    at = strstr(buf, "total=");
-    if (at == NULL)
-        return pressed = 0;
-    stall_us = strtoll(at + 6, NULL, 10);
-    pressed = last_stall_us >= 0 && now - last_ns <= 200000000 &&
+    int fd, was;
+    if (now - __atomic_load_n(&last_ns, __ATOMIC_RELAXED) < 100000000 ||
+        pthread_mutex_trylock(&lock) != 0)
+        return __atomic_load_n(&pressed, __ATOMIC_RELAXED);
+    was = pressed;
+    if (now - last_ns >= 100000000) {
+        stall_us = -1;
+        fd = open("/proc/pressure/cpu", O_RDONLY | O_CLOEXEC);
+        if (fd >= 0) {
+            n = read(fd, buf, sizeof buf - 1);
+            close(fd);
+            if (n > 0) {
+                buf[n] = 0;
+                at = strstr(buf, "total=");
+                if (at != NULL)
+                    stall_us = strtoll(at + 6, NULL, 10);
+            }
+        }
+        was = stall_us >= 0 && last_stall_us >= 0 && now - last_ns <= 200000000 &&
               (stall_us - last_stall_us) * 1000 * 10 > (now - last_ns);
-    last_stall_us = stall_us;
-    last_ns = now;
-    return pressed;
+        last_stall_us = stall_us;
+        __atomic_store_n(&pressed, was, __ATOMIC_RELAXED);
+        __atomic_store_n(&last_ns, now, __ATOMIC_RELAXED);
+    }
+    pthread_mutex_unlock(&lock);
+    return was;
 }
 
 /* As the leader: the next request into `buf` (its size), 0 to stop, -1 once the session has
@@ -533,7 +540,7 @@ static int cpu_pressed(void) {
 static ssize_t take(char *buf, int ep) {
     struct epoll_event ev[2];
     int64_t until = front.last_ns + front.spin_ns;
-    int spin = front.spin_ns > 0 && !cpu_pressed();
+    int spin = front.spin_ns > 0 && !fanfs_cpu_pressed();
     for (;;) {
         ssize_t n = read(front.fd, buf, FANFS_FRONT_BUFSIZE);
         int i, got;

@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 # up to the catalog's limit) or one frame.
 PUSH_THREADS = 8
 DUE_PER_TURN = 256  # positions taken per turn of the event loop (a large plan never stalls it)
+FOLLOWED_PER_TURN = 256  # files the front answered, followed per turn of the event loop
 STOP_TIMEOUT_S = 30.0  # a pusher ends its store within this (it waits for a READ at most)
 # A peer's file stored whole in up to this many bytes is fetched in a batch with the others the
 # same peer holds and the plan wants now (one round trip for up to BATCH_MAX files, at most
@@ -155,11 +156,13 @@ class ReadAhead:
         while True:
             entries, reads = await self.pool.followed()
             self.followed += len(entries)
-            for entry, read in zip(entries.tolist(), reads.tolist(), strict=True):
+            for k, (entry, read) in enumerate(zip(entries.tolist(), reads.tolist(), strict=True)):
                 if read:
                     self.plans.answered(entry)
                 else:
                     self.plans.accessed(entry, None)
+                if k % FOLLOWED_PER_TURN == FOLLOWED_PER_TURN - 1:
+                    await trio.lowlevel.checkpoint()  # READs in between
             await trio.lowlevel.checkpoint()
 
     async def stop(self) -> None:
@@ -223,7 +226,8 @@ class ReadAhead:
                 continue
             size = int(self.catalog.stored_len[job[3]])
             if jobs and nbytes + size > BATCH_BYTES:
-                waiting.appendleft(job)  # (its turn is still queued)
+                waiting.appendleft(job)
+                self._jobs.put(_PeerTurn(peer))  # (the turns left may all have passed by)
                 break
             jobs.append(job)
             nbytes += size

@@ -255,7 +255,6 @@ class NativePool:
                 lib.pool_fast_enable(False)
             else:
                 self._follow_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-                stack.callback(os.close, self._follow_fd)  # once trio is done with it
         return True
 
     def fast_part(self, part: int, fd: int, dfd: int) -> None:
@@ -324,8 +323,10 @@ class NativePool:
             lib.pool_stop()
             if self.front is not None:
                 self.front.stop()
-            if self._follow_fd >= 0:
+            if self._follow_fd >= 0:  # (no thread writes it any more, `followed` has ended)
                 lib.front_follow(-1)
+                os.close(self._follow_fd)
+                self._follow_fd = -1
             os.close(self._wfd)
 
     def stats(self) -> dict[str, int]:

@@ -9,7 +9,9 @@ commands through a thread-safe queue; it answers with `TrioToken.run_sync_soon`,
 blocks the MPI thread (the planner's threads, which fetch with `fetch_blocking`, are woken
 directly). While a fetch that a reader waits for is outstanding it polls without sleeping
 (yielding the CPU between polls) for up to SPIN_S after the last event: a sleep of even 50 us
-added a tenth of a millisecond to every remote file (see docs/performance.md). Otherwise it
+added a tenth of a millisecond to every remote file (see docs/performance.md); but not while
+the kernel says threads wait for a CPU (`lib.cpu_pressed`), when the spin takes a core from
+the readers and the other daemons of the node. Otherwise it
 blocks on the queue with a timeout: 20 us for HOT_S after any traffic, backing off to 2 ms once
 idle (a blocking Recv would burn a core, and on 2-core nodes that matters; idle, a daemon uses
 about 1 % of one). A peer's request that a plain read answers (the server's `locate`) is served
@@ -304,6 +306,8 @@ class MpiTransport(PeerTransport):
         tag = self._start(peer, -1, 0, total, job, batch=entries)
         done = waiter.wait(self.peer_timeout)
         self._forget(tag, done)
+        if not done:  # a slow owner is not a dead one: the files are asked for one by one
+            raise PeerTimeout(f"rank {peer} did not answer a batch in time")
         if not self._arrived(peer, job, done):
             return None
         with self._lock:
@@ -418,6 +422,8 @@ class MpiTransport(PeerTransport):
             busy |= asked(inbox, status, TAG_BATCH, batch, parse_batch, self._batch)
             while (size := inbox.probe(MPI.ANY_SOURCE, TAG_BYE, status, bye)) is not None:
                 busy = True
+                if size < 0:
+                    break
                 if size == bye.nbytes:
                     self._byes.add(status.Get_source())
                 else:
@@ -439,7 +445,7 @@ class MpiTransport(PeerTransport):
                 moved = now
             # A reader waits for one of our fetches (not only the planner's threads, which
             # want throughput and can wait a poll): no sleep at all.
-            if now - moved < SPIN_S and inbox.readers_waiting():
+            if now - moved < SPIN_S and inbox.readers_waiting() and not lib.cpu_pressed():
                 idle = 0.0
             else:
                 idle = POLL_MIN_S if now < hot_until else min(max(idle, POLL_MIN_S) * 2, POLL_MAX_S)
@@ -452,6 +458,8 @@ class MpiTransport(PeerTransport):
         busy = False
         while (size := inbox.probe(self.MPI.ANY_SOURCE, tag, status, buf)) is not None:
             busy = True
+            if size < 0:
+                break  # (could not be taken, and counted: the next turn tries again)
             peer = status.Get_source()
             asked = parse(buf, self._tag_ub) if size == buf.nbytes else None
             if asked is not None:
