@@ -142,7 +142,7 @@ def demo(work: Path, files: int) -> int:
             s = d.status(0)["reader"]
             ok &= got == digests["native"]
             print(f"\n3. two nodes: node 0 read all {len(order)} files cold, the order handed to "
-                  f"fanfs, {s['remote_fetches']} of them\n   from node 1 "
+                  f"fanfs, {s['remote_fetches'] + s['batched_files']} of them\n   from node 1 "
                   f"({s['remote_bytes'] / 1e6:.0f} MB over MPI): {rate:.0f} files/s, "
                   f"{rate / cold['native']:.2f} of the local disk's cold rate{star}; "
                   f"{s['bad_files']} bad")  # fmt: skip
