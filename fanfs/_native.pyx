@@ -509,9 +509,10 @@ PLAN_AHEAD = FANFS_PLAN_AHEAD
 
 def pool_plan_mark(uint64_t entry, int flag, bint on):
     """Mark `entry` for a planned epoch (PLAN_HELD: its READs go to Python, which holds its
-    bytes; PLAN_AHEAD: no read starts at its LOOKUP), or clear the mark. Any thread."""
-    with nogil:
-        fanfs_pool_plan_mark(entry, flag, on)
+    bytes; PLAN_AHEAD: no read starts at its LOOKUP), or clear the mark. Any thread. (An
+    atomic or: with the GIL kept, since handing it over costs a thread among busy pushers up
+    to the interpreter's switch interval to get it back.)"""
+    fanfs_pool_plan_mark(entry, flag, on)
 
 
 def front_follow(int efd):
