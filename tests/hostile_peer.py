@@ -25,7 +25,13 @@ from fanfs import catalog as cat
 from fanfs import placement
 from fanfs import world as mpi
 from fanfs.checksum import crc32
-from fanfs.node.transport.inbox import BATCH_HEADER, BATCH_MAX, TAG_BATCH, batch_header
+from fanfs.node.transport.inbox import (
+    BATCH_HEADER,
+    BATCH_MAX,
+    TAG_BATCH,
+    batch_header,
+    request_header,
+)
 from fanfs.node.transport.mpi import FIRST_REPLY_TAG, MAX_REQUEST, TAG_BYE, TAG_REQUEST
 
 REQUESTS = 10
@@ -94,7 +100,7 @@ def main() -> int:
     tags = list(range(FIRST_REPLY_TAG, FIRST_REPLY_TAG + 1 + REQUESTS))
     asks = [(entry, 0, size)] + [(entry, k * MAX_REQUEST, MAX_REQUEST) for k in range(REQUESTS)]
     for (e, off, n), tag in zip(asks, tags, strict=True):
-        comm.Send(np.array([e, off, n, tag], dtype=np.int64), 0, TAG_REQUEST)
+        comm.Send(request_header(e, off, n, tag), 0, TAG_REQUEST)
     sizes: dict[int, int] = {}
     status = MPI.Status()
     deadline = time.monotonic() + 60

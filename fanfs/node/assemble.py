@@ -169,7 +169,7 @@ def report(node: Node, *, image: str, mountpoint: str, rank: int, size: int, rep
     """The status record of a daemon: its own facts, then every part's statistics."""
     pool = node.pool.stats()
     r = node.read_ahead
-    pool_lost = node.pool.followed_lost
+    pool_lost = node.pool.followed_lost()
     c = node.catalog
     return Status(
         pid=os.getpid(),

@@ -205,7 +205,6 @@ class NativePool:
         self._rfd = self._wfd = -1
         self._follow_fd = -1  # the front writes it when it has recorded files (planned epochs)
         self._following = trio.Event()
-        self.followed_lost = 0  # records the front could not keep (planned epochs)
         self.running = False
         self.crc32 = lib.CRC_LIBRARY  # the library the pool checks CRCs with
         self.can_decode = False  # libzstd found and the image's dictionaries taken
@@ -277,12 +276,16 @@ class NativePool:
         READ, else a LOOKUP); waits for some (for ever without a planned epoch)."""
         await self._following.wait()
         while True:
-            entries, reads, self.followed_lost = lib.front_followed(FOLLOWED_AT_ONCE)
+            entries, reads, _ = lib.front_followed(FOLLOWED_AT_ONCE)
             if len(entries):
                 return entries, reads
             await trio.lowlevel.wait_readable(self._follow_fd)
             with contextlib.suppress(BlockingIOError):
                 os.eventfd_read(self._follow_fd)
+
+    def followed_lost(self) -> int:
+        """Files the front could not record for the plan (its record was full)."""
+        return int(lib.front_followed(0)[2])
 
     def held(self, entry: int, held: bool) -> None:
         """A planned epoch holds bytes of `entry` for its READ (its READs must reach the

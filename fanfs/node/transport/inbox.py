@@ -78,6 +78,11 @@ def parse_request(header: Any, tag_ub: int) -> tuple[int, int, int, int] | None:
     return entry, offset, length, tag
 
 
+def request_header(entry: int, offset: int, length: int, tag: int) -> np.ndarray:
+    """A request's header: `length` stored bytes of `entry` from `offset`, replied on `tag`."""
+    return np.array([entry, offset, length, tag], dtype=np.int64)
+
+
 def batch_header(tag: int, entries: list[int]) -> np.ndarray:
     """A batch request's header: reply tag, count, entries, -1 padding."""
     assert 1 <= len(entries) <= BATCH_MAX

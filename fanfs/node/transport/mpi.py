@@ -72,6 +72,7 @@ from fanfs.node.transport.inbox import (
     batch_header,
     parse_batch,
     parse_request,
+    request_header,
 )
 from fanfs.world import CHUNK, World
 
@@ -224,17 +225,14 @@ class MpiTransport(PeerTransport):
             if tag not in self._outstanding:
                 return tag
 
-    def _start(self, peer: int, entry: int, offset: int, length: int, job: Fetch,
-               batch: list[int] | None = None) -> int:  # fmt: skip
-        """Hand the MPI thread a fetch (any thread), or a batch of whole files; its reply tag."""
+    def _start(self, peer: int, job: Fetch, header: Callable[[int], np.ndarray],
+               kind: int = TAG_REQUEST) -> int:  # fmt: skip
+        """Hand the MPI thread a fetch (any thread): `header(reply_tag)` sent with MPI tag
+        `kind` (a request or a batch); its reply tag."""
         with self._lock:
             tag = self._tag()
             self._outstanding[tag] = job
-        if batch is not None:
-            self._post(_Send(peer, tag, batch_header(tag, batch), job, TAG_BATCH))
-        else:
-            header = np.array([entry, offset, length, tag], dtype=np.int64)
-            self._post(_Send(peer, tag, header, job))
+        self._post(_Send(peer, tag, header(tag), job, kind))
         return tag
 
     def _forget(self, tag: int, done: bool) -> None:
@@ -268,7 +266,7 @@ class MpiTransport(PeerTransport):
             raise PeerTimeout(f"rank {peer} is dead")
         job = Fetch(peer, length, bytearray(length))
         began = time.perf_counter()
-        tag = self._start(peer, entry, offset, length, job)
+        tag = self._start(peer, job, lambda tag: request_header(entry, offset, length, tag))
         try:
             with trio.move_on_after(self.peer_timeout):
                 await job.event.wait()
@@ -280,15 +278,24 @@ class MpiTransport(PeerTransport):
     def fetch_blocking(self, peer: int, entry: int, offset: int, length: int) -> bytes | None:
         """`fetch` for a thread of the daemon's own (the planner's): blocks, never the MPI
         thread's or the event loop's. PeerTimeout as `fetch`."""
+        began = time.perf_counter()
+        job, done = self._wait_blocking(
+            peer, length, lambda tag: request_header(entry, offset, length, tag)
+        )
+        return self._result(peer, job, done, began)
+
+    def _wait_blocking(self, peer: int, length: int, header: Callable[[int], np.ndarray],
+                       kind: int = TAG_REQUEST) -> tuple[Fetch, bool]:  # fmt: skip
+        """Send a request (`_start`) and wait in this thread for its `length` bytes, at most
+        the peer timeout: (the fetch, whether it finished)."""
         if peer in self._dead:
             raise PeerTimeout(f"rank {peer} is dead")
         waiter = threading.Event()
         job = Fetch(peer, length, bytearray(length), waiter=waiter)
-        began = time.perf_counter()
-        tag = self._start(peer, entry, offset, length, job)
+        tag = self._start(peer, job, header, kind)
         done = waiter.wait(self.peer_timeout)
         self._forget(tag, done)
-        return self._result(peer, job, done, began)
+        return job, done
 
     def fetch_batch_blocking(self, peer: int, entries: list[int],
                              lengths: list[int]) -> list[memoryview] | None:  # fmt: skip
@@ -296,16 +303,11 @@ class MpiTransport(PeerTransport):
         (`lengths`: their stored lengths, from this daemon's catalog, at most MAX_REQUEST in
         all), for a thread of the daemon's own; None if the peer refused them. PeerTimeout as
         `fetch`. Not checked here (their CRCs are the caller's)."""
-        if not 1 <= len(entries) == len(lengths) <= BATCH_MAX or sum(lengths) > MAX_REQUEST:
-            raise ValueError(f"a batch of {len(entries)} files, {sum(lengths)} bytes")
-        if peer in self._dead:
-            raise PeerTimeout(f"rank {peer} is dead")
         total = sum(lengths)
-        waiter = threading.Event()
-        job = Fetch(peer, total, bytearray(total), waiter=waiter)
-        tag = self._start(peer, -1, 0, total, job, batch=entries)
-        done = waiter.wait(self.peer_timeout)
-        self._forget(tag, done)
+        if not 1 <= len(entries) == len(lengths) <= BATCH_MAX or total > MAX_REQUEST:
+            raise ValueError(f"a batch of {len(entries)} files, {total} bytes")
+        job, done = self._wait_blocking(peer, total, lambda tag: batch_header(tag, entries),
+                                        TAG_BATCH)  # fmt: skip
         if not done:  # a slow owner is not a dead one: the files are asked for one by one
             raise PeerTimeout(f"rank {peer} did not answer a batch in time")
         if not self._arrived(peer, job, done):
@@ -527,7 +529,7 @@ class MpiTransport(PeerTransport):
         self._natives[tag] = (job, now + self.hedge_delay(), now + self.peer_timeout)
         self._asked[req] = self._asked.get(req, 0) + 1
         try:
-            header = np.array([entry, 0, length, tag], dtype=np.int64)  # its stored bytes
+            header = request_header(entry, 0, length, tag)  # its stored bytes
             self._command(_Send(peer, tag, header, job), inbox, sending)
         except BaseException:  # (an MPI error is delivered as a dead peer, not raised)
             if self._natives.pop(tag, None) is not None:
