@@ -155,8 +155,10 @@ cdef extern from "fanfs_native.h" nogil:
     int fanfs_front_latencies(uint32_t *out, uint32_t *longest)
     int fanfs_meta_attr(uint64_t e, uint64_t *out)
     int fanfs_front_writes(int on)
-    int fanfs_front_take_written(int fd)
+    int64_t fanfs_front_take_written(int fd)
     int fanfs_front_take_error(int fd)
+    void fanfs_front_hold(int fd, uint64_t below)
+    void fanfs_front_settle()
     uint64_t fanfs_front_written()
     int64_t fanfs_meta_lookup(uint64_t parent, const char *name, size_t len)
     unsigned long long FANFS_FOLLOW_READ
@@ -628,8 +630,21 @@ def front_writes(bint on):
 
 
 def front_take_written(int fd):
-    """Whether the front wrote to `fd` since the last call (clears it)."""
-    return bool(fanfs_front_take_written(fd))
+    """The lowest offset the front wrote to through `fd` since the last call, None if it
+    did not (clears it)."""
+    cdef int64_t low = fanfs_front_take_written(fd)
+    return None if low < 0 else low
+
+
+def front_hold(int fd, uint64_t below):
+    """WRITEs through `fd` starting below `below` come to pyfuse3 from now on (0: none)."""
+    fanfs_front_hold(fd, below)
+
+
+def front_settle():
+    """Return once every WRITE the front answered is in its file."""
+    with nogil:
+        fanfs_front_settle()
 
 
 def front_take_error(int fd):

@@ -22,7 +22,9 @@ from typing import Any
 FSTYPE = "fuse.fanfs"
 OUTPUT_FSTYPE = "fuse.fanfs-output"  # `fanfs output`: a writable view landing on DEST
 STATUS_XATTR = "user.fanfs.status"
-RETRY_XATTR = "user.fanfs.retry"  # output mounts: retry landing now, then the status
+RETRY_XATTR = "user.fanfs.retry"  # output mounts: land everything now, then the status
+SKIP_XATTR = "user.fanfs.skip"  # output mounts: skip the change failing now (`sync --skip`)
+OUTPUT_SOURCE = "fanfs-output"  # an output mount's source: "fanfs-output:<staging directory>"
 _OCTAL = re.compile(r"\\([0-7]{3})")
 
 
@@ -35,6 +37,7 @@ class MountEntry:
     fstype: str
     device: str  # "major:minor": also the name of the mount's bdi under /sys/class/bdi
     user_id: int | None = None  # a FUSE mount's owner (its super options' user_id=)
+    source: str = ""  # what the file system says it mounted (an output mount: its staging)
 
 
 def canonical(path: Path | str) -> str:
@@ -75,7 +78,9 @@ def find(path: Path | str) -> MountEntry | None:
     for mountpoint, fields in _entries():
         if mountpoint == want:
             sep = fields.index("-")
-            found = MountEntry(mountpoint, fields[sep + 1], fields[2], _user_id(fields[-1]))
+            source = _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), fields[sep + 2])
+            found = MountEntry(mountpoint, fields[sep + 1], fields[2], _user_id(fields[-1]),
+                               source)  # fmt: skip
     return found
 
 

@@ -8,7 +8,7 @@ is refused with what to run, instead of being half used. Built by the project's 
 
 from __future__ import annotations
 
-API_VERSION = 8  # fanfs/csrc/fanfs_native.h's FANFS_NATIVE_API that this Python expects
+API_VERSION = 9  # fanfs/csrc/fanfs_native.h's FANFS_NATIVE_API that this Python expects
 
 try:
     from fanfs import _native as lib

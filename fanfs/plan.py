@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from fanfs import mounts
-from fanfs.errors import FanfsError
+from fanfs.errors import FanfsError, MountpointError
 
 PROGRESS_EVERY = 64  # samples between a planned job's progress messages (PlannedSampler, bench)
 TIMEOUT_S = 300.0  # a plan of millions of paths takes the daemon seconds to resolve
@@ -186,9 +186,12 @@ def placement(mountpoint: str | os.PathLike[str],
 
 def _status(mountpoint: Path) -> dict[str, Any]:
     entry = mounts.find(mountpoint)
+    if entry is not None and entry.fstype == mounts.OUTPUT_FSTYPE:
+        raise MountpointError(f"{mountpoint}: an output mount (`fanfs output`): plans and drop "
+                              "are for dataset mounts")  # fmt: skip
     status = mounts.probe_status(mountpoint, 30) if entry is not None else None
     if entry is None or entry.fstype != mounts.FSTYPE or status is None:
-        raise FanfsError(f"{mountpoint}: no fanfs mount there")
+        raise MountpointError(f"{mountpoint}: no fanfs mount there")
     return status
 
 

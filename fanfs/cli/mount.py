@@ -8,6 +8,7 @@ a deadline. A mount point given through a symlink is the mount at its target.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -157,10 +158,7 @@ def cmd_umount(args: argparse.Namespace) -> int:
         _abort(entry)
         _lazy_unmount(mountpoint)
         if entry.fstype == mounts.OUTPUT_FSTYPE:
-            raise NotLanded(
-                f"{mountpoint}: its daemon did not answer: what it had not landed is in its "
-                "staging directory (fanfs-stage-*, under its --local)"
-            )
+            _land_what_it_left(entry)
         return ExitCode.OK
     pid = int(status["pid"])
     busy = mounts.users(mountpoint, skip=pid)
@@ -171,12 +169,22 @@ def cmd_umount(args: argparse.Namespace) -> int:
         )
     if busy:
         log.warning("%s: unmounting while %s use it: they get ENOTCONN", mountpoint, _who(busy))
+    not_landed = None
     if entry.fstype == mounts.OUTPUT_FSTYPE:
         from fanfs.cli.output import drain
 
-        drain(entry, args.timeout)  # NotLanded: the mount stays, nothing is lost
+        try:
+            drain(entry, args.timeout)  # NotLanded: the mount stays, nothing is lost
+        except NotLanded as e:
+            if not args.force:
+                raise
+            not_landed = e  # --force: unmount anyway; the daemon keeps what did not land
         status = ask(entry) or status
     os.kill(pid, signal.SIGTERM)  # the daemon unmounts and removes its staged copies
+    if entry.fstype == mounts.OUTPUT_FSTYPE and args.force:
+        time.sleep(POLL_S)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)  # a second one: no waiting for writers or DEST
     deadline = time.monotonic() + args.timeout
     while not _exited(pid):
         if time.monotonic() >= deadline:
@@ -189,8 +197,26 @@ def cmd_umount(args: argparse.Namespace) -> int:
     if entry.fstype == mounts.OUTPUT_FSTYPE:
         from fanfs.cli.output import failed_writes
 
+        if not_landed is not None:
+            raise NotLanded(f"{not_landed}; unmounted (--force): what did not land stays in "
+                            f"{status.get('staging') or 'its staging directory'} (kept.json "
+                            "names each; `fanfs output --recover DEST` lands it)")  # fmt: skip
         failed_writes(entry, status)  # unmounted, but said: their close failed, DEST is older
     return ExitCode.OK
+
+
+def _land_what_it_left(entry: mounts.MountEntry) -> None:
+    """An output mount whose daemon is gone: land what its journal says it left (NotLanded
+    naming it if that cannot be done)."""
+    from fanfs.output.daemon import recover_dir
+
+    staging = entry.source.partition(":")[2]
+    if not staging:
+        raise NotLanded(f"{entry.mountpoint}: its daemon did not answer: what it had not landed "
+                        "is in its staging directory (fanfs-stage-*, under its --local; "
+                        "`fanfs output --recover DEST` lands it)")  # fmt: skip
+    if os.path.lexists(staging):
+        recover_dir(Path(staging))
 
 
 def cmd_status(args: argparse.Namespace) -> int:

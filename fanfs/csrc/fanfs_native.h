@@ -24,7 +24,7 @@
 #include <stdint.h>
 #include <sys/uio.h>
 
-#define FANFS_NATIVE_API 8
+#define FANFS_NATIVE_API 9
 
 /* What a piece's stored bytes are (fanfs/node/pool.py names the same numbers). */
 enum {
@@ -317,13 +317,18 @@ int fanfs_front_followed(uint64_t *out, int max, uint64_t *lost);
 /* Writes mode (`fanfs output`), set before fanfs_front_start (-EBUSY while running): the
  * front answers WRITE at once and queues its bytes for a pwrite to its file handle, which must
  * be an fd of the daemon's below FANFS_FRONT_MAX_FD (others are forwarded), and forwards
- * everything else once the queue is written (writes.c). Then whether fd was written since the
- * last call, the errno of a failed write through it (0: none), both cleared by the call, and
- * the bytes written in all. */
+ * everything else once the queue is written (writes.c). A WRITE through fd starting below the
+ * offset given to fanfs_front_hold (UINT64_MAX: every WRITE; 0: none, the default) is
+ * forwarded too. fanfs_front_take_written: the lowest offset written through fd since the
+ * last call (-1: not written); fanfs_front_take_error: the errno of a failed write through it
+ * (0: none); both cleared by the call. fanfs_front_settle: wait until the queue is written
+ * (any thread). Then the bytes written in all. */
 #define FANFS_FRONT_MAX_FD 65536
 int fanfs_front_writes(int on);
-int fanfs_front_take_written(int fd);
+int64_t fanfs_front_take_written(int fd);
 int fanfs_front_take_error(int fd);
+void fanfs_front_hold(int fd, uint64_t below);
+void fanfs_front_settle(void);
 uint64_t fanfs_front_written(void);
 /* writes.c, for front.c: start and stop (after writing what is queued) the writer thread;
  * wait until the queue is written; take a WRITE request in *bufp (0), swapping in a free

@@ -15,6 +15,17 @@
  * empty before it is forwarded (fanfs_writes_settle): it sees every write answered before it.
  * A close therefore returns after its bytes are in the file.
  *
+ * Holds (`fanfs_front_hold`): the output daemon may ask that writes through an fd below an
+ * offset come to it instead: a pending landing holds the bytes below it (a snapshot), and the
+ * daemon copies them to new data before such a write lands (output/tree.py). A WRITE at or
+ * above the hold, an append, is written behind as any other. The hold is read when the WRITE
+ * is taken; the daemon settles (fanfs_writes_settle) after setting one, so a WRITE taken just
+ * before is in its file before the daemon looks.
+ *
+ * What changed: per fd, whether it was written since the daemon last asked and the lowest
+ * offset written (fanfs_front_take_written): a landing of a file appended to sends only its
+ * new bytes.
+ *
  * Errors: a pwrite that fails (ENOSPC, EIO) marks its fd; every later WRITE through that fd
  * gets the errno, and so does its FLUSH (close) or FSYNC (the output daemon takes the mark
  * with fanfs_front_take_error and keeps it on the file), as the kernel reports a page cache's
@@ -28,6 +39,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <stdint.h>
 #include <linux/fuse.h>
 #include <pthread.h>
 #include <signal.h>
@@ -57,10 +69,20 @@ static struct {
     int nspare;
     struct job q[WB_SLOTS];
     int head, count;
-    uint8_t dirty[FANFS_FRONT_MAX_FD]; /* written since fanfs_front_take_written */
+    uint64_t low1[FANFS_FRONT_MAX_FD]; /* 1 + the lowest offset written since
+                                          fanfs_front_take_written; 0: not written */
+    uint64_t hold[FANFS_FRONT_MAX_FD]; /* WRITEs starting below this offset are forwarded */
     uint8_t err[FANFS_FRONT_MAX_FD];   /* the first failed pwrite's errno, until taken */
     uint64_t written;
 } wb = {.lock = PTHREAD_MUTEX_INITIALIZER, .cond = PTHREAD_COND_INITIALIZER};
+
+static void lowest(int fd, uint64_t off) {
+    uint64_t was = __atomic_load_n(&wb.low1[fd], __ATOMIC_ACQUIRE), now = off + 1;
+    while ((was == 0 || now < was) &&
+           !__atomic_compare_exchange_n(&wb.low1[fd], &was, now, 0, __ATOMIC_ACQ_REL,
+                                        __ATOMIC_ACQUIRE))
+        ;
+}
 
 static void put(const struct job *j) {
     size_t done = 0;
@@ -77,7 +99,7 @@ static void put(const struct job *j) {
         }
         done += (size_t)k;
     }
-    __atomic_store_n(&wb.dirty[j->fd], 1, __ATOMIC_RELEASE);
+    lowest(j->fd, j->off);
     __atomic_add_fetch(&wb.written, done, __ATOMIC_RELAXED);
 }
 
@@ -157,6 +179,8 @@ void fanfs_writes_settle(void) {
     pthread_mutex_unlock(&wb.lock);
 }
 
+void fanfs_front_settle(void) { fanfs_writes_settle(); }
+
 int fanfs_writes_take(int ffd, char **bufp, uint32_t n) {
     char *msg = *bufp, *fresh;
     const struct fuse_in_header *in = (const void *)msg;
@@ -167,7 +191,8 @@ int fanfs_writes_take(int ffd, char **bufp, uint32_t n) {
     uint8_t e;
     int slot;
     if (!wb.running || n < sizeof *in + sizeof *w || w->size > n - sizeof *in - sizeof *w ||
-        w->fh >= FANFS_FRONT_MAX_FD)
+        w->fh >= FANFS_FRONT_MAX_FD ||
+        w->offset < __atomic_load_n(&wb.hold[w->fh], __ATOMIC_ACQUIRE))
         return -1; /* not one we take: pyfuse3 answers it */
     e = __atomic_load_n(&wb.err[w->fh], __ATOMIC_ACQUIRE); /* left for the close to take */
     if (e != 0) {
@@ -191,10 +216,17 @@ int fanfs_writes_take(int ffd, char **bufp, uint32_t n) {
     return 0;
 }
 
-int fanfs_front_take_written(int fd) {
+int64_t fanfs_front_take_written(int fd) {
+    uint64_t low1;
     if (fd < 0 || fd >= FANFS_FRONT_MAX_FD)
-        return 0;
-    return __atomic_exchange_n(&wb.dirty[fd], 0, __ATOMIC_ACQ_REL);
+        return -1;
+    low1 = __atomic_exchange_n(&wb.low1[fd], 0, __ATOMIC_ACQ_REL);
+    return low1 == 0 || low1 - 1 > (uint64_t)INT64_MAX ? -1 : (int64_t)(low1 - 1);
+}
+
+void fanfs_front_hold(int fd, uint64_t below) {
+    if (fd >= 0 && fd < FANFS_FRONT_MAX_FD)
+        __atomic_store_n(&wb.hold[fd], below, __ATOMIC_RELEASE);
 }
 
 int fanfs_front_take_error(int fd) {

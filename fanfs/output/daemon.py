@@ -1,13 +1,22 @@
 """`fanfs output`'s daemon: check, mount, serve and land, and at the end drain or keep.
 
 Order as the dataset daemon's (node/daemon.py): every check a user mistake can fail (DEST, the
-mount point, --local) runs before anything is mounted; under an MPI launcher all ranks agree
-on the verdict, so they fail together. Then the mount serves while the journal lands on DEST
-in the background (lander.py). A stop signal (`fanfs umount`, which has drained first; SIGTERM
-from Slurm) ends the FUSE session; the daemon then lands what is left, for at most --drain
-seconds. Whatever is still not at DEST then is kept, never deleted: the local files stay in
-the staging directory with `journal.json` naming where each belongs, the daemon says so on
-one line and exits with ExitCode.NOT_LANDED.
+mount point, --local, and where they lie to each other) runs before anything is mounted; under
+an MPI launcher all ranks agree on the verdict, so they fail together. Then the mount serves
+while the lander (lander.py) lands, first what dead daemons left for this DEST in the same
+--local (recover.py), then the mount's own journal (journal.py, kept on the node as it goes).
+
+A stop signal (SIGTERM from Slurm's time limit or `scancel`; `fanfs umount`, which has
+drained first) ends the daemon within --drain seconds:
+1. every file changed lands as it is, open ones too (the writer's bytes are not lost);
+2. the mount keeps serving while files are open for writing or landings are pending, for at
+   most three quarters of the drain time: a job that saves a last checkpoint when it gets the
+   same signal can finish it, and its close lands it again, whole;
+3. the mount goes; what was written since step 1 is put; the rest of the drain time lands.
+A second signal cuts steps 2 and 3 short. Whatever is not at DEST then stays on the node: the
+journal and the local files in the staging directory, named in `kept.json`; the daemon says
+so on one line and exits with ExitCode.NOT_LANDED, and `fanfs output --recover DEST` (or the
+next `fanfs output` with the same DEST and --local) lands it.
 
 With `--replicas 2` under MPI, each node also holds its partner's closed files until they are
 at DEST (replicas.py), and lands them itself if the partner dies first.
@@ -30,48 +39,73 @@ from typing import Any
 import trio
 
 from fanfs import mounts
-from fanfs.errors import ExitCode, FanfsError, Interrupted, MountFailed, MountpointError, NotLanded
+from fanfs.errors import (
+    ExitCode,
+    FanfsError,
+    Interrupted,
+    MountFailed,
+    MountpointError,
+    NotLanded,
+    UsageError,
+)
 from fanfs.native import lib
 from fanfs.node import fuse_ops
 from fanfs.node.daemon import STOP_SIGNALS, check_mountpoint, expand, node_name
 from fanfs.node.staging import StagingDir, default_parent
-from fanfs.output import fs
-from fanfs.output.dest import PUT, Op
-from fanfs.output.lander import Lander
+from fanfs.output import fs, recover
+from fanfs.output.dest import Dest, LandingError
+from fanfs.output.journal import Journal, Log
+from fanfs.output.lander import Lander, Source
 from fanfs.output.replicas import MAX_HELD, Replicas
 from fanfs.output.tree import Tree
+from fanfs.output.view import View
 
 log = logging.getLogger(__name__)
+
+GIVE_UP = 3  # failed attempts of one op after which a recovery without a mount gives up
+SERVE_SHARE = 0.75  # of the drain time, spent serving open writers before the unmount
+POLL_S = 0.05  # while stopping: how often open writers and the lander are looked at
 
 
 @dataclass(frozen=True, slots=True)
 class OutputConfig:
     dest: str
-    mountpoint: str  # may contain {rank} and {node}
+    mountpoint: str | None  # may contain {rank} and {node}; None: only --recover
     local: str | None = None
     nonempty: bool = False
     replicas: int = 1
     peer_timeout: float = 5.0
     drain: float = 60.0  # after a stop signal, land what is left for at most this long
+    interval: float = 10.0  # files open for appending land at most this far behind
     max_ops: int = 1 << 20
 
 
-def open_dest(dest: Path, mountpoint: Path) -> int:
-    """DEST's directory fd (symlinks in DEST's own path are the user's; inside it none is
-    followed); MountpointError for anything that would fail later."""
+def _inside(inner: Path, outer: Path) -> bool:
+    return inner == outer or outer in inner.parents
+
+
+def check_dest(dest: Path, mountpoint: Path | None, local: Path) -> None:
+    """MountpointError for a DEST that would fail later, or that would land into itself."""
     try:
         real = dest.resolve(strict=True)
     except OSError as e:
         raise MountpointError(f"{dest}: output destination: {e.strerror or e}") from None
     if not real.is_dir():
         raise MountpointError(f"{dest}: output destination is not a directory")
-    if real == mountpoint or mountpoint in real.parents:
-        raise MountpointError(f"{dest}: the output destination is inside the mount point")
+    if mountpoint is not None:
+        if _inside(real, mountpoint):
+            raise MountpointError(f"{dest}: the output destination is inside the mount point")
+        if _inside(mountpoint, real):
+            raise MountpointError(f"{mountpoint}: the mount point is inside the output "
+                                  f"destination {dest}: its files would land into the mount "
+                                  "itself")  # fmt: skip
+    if _inside(local.resolve(), real):
+        raise MountpointError(f"{local}: --local is inside the output destination {dest}: the "
+                              "node's copies would show there")  # fmt: skip
     if not os.access(real, os.W_OK | os.X_OK):
         raise MountpointError(
             f"{dest}: output destination not writable by you (uid {os.geteuid()})"
         )
-    return os.open(real, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
 
 
 class OutputDaemon:
@@ -82,26 +116,29 @@ class OutputDaemon:
         self.world: Any = None
         self.phase = "starting"
         self.stop_signal = 0
-        self.mountpoint = Path(cfg.mountpoint)
+        self.mountpoint = Path(cfg.mountpoint or ".")
         self.dest = Path(cfg.dest)
+        self.staging: StagingDir | None = None
         self.tree: Tree | None = None
+        self.journal: Journal | None = None
         self.lander: Lander | None = None
-        self.ops: fs.OutputOperations | None = None
+        self.view: View | None = None
         self.replicas: Any = None  # replicas.Replicas under MPI with --replicas 2
         self._mounted = False
         self._front = False  # the front's threads answer WRITEs
-        self._drain_scope = trio.CancelScope()
+        self._hurry = trio.Event()  # a second signal: stop waiting
+        self._deadline = 0.0
 
     def status(self) -> dict[str, Any]:
-        assert self.lander is not None and self.tree is not None
+        assert self.lander is not None and self.tree is not None and self.view is not None
         out = {
             "kind": "output", "pid": os.getpid(), "rank": self.rank, "size": self.size,
             "node": node_name(self.rank), "mountpoint": str(self.mountpoint),
             "dest": str(self.dest), "serving": self.phase == "serving", "phase": self.phase,
+            "staging": str(self.staging.path) if self.staging else "",
             "uptime_s": round(time.time() - self.started, 1), "files": self.tree.files,
-            "open_handles": len(self.ops.handles) if self.ops else 0,
-            "written_bytes": self.tree.bytes_written + _front_written(),
-            "failed_writes": self.ops.failed_files()[:20] if self.ops else [],
+            "written_bytes": self.view.bytes_written + _front_written(),
+            **self.view.statistics(),
             "landing": self.lander.statistics(),
         }  # fmt: skip
         if self.replicas is not None:
@@ -135,7 +172,7 @@ class OutputDaemon:
         self.world = mpi.join(dict(os.environ))
         if self.world is None:
             if self.cfg.replicas > 1:
-                raise FanfsError("--replicas 2 needs an MPI launcher (mpirun, srun --mpi=pmix) "
+                raise UsageError("--replicas 2 needs an MPI launcher (mpirun, srun --mpi=pmix) "
                                  "with at least 2 ranks")  # fmt: skip
             return
         self.rank, self.size = self.world.rank, self.world.size
@@ -155,114 +192,148 @@ class OutputDaemon:
         if error is not None:
             raise error
 
-    def _run(self) -> None:
+    def _paths(self) -> Path:
+        """This rank's mount point, DEST and --local, checked; the --local parent."""
         cfg = self.cfg
         node = node_name(self.rank)
-        self.mountpoint = Path(mounts.canonical(expand(cfg.mountpoint, self.rank, node)))
+        if cfg.mountpoint is not None:
+            self.mountpoint = Path(mounts.canonical(expand(cfg.mountpoint, self.rank, node)))
         self.dest = Path(os.path.abspath(expand(cfg.dest, self.rank, node)))
         local = Path(os.path.abspath(expand(cfg.local or default_parent(), self.rank, node)))
+        if cfg.mountpoint is not None:
+            check_mountpoint(self.mountpoint, cfg.nonempty)
+        check_dest(self.dest, self.mountpoint if cfg.mountpoint is not None else None, local)
+        return local
+
+    def _run(self) -> None:
+        cfg = self.cfg
         if cfg.replicas > 1 and self.size < 2:
-            self._agree(FanfsError("--replicas 2 needs at least 2 ranks"))
+            self._agree(UsageError("--replicas 2 needs at least 2 ranks"))
         with contextlib.ExitStack() as stack:
             error = None
             try:
-                check_mountpoint(self.mountpoint, cfg.nonempty)
-                dest_fd = open_dest(self.dest, self.mountpoint)
-                stack.callback(os.close, dest_fd)
-                staging = StagingDir(local)
+                local = self._paths()
+                dest = Dest(str(self.dest))
+                self.staging = staging = StagingDir(local)
                 stack.callback(self._close_staging, staging)
             except FanfsError as e:
                 error = e
+            except OSError as e:
+                error = MountpointError(f"{self.dest}: output destination: {e.strerror or e}")
             self._agree(error)
-            self.tree = Tree(staging.fd, mode=0o777 & ~_umask())
+            dead = recover.find(local, str(self.dest))
+            for d in dead:
+                stack.callback(d.close)
             # This daemon's name in DEST (temporary names, the replicas' marker): pids repeat
             # across nodes.
             token = f"{self.rank}-{secrets.token_hex(4)}"
             on_enqueued: Any = None
+            self.tree = tree = Tree(staging.fd, mode=0o777 & ~_umask())
             if cfg.replicas > 1:
                 # A start-up collective: each rank learns its owner's token and DEST (which may
                 # differ per node: {node}), to land the owner's files there if it dies.
                 peers = self.world.allgather((token, str(self.dest)))
                 owner_token, owner_dest = peers[(self.rank - 1) % self.size]
-                self.replicas = Replicas(self.world, staging, self.tree.open_local_or_none,
+                self.replicas = Replicas(self.world, staging, tree.open_local_or_none,
                                          owner_dest, owner_token, cfg.peer_timeout)  # fmt: skip
                 on_enqueued = self.replicas.enqueued
             # With replicas, no more pending changes than the partner holds for us.
             max_ops = cfg.max_ops if self.replicas is None else min(cfg.max_ops, MAX_HELD)
-            self.lander = Lander(dest_fd, self.tree.open_local_or_none, token, max_ops,
-                                 on_enqueued=on_enqueued or (lambda op: None),
-                                 on_landed=self._landed,
-                                 marker=self.replicas is not None)  # fmt: skip
-            self.ops = fs.OutputOperations(
-                self.tree,
-                self.lander,
-                self.status,
-                self.replicas.replicate if self.replicas is not None else None,
-            )
+            journal_log = Log(staging.fd, {
+                "dest": str(self.dest), "token": token, "pid": os.getpid(),
+                "mountpoint": str(self.mountpoint), "started": time.time(),
+                "replicas": self.replicas is not None})  # fmt: skip
+            stack.callback(journal_log.close)
+            self.journal = journal = Journal(journal_log, max_ops,
+                                             on_enqueued or (lambda op: None))  # fmt: skip
+            own = Source("this mount", token, tree.open_local_or_none, journal.note)
+            self.lander = lander = Lander(dest, journal, own, recovering=dead,
+                                          marker=self.replicas is not None)  # fmt: skip
+            self.view = view = View(
+                tree, journal, lander, dest, front=False,
+                replicate=self.replicas.replicate if self.replicas is not None else None,
+            )  # fmt: skip
+            lander.on_landed, lander.on_dropped, lander.on_skipped = (
+                self._landed, view.dropped, view.skipped)  # fmt: skip
+            if cfg.mountpoint is None:
+                self._recover_only()
+                return
+            ops = fs.OutputOperations(view, self.status)
             error = None
             try:
-                fuse_ops.mount(self.ops, str(self.mountpoint), fs.MOUNT_OPTIONS)
+                fuse_ops.mount(ops, str(self.mountpoint), fs.mount_options(str(staging.path)))
                 self._mounted = True
                 stack.callback(self._unmount)
             except RuntimeError as e:
                 error = MountFailed(f"{self.mountpoint}: cannot mount: {e}")
             self._agree(error)
             self._front = _start_front(stack)
+            view.front = self._front
             log.info("output %s: files land at %s, local %s", self.mountpoint, self.dest,
                      staging.path)  # fmt: skip
             trio.run(self._serve)
-            why = []
-            if self.lander.journal:
-                files = self.lander.pending_files()
-                named = ", ".join(files[:10]) + (" ..." if len(files) > 10 else "")
-                why.append(
-                    f"{len(files)} closed files not at {self.dest}, kept in {staging.path} "
-                    f"(journal.json says where each belongs): {named}"
-                )
-            failed = self.ops.failed_files()
-            if failed:
-                why.append(f"{len(failed)} files whose last write failed, not landed (DEST keeps "
-                           f"their last good version): {', '.join(failed[:10])}")  # fmt: skip
-            if self.replicas is not None and self.replicas.failed:
-                why.append(f"rank {self.replicas.owner}'s changes held here not landed "
-                           f"({self.replicas.failed}), kept in {staging.path}")  # fmt: skip
-            if why:
-                raise NotLanded("; ".join(why))
+            self._verdict()
 
-    def _landed(self, op: Op) -> None:
-        if op.kind == PUT:
-            assert self.tree is not None
-            self.tree.release(op.ino)  # its data may go now
+    def _landed(self, op: Any, result: Any) -> None:
+        assert self.view is not None
+        self.view.landed(op, result)
         if self.replicas is not None:
             self.replicas.landed(op)
 
-    @staticmethod
-    def _keep(staging: StagingDir, name: str, dest: Path, ops: list[Op],
-              local_name: str = "o<ino>") -> None:  # fmt: skip
-        staging.keep_contents()
-        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600,
-                     dir_fd=staging.fd)  # fmt: skip
-        with os.fdopen(fd, "w") as f:
-            json.dump({"dest": str(dest), "local_name": local_name,
-                       "ops": [op.to_json() for op in ops]}, f, indent=1)  # fmt: skip
+    def _verdict(self) -> None:
+        """NotLanded, naming what, if anything written is not at DEST."""
+        assert self.view is not None and self.lander is not None and self.staging is not None
+        why = []
+        left = sorted(self.view.unlanded())
+        if left or not self.lander.idle():
+            named = ", ".join(left[:10]) + (" ..." if len(left) > 10 else "")
+            why.append(f"{len(left)} files not at {self.dest}, kept in {self.staging.path} "
+                       f"(kept.json names each; `fanfs output --recover {self.dest}` lands "
+                       f"them): {named or '(renames and removals only)'}")  # fmt: skip
+        failed = self.view.failed_files()
+        if failed:
+            why.append(f"{len(failed)} files whose last write failed, not landed (DEST keeps "
+                       f"their last good version): {', '.join(failed[:10])}")  # fmt: skip
+        if self.replicas is not None and self.replicas.failed:
+            why.append(f"rank {self.replicas.owner}'s changes held here not landed "
+                       f"({self.replicas.failed}), kept in {self.staging.path}")  # fmt: skip
+        skipped = self.view.skipped_files()
+        if skipped:
+            log.warning("not landed, as asked (fanfs sync --skip): %s; kept in %s (kept.json "
+                        "names each)", ", ".join(sorted(skipped)[:10]),
+                        self.staging.path)  # fmt: skip
+        if why:
+            raise NotLanded("; ".join(why))
+
+    def _recover_only(self) -> None:
+        """`fanfs output --recover DEST` without a mount point: land what dead daemons left."""
+        assert self.lander is not None
+        if not self.lander.recovering:
+            log.info("nothing left by a dead daemon for %s", self.dest)
+            return
+        land_dead(self.lander)
 
     def _close_staging(self, staging: StagingDir) -> None:
-        """However the daemon ends (an exception too): what did not land is kept."""
-        if self.lander is not None and self.lander.journal:
-            try:
-                self._keep(staging, "journal.json", self.dest, list(self.lander.journal))
-            except OSError as e:
+        """However the daemon ends (an exception too): what did not land is kept, named."""
+        if self.view is not None and self.lander is not None:
+            kept = {**self.view.skipped_files(), **self.view.unlanded()}
+            if kept or not self.lander.idle():
                 staging.keep_contents()
-                log.error("journal.json not written in %s: %s", staging.path, e.strerror)
+                try:
+                    _write_json(staging.fd, recover.KEPT, {"dest": str(self.dest),
+                                                           "files": kept})  # fmt: skip
+                except OSError as e:
+                    log.error("kept.json not written in %s: %s", staging.path, e.strerror)
         rep = self.replicas
         if rep is not None and rep.holding and (staging.keep or rep.failed):
+            staging.keep_contents()
             try:  # a dead or slow partner's copies, and where they belong
-                self._keep(staging, "held.json", Path(rep.owner_dest), rep.holding,
-                           local_name=f"r{rep.owner}-<seq>")  # fmt: skip
+                _write_json(staging.fd, "held.json", {
+                    "dest": rep.owner_dest, "local_name": f"r{rep.owner}-<seq>",
+                    "ops": [op.record() for op in rep.holding]})  # fmt: skip
             except OSError as e:
-                staging.keep_contents()
                 log.error("held.json not written in %s: %s", staging.path, e.strerror)
-        if not staging.keep and self.tree is not None:
+        if not staging.keep:
             for name in os.listdir(staging.fd):
                 with contextlib.suppress(OSError):
                     if stat.S_ISREG(os.stat(name, dir_fd=staging.fd,
@@ -279,45 +350,148 @@ class OutputDaemon:
             fuse_ops.unmount()
 
     async def _serve(self) -> None:
-        assert self.lander is not None
+        assert self.lander is not None and self.view is not None
         async with trio.open_nursery() as nursery:
             await nursery.start(self._watch_signals)
             nursery.start_soon(self.lander.run)
+            nursery.start_soon(self._periodic)
             if self.replicas is not None:
                 await nursery.start(self.replicas.run)
             self.phase = "serving"
             await fuse_ops.serve()
+            if not self._deadline:  # unmounted from outside, without a signal
+                self._deadline = trio.current_time() + self.cfg.drain
             self.phase = "draining"
             self._unmount()
-            assert self.ops is not None
-            self.ops.put_settled()  # closed, their RELEASE not seen
-            with trio.move_on_after(self.cfg.drain) as self._drain_scope:
-                self.lander.poke()
-                await self.lander.wait_landed(self.lander.enqueued)
+            await self.view.put_all()  # what was written while the mount stopped
+            self.lander.poke()
+            with trio.move_on_at(self._deadline) as scope:
+                give_up = 0
+                if self._hurry.is_set():  # land what lands at once, no retrying
+                    give_up = (self.lander.current.attempts if self.lander.current else 0) + 1
+                else:
+                    nursery.start_soon(self._cancel_on_hurry, scope)
+                with contextlib.suppress(Exception):
+                    await self.lander.wait_landed(self.journal.enqueued if self.journal else 0,
+                                                  give_up_after_failures=give_up)  # fmt: skip
             if self.replicas is not None:
-                left = self.lander.enqueued - self.lander.landed
-                with trio.CancelScope() as self._drain_scope:
-                    await self.replicas.finish(self.cfg.drain, not left, self.lander.landed)
+                left = not self.lander.idle()
+                with trio.CancelScope() as scope:
+                    nursery.start_soon(self._cancel_on_hurry, scope)
+                    await self.replicas.finish(self.cfg.drain, not left, self.journal.landed_seq()
+                                               if self.journal else 0)  # fmt: skip
                 if not left and self.replicas.partner in self.replicas.dead:
                     self.lander.forget_marker()  # no partner left to read it (or remove it)
             self.phase = "closing"
             nursery.cancel_scope.cancel()
 
+    async def _cancel_on_hurry(self, scope: trio.CancelScope) -> None:
+        await _cancel_on(self._hurry, scope)
+
+    async def _periodic(self) -> None:
+        """Files open for appending (logs) land every `interval` seconds, as appends."""
+        assert self.view is not None
+        while True:
+            await trio.sleep(self.cfg.interval)
+            if self.phase == "serving":
+                await self.view.put_all(cond=True, appending=True)
+
+    async def _stop(self) -> None:
+        """Steps 1 and 2 of a stop (module docstring); then the mount goes."""
+        assert self.view is not None and self.lander is not None
+        now = trio.current_time()
+        self._deadline = now + self.cfg.drain
+        await self.view.put_all()
+        self.lander.poke()
+        with trio.move_on_at(now + self.cfg.drain * SERVE_SHARE) as scope:
+            if self._hurry.is_set():
+                scope.cancel()
+            while self.view.writers_open() or not self.lander.idle():
+                await trio.sleep(POLL_S)
+                if self._hurry.is_set():
+                    break
+        fuse_ops.terminate()
+
     async def _watch_signals(self, *, task_status: trio.TaskStatus[None]) -> None:
         with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
             task_status.started()
-            if self.stop_signal:
-                fuse_ops.terminate()
-            async for signum in signals:
-                if not self.stop_signal:
-                    self.stop_signal = signum
-                    log.info(
-                        "%s: unmounting, then landing what is left", signal.Signals(signum).name
-                    )
-                if self.phase == "serving":
-                    fuse_ops.terminate()
-                elif self.phase == "draining":
-                    self._drain_scope.cancel()  # a second signal: stop waiting, keep the rest
+            async with trio.open_nursery() as nursery:
+                if self.stop_signal:  # it came before trio took over the signals
+                    self._stopping(nursery)
+                async for signum in signals:
+                    if not self.stop_signal:
+                        self.stop_signal = signum
+                    self._stopping(nursery)
+
+    def _stopping(self, nursery: trio.Nursery) -> None:
+        if self.phase == "serving" and not self._deadline:
+            log.info("%s: landing what is written, then unmounting",
+                     signal.Signals(self.stop_signal).name)  # fmt: skip
+            self._deadline = trio.current_time() + self.cfg.drain
+            nursery.start_soon(self._stop)
+        elif not self._hurry.is_set():
+            log.info("a second signal: not waiting any more, keeping what has not landed")
+            self._hurry.set()
+
+
+def land_dead(lander: Lander) -> None:
+    """Land `lander.recovering` (what dead daemons left) and nothing else; NotLanded naming
+    what is left if an op fails GIVE_UP times (about 3 s) or a stop signal comes."""
+
+    async def land() -> None:
+        hurry = trio.Event()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lander.run)
+            with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
+                nursery.start_soon(_set_on_signal, signals, hurry)
+                with trio.CancelScope() as scope:
+                    nursery.start_soon(_cancel_on, hurry, scope)
+                    with contextlib.suppress(LandingError):
+                        await lander.wait_landed(0, give_up_after_failures=GIVE_UP)
+                nursery.cancel_scope.cancel()
+
+    trio.run(land)
+    left = lander.recovering
+    if left:
+        failing = lander.statistics()["failing"]
+        raise NotLanded(f"{sum(len(d.pending) for d in left)} changes left by a dead daemon "
+                        f"did not land at {lander.dest.path}"
+                        + (f" ({failing['op']} {failing['path']}: {failing['error']})"
+                           if failing else "")
+                        + f"; they stay in {', '.join(str(d.path) for d in left)}")  # fmt: skip
+
+
+async def _set_on_signal(signals: Any, event: trio.Event) -> None:
+    async for _ in signals:
+        event.set()
+
+
+async def _cancel_on(event: trio.Event, scope: trio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()
+
+
+def recover_dir(path: Path) -> None:
+    """What the dead daemon whose staging directory is `path` left, landed (umount of its
+    mount); NotLanded if it cannot be (read, or landed)."""
+    dead = recover.open_dead(path)
+    if dead is None:
+        raise NotLanded(f"{path}: what its daemon left cannot be read (or it is still alive)")
+    try:
+        dest = Dest(str(dead.header.get("dest")))
+    except OSError as e:
+        dead.close()
+        raise NotLanded(f"{path}: its DEST {dead.header.get('dest')}: {e.strerror}; what it "
+                        "left stays there") from None  # fmt: skip
+    own = Source("recovery", "r", lambda data: None, lambda record: None)
+    land_dead(Lander(dest, Journal(None), own, recovering=[dead]))
+
+
+def _write_json(dir_fd: int, name: str, obj: Any) -> None:
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600,
+                 dir_fd=dir_fd)  # fmt: skip
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, indent=1)
 
 
 def _umask() -> int:

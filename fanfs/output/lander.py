@@ -1,174 +1,265 @@
-"""The landing journal: every change made under an output mount, applied to DEST in order.
+"""The lander: the journal (journal.py) applied to DEST (dest.py), in order, one op at a time.
 
-An output mount (`fanfs output`) keeps its files on the node's disk and lands them on DEST, a
-directory on the shared file system, in the background. Each change the writer makes is one
-`Op` (dest.py) in a journal, in the order it happened: `put` (a closed file's content, under
-the path it had when it was closed), `rename`, `unlink`, `mkdir`, `rmdir`. One worker applies
-them to DEST strictly in that order (dest.apply), so DEST goes through the same states as the
-mount did, at the granularity of closed files.
+First what dead daemons left for this DEST (recover.py: their journals, in the order they
+ran), then this mount's own journal. Each op's I/O runs in a worker thread, so a slow or hung
+DEST never blocks the mount's requests.
 
-Failures: an op that fails (DEST unwritable, full, gone) stays at the head of the journal and
-is retried with backoff, for ever; nothing behind it is applied out of order, nothing is
-dropped. Its error and attempts are in `statistics()` (`fanfs status`), `fanfs sync` and
-`fanfs umount` report it and the files still pending, and a later retry (after the fault is
-fixed) completes the journal.
+Failures: an op that fails (DEST unwritable, full, gone, replaced) stays at the head and is
+retried with backoff, for as long as the daemon runs; nothing behind it lands out of order.
+The user can get past it without losing anything: a newer version of the file (or its
+removal) supersedes it (journal.py), and `fanfs sync --skip` skips it (`skip`): its bytes stay
+on the node, named (view.py keeps them), and the rest lands. Its error and attempts are in
+`statistics()` (`fanfs status`); `sync` and `umount` report it.
 
-Concurrency: the journal lives in the trio thread (`enqueue`, `run`); each op's I/O runs in a
-worker thread (`trio.to_thread`), so a slow or hung DEST never blocks the mount's requests.
+What fanfs landed: `idents` maps each node (the mount's inode) to what is at DEST for it
+(dest.Ident), so renames and removals touch only that, and a file that grew is appended to.
+
+Concurrency: the trio thread (`run`, and the hooks it calls); `dest.apply` in worker threads.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
-from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
-from fanfs.output.dest import PUT, LandingError, Op, apply, remove_marker, write_marker
+from fanfs.output import dest as dst
+from fanfs.output.dest import Dest, Ident, LandingError, Outcome, Result
+from fanfs.output.journal import PUT, RENAME, RMDIR, UNLINK, Journal, Op
 
 log = logging.getLogger(__name__)
 
 RETRY_MIN_S, RETRY_MAX_S = 0.5, 30.0  # backoff of a failing op: quick at first, then patient
 
 
-class Lander:
-    """The journal of one output mount and the task that lands it on DEST."""
+@dataclass(slots=True)
+class Source:
+    """Where ops come from: this mount's journal, or a dead daemon's (recover.py)."""
 
-    def __init__(self, dest_fd: int, open_local: Callable[[int], int | None], token: str,
-                 max_ops: int = 1 << 20, on_enqueued: Callable[[Op], None] = lambda op: None,
-                 on_landed: Callable[[Op], None] = lambda op: None,
-                 marker: bool = False):  # fmt: skip
-        self.dest_fd = dest_fd
-        self._open_local = open_local
-        self.max_ops = max_ops  # ops held at most (memory): more fail with ENOSPC
-        self.journal: deque[Op] = deque()
-        self.enqueued = 0  # seq of the last op enqueued
-        self.landed = 0  # every op with seq <= landed is at DEST
-        self.pending_bytes = 0
-        self.pending_puts = 0
-        self.landed_bytes = 0
+    name: str  # for messages
+    token: str  # its name in DEST's temporary names
+    open_local: Callable[[int], int | None]
+    record: Callable[[dict[str, Any]], None]  # its journal file's record of a landing
+    idents: dict[int, Ident] = field(default_factory=dict)
+    strict: bool = True
+
+
+def track(idents: dict[int, Ident], op: Op, ident: Ident | None, landed: bool) -> None:
+    """What fanfs has at DEST for each node, after `op` landed (`ident`: what DEST showed of
+    it; `landed`: it changed DEST); recover.py replays it from the journal's records."""
+    if ident is not None:
+        idents[op.node] = ident
+    if op.kind in (UNLINK, RMDIR) and landed:
+        idents.pop(op.node, None)
+    if op.kind == RENAME and op.replaced:
+        idents.pop(op.replaced, None)
+
+
+class Lander:
+    """Lands `journal` (and `recovering` first) on `dest`, for ever (cancelled at the end)."""
+
+    def __init__(self, dest: Dest, journal: Journal, own: Source, *,
+                 recovering: list[Any] | None = None, marker: bool = False,
+                 on_landed: Callable[[Op, Result], None] = lambda op, r: None,
+                 on_dropped: Callable[[Op], None] = lambda op: None,
+                 on_skipped: Callable[[Op], None] = lambda op: None):  # fmt: skip
+        self.dest = dest
+        self.journal = journal
+        self.own = own
+        self.recovering: list[Any] = recovering or []  # recover.Dead, landed first
+        self.marker = marker  # record progress at DEST after each op (replicas.py)
+        self.on_landed = on_landed  # view.py: release the put's data, evict what may go
+        self.on_dropped = on_dropped  # a put that will not land: its node is dirty again
+        self.on_skipped = on_skipped  # the user skipped it: view.py keeps its bytes
+        self.landed_bytes = 0  # bytes written to DEST
         self.landed_files = 0
+        self.appended = 0  # puts that landed as appends
+        self.skipped: list[Op] = []
         self.busy_s = 0.0  # time spent landing (throughput = landed_bytes / busy_s)
         self.last_put_s = 0.0  # enqueue to landed, for the last put
-        self.token = token
-        self.marker = marker  # record progress at DEST after each op (write_marker)
-        self.on_enqueued = on_enqueued  # replicas.py hears of each op, in order
-        self.on_landed = on_landed  # and of each op landed; the tree frees a put's data
+        self.current: Op | None = None  # the op being applied or retried
         self._changed = trio.Event()  # something enqueued, landed or failed
         self._poke = trio.Event()  # retry now (a sync or an umount asks)
-        self._backoff_from = 0  # attempts of the head op when a retry was last asked for
+        self._skip = False  # the user asked to skip the op failing now
+        self._backoff_from = 0  # attempts of the failing op when a retry was last asked for
 
-    def full(self) -> bool:
-        return len(self.journal) >= self.max_ops
+    @property
+    def idents(self) -> dict[int, Ident]:
+        return self.own.idents
 
-    def enqueue(self, kind: str, path: bytes, new: bytes = b"", ino: int = 0, mode: int = 0,
-                size: int = 0) -> Op:  # fmt: skip
-        self.enqueued += 1
-        op = Op(self.enqueued, kind, path, new, ino, mode, size)
-        self.journal.append(op)
-        self.pending_bytes += size
-        self.pending_puts += kind == PUT
-        self.on_enqueued(op)
-        self._wake()
-        return op
-
-    def _wake(self) -> None:
+    def wake(self) -> None:
         self._changed.set()
         self._changed = trio.Event()
 
     def poke(self) -> None:
         """Retry a failing op now instead of after its backoff, and back off from the start
         again (someone thinks DEST works now)."""
-        self._backoff_from = self.journal[0].attempts if self.journal else 0
+        self._backoff_from = self.current.attempts if self.current else 0
         self._poke.set()
 
+    def skip(self) -> str | None:
+        """Skip the op failing now (`fanfs sync --skip`): what it is, None if none fails."""
+        op = self.current
+        if op is None or not op.attempts:
+            return None
+        self._skip = True
+        self._poke.set()
+        return f"{op.kind} {op.describe()}"
+
+    def idle(self) -> bool:
+        return not self.recovering and self.journal.head() is None
+
     async def wait_landed(self, seq: int, give_up_after_failures: int = 0) -> None:
-        """Until every op up to `seq` is at DEST. LandingError once the op at the head has
-        failed `give_up_after_failures` times (0: wait for ever)."""
-        while self.landed < seq:
-            head = self.journal[0] if self.journal else None
-            if give_up_after_failures and head is not None and \
-                    head.attempts >= give_up_after_failures:  # fmt: skip
-                raise LandingError(f"{head.describe()}: {head.error}")
+        """Until every op up to `seq` is at DEST (and what dead daemons left). LandingError
+        once the op failing now has failed `give_up_after_failures` times (0: wait for ever)."""
+        while self.recovering or self.journal.landed_seq() < seq:
+            op = self.current
+            if give_up_after_failures and op is not None and \
+                    op.attempts >= give_up_after_failures:  # fmt: skip
+                raise LandingError(f"{op.describe()}: {op.error}")
             await self._changed.wait()
 
     async def run(self) -> None:
-        """Land the journal, in order, for ever (cancelled by the daemon at the end)."""
         if self.marker:  # from the start: a missing marker means "unknown", not "nothing"
-            with contextlib.suppress(OSError):
-                await trio.to_thread.run_sync(write_marker, self.dest_fd, self.token, 0)
+            await self._io(dst.write_marker, self.dest, self.own.token, 0)
+        while self.recovering:
+            dead = self.recovering[0]
+            await self._recover(dead)
+            self.recovering.pop(0)
+            self.wake()
         while True:
-            while not self.journal:
+            op = self.journal.head()
+            if op is None:
                 await self._changed.wait()
-            op = self.journal[0]
-            began = time.monotonic()
-            try:
-                n = await trio.to_thread.run_sync(self._apply, op, abandon_on_cancel=True)
-            except (OSError, LandingError) as e:
-                op.failed(os.strerror(e.errno) if isinstance(e, OSError) and e.errno else str(e))
-                log.warning("%s %s at DEST failed (attempt %d): %s", op.kind, op.describe(),
-                            op.attempts, op.error)  # fmt: skip
-                self._wake()
-                self._poke = trio.Event()
-                tries = max(0, op.attempts - self._backoff_from - 1)
-                with trio.move_on_after(min(RETRY_MAX_S, RETRY_MIN_S * 2 ** min(tries, 16))):
-                    await self._poke.wait()
                 continue
-            self.busy_s += time.monotonic() - began
-            self.journal.popleft()
-            self.pending_bytes -= op.size
-            self.pending_puts -= op.kind == PUT
-            self.landed = op.seq
-            if op.kind == PUT and n:
-                self.landed_bytes += n
-            if op.kind == PUT:
-                self.landed_files += 1
-                self.last_put_s = time.monotonic() - op.queued
-            if op.attempts:
-                log.info("%s %s landed after %d failed attempts", op.kind, op.describe(),
-                         op.attempts)  # fmt: skip
-            self.on_landed(op)
-            self._wake()
+            result = await self._land(op, self.own)
+            if result is not None:
+                self.journal.landed(op, self._ident_json(op))
+                if self.marker:
+                    await self._io(dst.write_marker, self.dest, self.own.token, op.seq)
+                self.on_landed(op, result)
+            self.wake()
 
-    def _apply(self, op: Op) -> int:
-        n = apply(self.dest_fd, op, self._open_local, self.token)
-        if self.marker:
-            write_marker(self.dest_fd, self.token, op.seq)
-        return n
+    async def _io(self, fn: Callable[..., Any], *args: Any) -> None:
+        """A DEST call whose failure only costs a message (the marker)."""
+        try:
+            await trio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
+        except (OSError, LandingError) as e:
+            log.warning("DEST %s: %s", self.dest.path, e)
+
+    def _ident_json(self, op: Op) -> list[int] | None:
+        ident = self.own.idents.get(op.node)
+        return ident.to_json() if ident is not None and op.kind != RENAME else None
+
+    async def _recover(self, dead: Any) -> None:
+        try:
+            await trio.to_thread.run_sync(dead.skip_landed_by_partner, self.dest)
+        except (OSError, LandingError) as e:  # then all are replayed, which is safe (dest.py)
+            log.warning("%s: the replicas' marker at DEST cannot be read: %s", dead.path, e)
+        log.warning("landing what a dead daemon left (%s): %d changes", dead.source.name,
+                    len(dead.pending))  # fmt: skip
+        while dead.pending:
+            op = dead.pending[0]
+            if await self._land(op, dead.source) is not None:
+                ident = dead.source.idents.get(op.node)
+                dead.source.record({"landed": op.seq, "node": op.node,
+                                    "ident": ident.to_json() if ident else None})  # fmt: skip
+            dead.pending.pop(0)
+            self.wake()
+        await trio.to_thread.run_sync(dead.finish, self.dest)
+
+    async def _land(self, op: Op, source: Source) -> Result | None:
+        """Apply `op` until it lands (what it did), or is dropped or skipped (None)."""
+        self.current = op
+        try:
+            while True:
+                if op.gone:
+                    return None
+                if self._skip and op.attempts:
+                    self._skip = False
+                    self._skipped(op, source)
+                    return None
+                op.start()
+                began = time.monotonic()
+                expect = source.idents.get(op.node)
+                try:
+                    result = await trio.to_thread.run_sync(
+                        dst.apply, self.dest, op, source.open_local, source.token, expect,
+                        source.strict, abandon_on_cancel=True,
+                    )  # fmt: skip
+                except (OSError, LandingError) as e:
+                    op.stop()
+                    await self._failed(op, e)
+                    continue
+                op.stop()
+                self.busy_s += time.monotonic() - began
+                return result if self._applied(op, result, source) else None
+        finally:
+            self.current = None
+
+    def _applied(self, op: Op, result: Result, source: Source) -> bool:
+        if op.attempts:
+            log.info("%s %s landed after %d failed attempts", op.kind, op.describe(),
+                     op.attempts)  # fmt: skip
+        if result.outcome is Outcome.COND:
+            if source is self.own:
+                self.journal.drop(op)
+                self.on_dropped(op)
+            return False
+        track(source.idents, op, result.ident, result.outcome is Outcome.LANDED)
+        if op.kind == PUT and result.outcome is Outcome.LANDED:
+            self.landed_files += 1
+            self.landed_bytes += result.sent
+            self.appended += result.appended
+            self.last_put_s = time.monotonic() - op.queued
+        return True
+
+    def _skipped(self, op: Op, source: Source) -> None:
+        log.warning("%s %s skipped (fanfs sync --skip): %s", op.kind, op.describe(), op.error)
+        self.skipped.append(op)
+        if source is self.own:
+            self.journal.drop(op, record="skip")
+            self.on_skipped(op)
+        else:
+            source.record({"skip": op.seq})
+
+    async def _failed(self, op: Op, e: Exception) -> None:
+        op.failed(os.strerror(e.errno) if isinstance(e, OSError) and e.errno else str(e))
+        log.warning("%s %s at DEST failed (attempt %d): %s", op.kind, op.describe(),
+                    op.attempts, op.error)  # fmt: skip
+        self.wake()
+        self._poke = trio.Event()
+        tries = max(0, op.attempts - self._backoff_from - 1)
+        with trio.move_on_after(min(RETRY_MAX_S, RETRY_MIN_S * 2 ** min(tries, 16))):
+            await self._poke.wait()
 
     def forget_marker(self) -> None:
         """Remove this daemon's marker from DEST (its partner, which would, is gone)."""
         if self.marker:
-            remove_marker(self.dest_fd, self.token)
-
-    def pending_files(self, most: int | None = None) -> list[str]:
-        """The paths of the puts not at DEST yet, oldest first (each once; at most `most`,
-        looking no further than needed: the status asks ten times a second during a sync)."""
-        seen: dict[str, None] = {}
-        for op in self.journal:
-            if op.kind == PUT:
-                seen.setdefault(os.fsdecode(op.path), None)
-                if most is not None and len(seen) >= most:
-                    break
-        return list(seen)
+            dst.remove_marker(self.dest, self.own.token)
 
     def statistics(self) -> dict[str, Any]:
-        head = self.journal[0] if self.journal else None
+        j = self.journal
+        head = self.current or j.head()
         now = time.monotonic()
         return {
-            "enqueued": self.enqueued,
-            "landed": self.landed,
-            "backlog_ops": len(self.journal),
-            "backlog_files": self.pending_puts,
-            "backlog_bytes": self.pending_bytes,
+            "enqueued": j.enqueued,
+            "landed": j.landed_seq(),
+            "backlog_ops": sum(1 for _ in j.pending()) if len(j.ops) < 4096 else len(j.ops),
+            "backlog_files": j.pending_puts,
+            "backlog_bytes": j.pending_bytes,
             "oldest_s": round(now - head.queued, 3) if head is not None else 0.0,
             "landed_files": self.landed_files,
             "landed_bytes": self.landed_bytes,
+            "appended_files": self.appended,
+            "merged_puts": j.merged,
+            "dropped_puts": j.dropped,
+            "recovering": sum(len(d.pending) for d in self.recovering),
             "throughput_mb_s": round(self.landed_bytes / self.busy_s / 1e6, 1)
             if self.busy_s > 0 else 0.0,
             "last_put_s": round(self.last_put_s, 3),
@@ -176,5 +267,6 @@ class Lander:
                 "op": head.kind, "path": head.describe(), "attempts": head.attempts,
                 "error": head.error,
             },
-            "pending": self.pending_files(20),
+            "skipped": [os.fsdecode(op.path) for op in self.skipped[:20]],
+            "pending": j.pending_files(20),
         }  # fmt: skip

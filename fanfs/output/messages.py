@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import struct
 
-from fanfs.output.dest import MKDIR, RENAME, RMDIR, UNLINK
+from fanfs.output.journal import MKDIR, RENAME, RMDIR, UNLINK
 
 PIECE = 8 << 20  # bytes of file per message: bounded memory per message on both sides
 HEADER = struct.Struct("<BQIIIHH")  # kind, seq, part, parts, mode, len(path), len(new)

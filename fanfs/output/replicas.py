@@ -51,15 +51,8 @@ from typing import Any
 import trio
 
 from fanfs.node.staging import StagingDir
-from fanfs.output.dest import (
-    PUT,
-    LandingError,
-    Op,
-    apply,
-    open_dest_dir,
-    read_marker,
-    remove_marker,
-)
+from fanfs.output.dest import Dest, LandingError, apply, read_marker, remove_marker
+from fanfs.output.journal import ATTR, PUT, Op
 from fanfs.output.messages import (
     M_BYE,
     M_HB,
@@ -196,11 +189,7 @@ class Replicas:
             self.staging.keep_contents()
 
     def _remove_owner_marker(self) -> None:
-        fd = open_dest_dir(self.owner_dest)
-        try:
-            remove_marker(fd, self.owner_token)
-        finally:
-            os.close(fd)
+        remove_marker(Dest(self.owner_dest), self.owner_token)
 
     # -- the MPI thread --------------------------------------------------------------------
 
@@ -273,18 +262,20 @@ class Replicas:
         what = item[0]
         if what == "send":
             op: Op = item[1]
+            if op.kind == ATTR:
+                return  # a mode or an mtime: not worth a message (a replay lands without it)
             if op.kind != PUT:
                 self._post(encode(M_OPS[op.kind], op.seq, op.path, op.new), self.partner)
                 return
-            fd = self._open_local(op.ino)
+            fd = self._open_local(op.data)
             if fd is None:  # unlinked before it could be sent: nothing to keep
                 self._confirm_from_thread(op.seq)
                 return
             try:
-                size = os.fstat(fd).st_size
+                size = op.size  # the snapshot: bytes after it are a later version's
                 parts = max(1, -(-size // PIECE))
                 for i in range(parts):
-                    data = os.pread(fd, PIECE, i * PIECE)
+                    data = os.pread(fd, min(PIECE, size - i * PIECE), i * PIECE)
                     self._post(encode(M_PUT, op.seq, op.path, mode=op.mode, part=i, parts=parts,
                                       data=data), self.partner)  # fmt: skip
                     self.sent_bytes += len(data)
@@ -338,7 +329,7 @@ class Replicas:
         flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
         if part == 0:
             flags |= os.O_CREAT | os.O_TRUNC
-            self.holding.append(Op(seq, PUT, path, ino=seq, mode=mode))
+            self.holding.append(Op(seq, PUT, path, data=seq, mode=mode))
             self._incomplete[seq] = parts
         elif self._incomplete.get(seq, 0) != parts - part:
             raise BadMessage(f"piece {part} of {parts} of {seq} out of order")
@@ -347,6 +338,8 @@ class Replicas:
             os.pwrite(fd, data, part * PIECE)
         finally:
             os.close(fd)
+        op = next(op for op in reversed(self.holding) if op.seq == seq)
+        op.grew(part * PIECE + len(data))
         self._incomplete[seq] -= 1
         if self._incomplete[seq] == 0:
             del self._incomplete[seq]
@@ -380,27 +373,24 @@ class Replicas:
         log.warning("rank %d left %d changes not at DEST: landing them from the copies here",
                     self.owner, len(self.holding))  # fmt: skip
         try:
-            dest_fd = open_dest_dir(self.owner_dest)
+            dest = Dest(self.owner_dest)
         except OSError as e:
             self.failed = f"{self.owner_dest}: {e.strerror}"
             log.error("rank %d's DEST cannot be opened from here (%s): its changes are kept in %s",
                       self.owner, self.failed, self.staging.path)  # fmt: skip
             return
-        try:
-            while self.holding:
-                op = self.holding[0]
-                if op.seq > read_marker(dest_fd, self.owner_token):
-                    try:
-                        apply(dest_fd, op, self._open_copy, f"{self.owner_token}-r")
-                    except (OSError, LandingError) as e:
-                        self.failed = f"{op.kind} {op.describe()}: {e}"
-                        log.error("rank %d's %s could not land from here; kept in %s",
-                                  self.owner, self.failed, self.staging.path)  # fmt: skip
-                        return
-                self._forget(op.seq)
-            remove_marker(dest_fd, self.owner_token)
-        finally:
-            os.close(dest_fd)
+        while self.holding:
+            op = self.holding[0]
+            try:
+                if op.seq > (read_marker(dest, self.owner_token) or 0):
+                    apply(dest, op, self._open_copy, f"{self.owner_token}-r", None, strict=False)
+            except (OSError, LandingError) as e:
+                self.failed = f"{op.kind} {op.describe()}: {e}"
+                log.error("rank %d's %s could not land from here; kept in %s",
+                          self.owner, self.failed, self.staging.path)  # fmt: skip
+                return
+            self._forget(op.seq)
+        remove_marker(dest, self.owner_token)
 
     def statistics(self) -> dict[str, Any]:
         return {"partner": self.partner, "holding_for": self.owner,

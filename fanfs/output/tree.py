@@ -5,23 +5,24 @@ a local file, `o<data>`, in the daemon's private staging directory (mode 0700,
 node/staging.py), opened relative to its fd. Renaming or unlinking under the mount changes
 only the namespace.
 
-A put (dest.py) lands the local file it names, as it is when it lands, so the bytes of a
-put must not change until then: each put holds a reference to its data (`hold`, `release`),
-and a file opened for writing while a put of its data is pending, and no other handle of it
-is open, gets new data first (`new_data`, `copy_data`, `switch`: an empty local file for
-O_TRUNC, a copy otherwise). Handles already open keep their data (their fds name it), so a
-file written through several at once is not switched: the lander then sees the bytes change
-under a put and skips it (dest.py), and the next close lands them. A local file goes when no
-inode uses it (unlinked, not open) and no pending put holds it.
+Snapshots and holds: a put (journal.py) lands the first `size` bytes of a local file as they
+were when it was taken (`snapshot`), so those bytes must not change until it lands: the put
+holds its data below `size` (`hold`, `release`). A write below a hold, or a truncate below
+it, first moves the file to new data (copy on write: view.py), whatever handles are open; a
+write at or above it (an append) needs nothing. A local file goes once no node uses it and
+no put holds it.
+
+What changed since a file's last snapshot: `dirty` (anything: a create, a truncate, bytes),
+`wrote` (bytes: a close then lands it), `low` (the lowest offset changed: the bytes below it,
+up to the last snapshot's size, are the ones DEST has, so the next put may append).
 
 A file whose write failed (ENOSPC, EIO: `poison`) is not put until it is truncated: DEST
-keeps the last good version rather than a file with a hole; every close and fsync of it
-returns the error.
+keeps the last good version rather than a file with a hole.
 
-Every change that DEST must see is handed to the journal (lander.py) in the order it happens,
-by the adapter (fs.py), with the path it has now: paths at DEST follow from the order alone.
+A file whose bytes are at DEST and nowhere else (`data == 0`: evicted, view.py) is read back
+from DEST when it is opened.
 
-Concurrency: the trio thread only (the adapter's handlers); synchronous between awaits, so each
+Concurrency: the trio thread only (view.py's operations); synchronous between awaits, so each
 method is atomic with respect to the others.
 """
 
@@ -34,8 +35,11 @@ import stat
 import time
 from dataclasses import dataclass, field
 
+from fanfs.output.dest import segments
+
 ROOT = 1  # pyfuse3.ROOT_INODE
 NAME_MAX = 255
+UNCHANGED = 1 << 63  # `low` of a file with no change since its last snapshot
 
 
 class TreeError(Exception):
@@ -46,7 +50,7 @@ class TreeError(Exception):
         self.errno = err
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Node:
     ino: int
     parent: int
@@ -56,13 +60,15 @@ class Node:
     children: dict[bytes, int] = field(default_factory=dict)  # directories only
     linked: bool = True  # has a name (unlinked ones live on while open)
     opens: int = 0
-    dirty: bool = False  # changed since its last put was enqueued
+    data: int = 0  # its local file, o<data> (files; 0: evicted, its bytes only at DEST)
+    dirty: bool = False  # changed since its last snapshot
     wrote: bool = False  # bytes written since then (a close then lands it)
-    data: int = 0  # its local file, o<data> (files only)
+    low: int = UNCHANGED  # the lowest offset changed since then
+    snap: int = 0  # the size of its last snapshot (0: none yet)
     failed: int = 0  # the errno of a write that failed, until truncated
-    mtime_ns: int = field(default_factory=time.time_ns)  # directories' (files': the local file's)
+    mtime_ns: int = field(default_factory=time.time_ns)  # directories' and evicted files'
 
-    # A node changes through these (the tree and the adapter call them).
+    # A node changes through these (the tree and the view call them).
     def add_child(self, name: bytes, ino: int) -> None:
         self.children[name] = ino
         self.mtime_ns = time.time_ns()
@@ -83,22 +89,37 @@ class Node:
     def closed(self) -> None:
         self.opens -= 1
 
-    def mark(self, dirty: bool = True, wrote: bool = False) -> None:
-        self.dirty = dirty
-        self.wrote = wrote
+    def use(self, data: int) -> None:
+        self.data = data
 
     def chmod(self, mode: int) -> None:
-        self.mode = stat.S_IMODE(mode) & 0o777
-        self.dirty = True
+        self.mode = mode & 0o777
 
     def touch(self, mtime_ns: int) -> None:
         self.mtime_ns = mtime_ns
 
-    def use(self, data: int) -> None:
-        self.data = data
-
     def poison(self, err: int) -> None:
+        """A write failed: not landed until truncated to nothing (`poison(0)`)."""
         self.failed = err
+
+    def changed(self, low: int, wrote: bool = False) -> None:
+        """Something at and above offset `low` changed (UNCHANGED: only metadata)."""
+        self.dirty = True
+        self.low = min(self.low, low)
+        self.wrote = self.wrote or wrote
+
+    def snapshot(self, size: int) -> int:
+        """A put takes the file as it is, `size` bytes: the leading bytes that did not change
+        since its previous put (all of them if it had none: 0)."""
+        keep = min(self.low, self.snap) if self.snap else 0
+        self.snap, self.low, self.dirty, self.wrote = size, UNCHANGED, False, False
+        return keep
+
+    def unlanded(self, keep: int, dirty: bool = True) -> None:
+        """Its last put did not land (journal.drop): its next one keeps no more than that
+        (and, unless the user skipped it, it lands again)."""
+        self.dirty = self.dirty or dirty
+        self.low = min(self.low, keep)
 
 
 class Tree:
@@ -108,11 +129,8 @@ class Tree:
         self._next = ROOT + 1
         self.files = 0
         self.bytes_written = 0
-        self.held: dict[int, int] = {}  # data -> pending puts of it
+        self._holds: dict[int, list[int]] = {}  # data -> the sizes its pending puts hold
         self.used: set[int] = set()  # data of live files
-
-    def wrote(self, n: int) -> None:
-        self.bytes_written += n
 
     # -- lookups ---------------------------------------------------------------------------
 
@@ -143,6 +161,19 @@ class Tree:
             n = self.nodes[n.parent]
         return b"/".join(reversed(parts))
 
+    def files_under(self, ino: int) -> list[Node]:
+        """The files at or below node `ino` (a rename of a directory moves them all)."""
+        out, todo = [], [self.node(ino)]
+        while todo:
+            n = todo.pop()
+            if n.is_dir:
+                todo.extend(self.nodes[c] for c in n.children.values())
+            else:
+                out.append(n)
+        return out
+
+    # -- local files -----------------------------------------------------------------------
+
     @staticmethod
     def local_name(data: int) -> str:
         return f"o{data}"
@@ -160,7 +191,8 @@ class Tree:
     def stat_local(self, n: Node) -> os.stat_result:
         return os.stat(self.local_name(n.data), dir_fd=self.fd, follow_symlinks=False)
 
-    def _new_data(self) -> int:
+    def new_data(self) -> int:
+        """A new empty local file (made O_EXCL), for a new file or a copy on write."""
         data = self._next
         self._next += 1
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -169,51 +201,53 @@ class Tree:
         return data
 
     def _drop_data(self, data: int) -> None:
-        if data not in self.used and not self.held.get(data):
-            self.held.pop(data, None)
+        if data and data not in self.used and not self._holds.get(data):
+            self._holds.pop(data, None)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.local_name(data), dir_fd=self.fd)
 
-    def hold(self, data: int) -> None:
-        """A put of `data` is pending: its bytes stay as they are."""
-        self.held[data] = self.held.get(data, 0) + 1
+    def hold(self, data: int, size: int) -> None:
+        """A put of the first `size` bytes of `data` is pending: they stay as they are."""
+        self._holds.setdefault(data, []).append(size)
 
-    def release(self, data: int) -> None:
+    def release(self, data: int, size: int) -> None:
         """That put landed (or was dropped)."""
-        self.held[data] = self.held.get(data, 1) - 1
+        sizes = self._holds.get(data, [])
+        with contextlib.suppress(ValueError):
+            sizes.remove(size)
         self._drop_data(data)
 
-    def needs_new_data(self, n: Node) -> bool:
-        """Whether `n` must get new data before it is written: a pending put holds its bytes."""
-        return bool(self.held.get(n.data))
+    def held_below(self, data: int) -> int:
+        """Writes below this offset of `data` must go to new data first (0: none)."""
+        return max(self._holds.get(data) or [0])
 
-    def new_data(self) -> int:
-        """An empty local file for `switch` (`copy_data` fills it, in a worker thread)."""
-        return self._new_data()
-
-    def copy_data(self, old: int, new: int) -> None:
-        """`old`'s bytes into `new` (any thread: both are the caller's until `switch`)."""
+    def copy_data(self, old: int, new: int, end: int) -> None:
+        """The first `end` bytes of `old` into `new`, holes kept (a worker thread: both are the
+        caller's until `use`)."""
         src, dst = self.open_local(old, os.O_RDONLY), self.open_local(new, os.O_WRONLY)
         try:
-            size, copied = os.fstat(src).st_size, 0
-            while copied < size:
-                k = os.copy_file_range(src, dst, size - copied, copied, copied)
-                if k == 0:
-                    break
-                copied += k
+            for off, length in segments(src, 0, end):
+                done = 0
+                while done < length:
+                    k = os.copy_file_range(src, dst, length - done, off + done, off + done)
+                    if k == 0:
+                        raise OSError(errno.EIO, "the local file is shorter than it was")
+                    done += k
+            os.ftruncate(dst, end)
         finally:
             os.close(src)
             os.close(dst)
 
-    def switch(self, n: Node, new: int) -> None:
-        """`n` uses `new` from now on; its old data goes once no put holds it."""
+    def use(self, n: Node, data: int) -> None:
+        """`n` uses `data` from now on (0: evicted); its old data goes once no put holds it."""
         old = n.data
-        n.use(new)
-        self.used.discard(old)
-        self._drop_data(old)
+        n.use(data)
+        if old:
+            self.used.discard(old)
+            self._drop_data(old)
 
     def discard_data(self, data: int) -> None:
-        """New data that was not switched to (its copy failed)."""
+        """New data that was not used (its copy failed)."""
         self.used.discard(data)
         self._drop_data(data)
 
@@ -240,10 +274,10 @@ class Tree:
     def create(self, parent: int, name: bytes, mode: int) -> Node:
         """A new empty file (its local file made O_EXCL); the caller opens it."""
         d = self._free_name(parent, name)
-        data = self._new_data()
+        data = self.new_data()
         n = self._add(d, name, False, mode)
         n.use(data)
-        n.mark()
+        n.changed(0)
         self.files += 1
         return n
 
@@ -269,8 +303,7 @@ class Tree:
             return
         self.nodes.pop(n.ino, None)
         if not n.is_dir:
-            self.used.discard(n.data)
-            self._drop_data(n.data)
+            self.use(n, 0)
             self.files -= 1
 
     def rename(self, parent: int, name: bytes, new_parent: int, new_name: bytes,

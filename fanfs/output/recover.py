@@ -1,0 +1,250 @@
+"""What a dead output daemon left on the node, found and landed: its journal replayed.
+
+A daemon killed with SIGKILL (the OOM killer, a job's end past Slurm's KillWait) leaves its
+staging directory: the local files and `journal` (journal.py), which says which changes had
+not landed, which local file holds each pending put's bytes, what fanfs had landed for each
+file (so renames and removals touch only that), and the names of files still being written.
+The next `fanfs output` with the same DEST and `--local`, `fanfs output --recover DEST`, or
+`fanfs umount` of the dead mount finds it and lands what was closed, in its order, before
+anything new (lander.py), with the dead daemon's token: a put it was applying when it died
+is applied again, which replaces its orphaned `.partial` file at DEST.
+
+With `--replicas 2`, the dead daemon's partner may have landed some of it already: ops up
+to the partner-visible marker at DEST are skipped; without a marker all are replayed, which
+is safe because renames and removals touch only what fanfs landed (dest.py).
+
+What is then left is only what was never closed: files being written when the daemon died,
+and puts the user skipped. They stay in the directory, named in `kept.json` ({DEST path:
+local file}); everything else there goes, and the directory with it when it is empty.
+
+Safety: only directories of this user, under a checked `--local`, opened without following
+symlinks; a journal is taken only under an exclusive flock, which a live daemon holds on its
+own: a directory in use is never touched, and two recoverers never land the same one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import os
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fanfs.node.staging import PREFIX
+from fanfs.output import dest as dst
+from fanfs.output.dest import Dest, Ident
+from fanfs.output.journal import NAME, PUT, RENAME, UNLINK, Op, read
+from fanfs.output.lander import Source, track
+
+log = logging.getLogger(__name__)
+
+KEPT = "kept.json"
+
+
+@dataclass(slots=True)
+class Replay:
+    """A journal's records, replayed: what had not landed, and what the node holds."""
+
+    header: dict[str, Any]
+    pending: dict[int, Op] = field(default_factory=dict)  # seq -> op, in seq order
+    skipped: list[Op] = field(default_factory=list)
+    idents: dict[int, Ident] = field(default_factory=dict)
+    names: dict[int, tuple[bytes, int]] = field(default_factory=dict)  # node -> path, data
+    dirty: set[int] = field(default_factory=set)  # nodes changed since their last put
+
+    def take(self, r: dict[str, Any]) -> None:
+        if "op" in r:
+            op = Op.from_record(r["op"])
+            self.pending[op.seq] = op
+            self._moved(op)
+        elif "merge" in r:
+            merged = self.pending.get(int(r["merge"]))
+            if merged is not None:
+                merged.take(int(r["data"]), int(r["size"]), int(r["keep"]), int(r["mode"]),
+                            int(r["mtime_ns"]), bool(r["cond"]))  # fmt: skip
+                self.dirty.discard(merged.node)
+        elif "drop" in r:
+            self.pending.pop(int(r["drop"]), None)
+        elif "skip" in r:
+            skipped = self.pending.pop(int(r["skip"]), None)
+            if skipped is not None:
+                self.skipped.append(skipped)
+        elif "landed" in r:
+            landed = self.pending.pop(int(r["landed"]), None)
+            if landed is not None:
+                track(self.idents, landed, Ident.from_json(r.get("ident")), True)
+        elif "name" in r:
+            self.names[int(r["node"])] = (os.fsencode(r["name"]), int(r["data"]))
+            self.dirty.add(int(r["node"]))
+        elif "dirty" in r:
+            self.dirty.add(int(r["dirty"]))
+        elif "file" in r:  # a compacted journal's record of a file that exists
+            node = int(r["file"])
+            self.names[node] = (os.fsencode(r["path"]), int(r["data"]))
+            if r.get("dirty"):
+                self.dirty.add(node)
+            ident = Ident.from_json(r.get("ident"))
+            if ident is not None:
+                self.idents[node] = ident
+
+    def _moved(self, op: Op) -> None:
+        """A namespace change, as it happened in the mount: the names follow it."""
+        if op.kind == PUT:
+            self.dirty.discard(op.node)
+        elif op.kind == UNLINK:
+            self.names.pop(op.node, None)
+            self.dirty.discard(op.node)
+        elif op.kind == RENAME:
+            if op.replaced:
+                self.names.pop(op.replaced, None)
+                self.dirty.discard(op.replaced)
+            prefix = op.path + b"/"
+            for node, (path, data) in list(self.names.items()):
+                if path == op.path:
+                    self.names[node] = (op.new, data)
+                elif path.startswith(prefix):
+                    self.names[node] = (op.new + path[len(op.path) :], data)
+
+
+def replay(fd: int) -> Replay:
+    """The journal open at `fd`, replayed; ValueError if it is not one."""
+    records = read(fd)
+    header = next(records, None)
+    if not isinstance(header, dict) or header.get("fanfs_journal") != 1:
+        raise ValueError("not a fanfs journal (or of another version)")
+    rep = Replay(header)
+    for r in records:
+        try:
+            rep.take(r)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"a record that is not one ({e}): {r!r}") from None
+    return rep
+
+
+class Dead:
+    """A dead daemon's staging directory, locked, and what its journal says is left."""
+
+    def __init__(self, path: Path, dir_fd: int, lock_fd: int, rep: Replay):
+        self.path, self.fd, self._lock = path, dir_fd, lock_fd
+        self.header = rep.header
+        self.pending = list(rep.pending.values())
+        self.skipped = rep.skipped
+        self.replicas = bool(rep.header.get("replicas"))
+        held = {op.data for op in self.pending if op.kind == PUT}
+        self.unclosed = {path: data for node, (path, data) in rep.names.items()
+                         if node in rep.dirty and data not in held}  # fmt: skip
+        self.source = Source(name=str(path), token=str(rep.header.get("token", "x")),
+                             open_local=self._open_local, record=self._record,
+                             idents=rep.idents)  # fmt: skip
+
+    def _open_local(self, data: int) -> int | None:
+        try:
+            return os.open(f"o{data}", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
+        except FileNotFoundError:
+            return None
+
+    def _record(self, record: dict[str, Any]) -> None:
+        fd = os.open(NAME, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
+        try:
+            os.write(fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
+        finally:
+            os.close(fd)
+
+    def skip_landed_by_partner(self, dest: Dest) -> None:
+        """With replicas: the ops the marker at DEST says were landed (by this daemon before
+        it died, or by its partner after) are not applied again."""
+        if not self.replicas:
+            return
+        marker = dst.read_marker(dest, self.source.token)
+        if marker is not None:
+            self.pending = [op for op in self.pending if op.seq > marker]
+
+    def kept(self) -> dict[str, str]:
+        """What stays here: {DEST path: local file}."""
+        kept = {os.fsdecode(path): f"o{data}" for path, data in self.unclosed.items()}
+        kept.update({os.fsdecode(op.path): f"o{op.data}" for op in self.skipped if op.kind == PUT})
+        kept.update({os.fsdecode(op.path): f"o{op.data}" for op in self.pending if op.kind == PUT})
+        return kept
+
+    def finish(self, dest: Dest | None = None) -> None:
+        """After its ops landed (or not): what is not needed goes; the rest is named in
+        kept.json; the directory goes when it is empty (any thread)."""
+        if dest is not None and self.replicas and not self.pending:
+            dst.remove_marker(dest, self.source.token)
+        kept = self.kept()
+        keep = set(kept.values())
+        for name in os.listdir(self.fd):
+            if name in keep or name == KEPT:
+                continue
+            with contextlib.suppress(OSError):
+                if stat.S_ISREG(os.stat(name, dir_fd=self.fd, follow_symlinks=False).st_mode):
+                    os.unlink(name, dir_fd=self.fd)
+        if kept:
+            fd = os.open(KEPT, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600,
+                         dir_fd=self.fd)  # fmt: skip
+            with os.fdopen(fd, "w") as f:
+                json.dump({"dest": self.header.get("dest"), "files": kept}, f, indent=1)
+            log.warning("%d files were not landed (never closed, or skipped): kept in %s "
+                        "(kept.json names each): %s", len(kept), self.path,
+                        ", ".join(sorted(kept)[:10]))  # fmt: skip
+        self.close()
+        if not kept:
+            with contextlib.suppress(OSError):
+                os.rmdir(self.path)
+
+    def close(self) -> None:
+        for fd in (self._lock, self.fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._lock = self.fd = -1
+
+
+def open_dead(path: Path) -> Dead | None:
+    """The dead daemon's directory at `path`, locked; None if it is not one of this user's
+    with a journal, or its daemon is alive (it holds the lock)."""
+    try:
+        dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(dir_fd)
+        if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
+            raise OSError(errno.EPERM, "not a private directory of this user")
+        lock_fd = os.open(NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        os.close(dir_fd)
+        return None
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        rep = replay(lock_fd)
+    except (OSError, ValueError) as e:
+        if not isinstance(e, BlockingIOError):
+            log.warning("%s: its journal cannot be read (%s): left as it is", path, e)
+        os.close(lock_fd)
+        os.close(dir_fd)
+        return None
+    return Dead(path, dir_fd, lock_fd, rep)
+
+
+def find(parent: Path, dest: str) -> list[Dead]:
+    """Dead daemons' directories in `parent` (a --local) whose DEST was `dest`, oldest first."""
+    try:
+        names = [n for n in os.listdir(parent) if n.startswith(PREFIX)]
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        dead = open_dead(parent / name)
+        if dead is None:
+            continue
+        if dead.header.get("dest") != dest:
+            dead.close()
+            continue
+        found.append(dead)
+    found.sort(key=lambda d: float(d.header.get("started", 0)))
+    return found
