@@ -6,11 +6,13 @@ wrote: after `fanfs umount`, DEST holds exactly the files the mount held, byte f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -70,7 +72,7 @@ class Output:
         self.dest = work / "dest"
         self.mnts = [work / (f"mnt-{r}" if ranks > 1 else "mnt") for r in range(ranks)]
         for d in (self.dest, *self.mnts):
-            d.mkdir()
+            d.mkdir(exist_ok=d == self.dest)  # DEST may be a file system the test made
             os.chown(d, user.uid, user.gid)
         mnt = work / "mnt-{rank}" if ranks > 1 else self.mnts[0]
         local = local or (work / "local-{rank}" if ranks > 1 else work / "local")
@@ -271,11 +273,16 @@ def test_replicas_land_a_killed_nodes_closed_file(user: User, work: Path) -> Non
         done = out.fanfs("umount", out.mnts[1])
         assert done.returncode == 0, done.stderr
         assert wait_until(lambda: (out.dest / "ckpt.pt").exists(), 30), out.log.read_text()
-        out.fanfs("umount", out.mnts[0])  # the dead one's stale mount
+        # The dead one's stale mount: its journal says ckpt.pt did not land; its partner landed
+        # it meanwhile, which the unmount sees (the partner removed the dead one's marker):
+        # landed again, exit 0, nothing left on the node.
+        done = out.fanfs("umount", out.mnts[0])
+        assert done.returncode == 0, done.stderr
     finally:
         out.stop()
     assert (out.dest / "ckpt.pt").read_bytes() == payload
     assert not [p for p in out.dest.iterdir() if p.name.startswith(".")]
+    assert not list(work.glob("local-*/fanfs-stage-*"))
 
 
 def test_a_peers_message_is_checked_as_data() -> None:
@@ -340,13 +347,7 @@ print("small ok")
 def test_a_full_local_disk_fails_writes_with_enospc_and_lands_no_torn_file(
     user: User, work: Path
 ) -> None:
-    small = work / "small"
-    small.mkdir()
-    options = f"size=16m,uid={user.uid},mode=0700"  # a real, small local disk
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(small)],
-                          capture_output=True, text=True, check=False)  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    try:
+    with tmpfs(work / "small", "16m", user.uid, "0700") as small:
         out = Output(user, work, local=small)
         try:
             done = user.run(sys.executable, "-c", FILL, out.mnt)
@@ -359,55 +360,55 @@ def test_a_full_local_disk_fails_writes_with_enospc_and_lands_no_torn_file(
             assert not mounts.find(out.mnt)
         finally:
             out.stop()
-    finally:
-        subprocess.run(["umount", "-l", str(small)], check=False)
     # The checkpoint that failed never replaced the good one at DEST.
     assert tree(out.dest) == tree_of({"ckpt.pt": b"g" * 4096, "small.pt": b"s" * 4096})
+
+
+class Talk:
+    """A process of the user's that the test talks to, line by line; killed at the end."""
+
+    def __init__(self, user: User, *args: Any):
+        self.proc = subprocess.Popen(user.cmd(*args), env=user.env(), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)  # fmt: skip
+
+    def line(self) -> str:
+        assert self.proc.stdout is not None
+        return self.proc.stdout.readline()
+
+    def say(self, text: str = "") -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(text + "\n")
+        self.proc.stdin.flush()
+
+    def wait(self, timeout: float = 30) -> int:
+        return self.proc.wait(timeout)
+
+    def __enter__(self) -> Talk:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.kill()
+        self.proc.communicate()
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str, uid: int, mode: str) -> Iterator[Path]:
+    """A real, small file system at `path` (a node's disk, or DEST), the user's."""
+    path.mkdir(exist_ok=True)
+    options = f"size={size},uid={uid},mode={mode}"
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                          capture_output=True, text=True, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def tree_of(files: dict[str, bytes]) -> dict[str, str]:
     import hashlib
 
     return {k: hashlib.sha256(v).hexdigest() for k, v in files.items()}
-
-
-REWRITE = r"""
-import os, sys, time
-mnt, step = sys.argv[1], sys.argv[2]
-path = os.path.join(mnt, "ckpt.pt")
-if step == "first":
-    with open(path, "wb") as f:
-        f.write(b"A" * (3 << 20))
-else:  # the next checkpoint under the same name, still being written while the first lands
-    f = open(path, "wb", buffering=0)
-    f.write(b"B" * (1 << 20))
-    print("writing", flush=True)
-    sys.stdin.read()  # until the test says close
-    f.write(b"B" * (2 << 20))
-    f.close()
-"""
-
-
-def test_rewriting_a_file_whose_put_is_pending_never_lands_a_torn_copy(
-    user: User, work: Path
-) -> None:
-    out = Output(user, work)
-    try:
-        out.dest.chmod(0o555)  # the first checkpoint's put waits
-        assert user.run(sys.executable, "-c", REWRITE, out.mnt, "first").returncode == 0
-        second = user.cmd(sys.executable, "-c", REWRITE, out.mnt, "second")
-        writer = subprocess.Popen(second, env=user.env(), stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE)  # fmt: skip
-        assert writer.stdout is not None and writer.stdout.readline() == b"writing\n"
-        out.dest.chmod(0o755)
-        assert wait_until(lambda: out.status()["landing"]["landed_files"] >= 1, 30)
-        assert (out.dest / "ckpt.pt").read_bytes() == b"A" * (3 << 20)  # not the half of B
-        writer.communicate(b"", timeout=60)
-        assert writer.returncode == 0
-        assert out.fanfs("umount", out.mnt).returncode == 0
-    finally:
-        out.stop()
-    assert (out.dest / "ckpt.pt").read_bytes() == b"B" * (3 << 20)
 
 
 TOUCH = "import sys; open(sys.argv[1], 'w').close()"
@@ -453,3 +454,500 @@ def test_a_holder_skips_what_its_dead_owner_landed(tmp_path: Path) -> None:
     assert rep.failed == "" and rep.holding == []
     assert tree(dest) == tree_of({"old.pt": b"1", "new.pt": b"2", "newest.pt": b"4"})
     staging.close()
+
+
+# -- issue 38: checkpoints and logs that are never lost or torn -------------------------------
+
+
+def test_a_rewrite_while_a_put_is_pending_lands_the_closed_version_whatever_is_open(
+    user: User, work: Path
+) -> None:
+    """A closed 4 MiB checkpoint waits for DEST; a monitor holds it open read-only; the job
+    rewrites it (`open(f, "wb")`, as torch.save does) and is still writing when DEST comes
+    back: DEST gets the closed version, whole, then the new one once it is closed."""
+    out = Output(user, work)
+    a, b = os.urandom(4 << 20), os.urandom(3 << 20)
+    (work / "a").write_bytes(a)
+    (work / "b").write_bytes(b)
+    for p in ("a", "b"):
+        os.chmod(work / p, 0o644)
+    rewrite = r"""
+import os, shutil, sys
+mnt, a, b = sys.argv[1:4]
+shutil.copyfile(a, os.path.join(mnt, "latest.pt"))  # closed: its put waits for DEST
+monitor = open(os.path.join(mnt, "latest.pt"), "rb")  # someone watching it
+data = open(b, "rb").read()
+f = open(os.path.join(mnt, "latest.pt"), "wb", buffering=0)
+f.write(data[: 1 << 20])
+print("writing", flush=True)
+sys.stdin.readline()
+f.write(data[1 << 20 :])
+f.close()
+assert monitor.read() == data  # the monitor's handle reads the file, not an old version
+print("done", flush=True)
+"""
+    out.dest.chmod(0o555)
+    try:
+        with Talk(user, sys.executable, "-c", rewrite, out.mnt, work / "a", work / "b") as writer:
+            assert writer.line() == "writing\n", out.log.read_text()
+            out.dest.chmod(0o755)
+            assert wait_until(lambda: (out.dest / "latest.pt").exists(), 30)
+            assert (out.dest / "latest.pt").read_bytes() == a  # not a piece of the new version
+            writer.say()
+            assert writer.line() == "done\n"
+            assert writer.wait() == 0
+        assert out.fanfs("sync", out.mnt).returncode == 0
+        assert (out.dest / "latest.pt").read_bytes() == b
+        assert out.fanfs("umount", out.mnt).returncode == 0
+    finally:
+        out.stop()
+
+
+APPEND_LOG = r"""
+import os, sys, time
+path, seconds = sys.argv[1], float(sys.argv[2])
+f = open(path, "a", buffering=1)  # a log, as logging.FileHandler keeps it: open, appended
+i, end = 0, time.monotonic() + seconds
+while time.monotonic() < end:
+    f.write(f"step {i} loss {1 / (i + 1):.6f}\n")
+    i += 1
+    time.sleep(0.01)
+print(i, flush=True)
+sys.stdin.readline()  # the test sends the daemon its SIGTERM meanwhile
+for j in range(i, i + 50):
+    f.write(f"step {j} after the signal\n")
+f.close()
+print(i + 50, flush=True)
+"""
+
+
+def test_a_log_held_open_reaches_dest_as_it_grows_and_a_sigterm_lands_it_whole(
+    user: User, work: Path
+) -> None:
+    out = Output(user, work, "--interval", "0.5")
+    landed = out.dest / "train.log"
+    seen: list[bytes] = []
+    try:
+        with Talk(user, sys.executable, "-c", APPEND_LOG, out.mnt / "train.log", "4") as writer:
+            deadline = time.monotonic() + 4
+            while time.monotonic() < deadline:  # the writer appends for 4 s, never closing
+                data = landed.read_bytes() if landed.exists() else b""
+                if data and (not seen or data != seen[-1]):
+                    seen.append(data)
+                time.sleep(0.1)
+            assert len(seen) >= 3, f"DEST saw the open log change {len(seen)} times"
+            lines = int(writer.line())
+            os.kill(out.status()["pid"], signal.SIGTERM)  # Slurm's time limit; the job lives on
+            time.sleep(0.3)
+            writer.say()  # the job writes 50 more lines after the signal, then closes the log
+            assert int(writer.line()) == lines + 50
+            assert writer.wait() == 0
+        assert out.proc.wait(60) == 0, out.log.read_text()
+    finally:
+        out.stop()
+    final = (out.dest / "train.log").read_bytes()
+    assert final.count(b"\n") == lines + 50 and final.endswith(b"after the signal\n")
+    assert all(final.startswith(s) for s in seen)  # each landing a prefix: appended
+    assert not list(work.glob("local/fanfs-stage-*"))
+
+
+CHECKPOINTS = r"""
+import os, sys
+mnt, n, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+for i in range(n):
+    with open(os.path.join(mnt, f"epoch-{i}.pt"), "wb") as f:
+        f.write(bytes([i]) * size)
+        f.flush()
+        os.fsync(f.fileno())  # at DEST when this returns
+for i in range(n):  # every one reads back, most of them from DEST
+    assert open(os.path.join(mnt, f"epoch-{i}.pt"), "rb").read() == bytes([i]) * size, i
+with open(os.path.join(mnt, "epoch-0.pt"), "r+b") as f:  # written again: copied back first
+    f.seek(10)
+    f.write(b"again")
+v = os.statvfs(mnt)
+print(v.f_blocks * v.f_frsize)
+"""
+
+
+def test_the_node_keeps_only_what_it_needs_and_reads_the_rest_back_from_dest(
+    user: User, work: Path
+) -> None:
+    """12 checkpoints of 3 MiB through a node with a 16 MiB disk: none fails with ENOSPC
+    (landed ones leave the node), all read back exactly, `df` shows DEST."""
+    with tmpfs(work / "small", "16m", user.uid, "0700") as small:
+        out = Output(user, work, local=small)
+        try:
+            done = user.run(sys.executable, "-c", CHECKPOINTS, out.mnt, "12", str(3 << 20))
+            assert done.returncode == 0, done.stderr + out.log.read_text()
+            v = os.statvfs(out.dest)
+            assert int(done.stdout) == v.f_blocks * v.f_frsize  # DEST's size, not the node's
+            status = out.status()
+            assert status["evicted_files"] >= 6 and status["read_back"] == 1, status
+            assert out.fanfs("umount", out.mnt).returncode == 0
+        finally:
+            out.stop()
+    want = {f"epoch-{i}.pt": bytes([i]) * (3 << 20) for i in range(12)}
+    want["epoch-0.pt"] = bytes(10) + b"again" + bytes(3 << 20)[15:]
+    assert tree(out.dest) == tree_of(want)
+
+
+def test_a_file_that_cannot_land_is_superseded_or_skipped_and_the_rest_lands(
+    user: User, work: Path
+) -> None:
+    """A put DEST cannot take (a directory of that name at DEST from an earlier run) blocks
+    what follows until it is removed in the mount, rewritten, or skipped by the user."""
+    out = Output(user, work)
+    write = "import sys; open(sys.argv[1], 'wb').write(sys.argv[2].encode() * 1000)"
+    try:
+        (out.dest / "big.pt").mkdir()  # in the way
+        (out.dest / "big.pt" / "x").write_text("an earlier run's")
+        (out.dest / "other.pt").mkdir()
+        (out.dest / "other.pt" / "x").write_text("an earlier run's")
+        for name in ("big.pt", "a.pt", "other.pt", "b.pt"):
+            assert user.run(sys.executable, "-c", write, out.mnt / name, name).returncode == 0
+        done = out.fanfs("sync", out.mnt, "--timeout", "60")
+        assert done.returncode == ExitCode.NOT_LANDED and "big.pt" in done.stderr, done.stderr
+        assert "in the way" in done.stderr and not (out.dest / "a.pt").exists()
+        assert user.run("rm", out.mnt / "big.pt").returncode == 0  # superseded: removed
+        done = out.fanfs("sync", out.mnt, "--timeout", "60")
+        assert done.returncode == ExitCode.NOT_LANDED and "other.pt" in done.stderr, done.stderr
+        assert (out.dest / "a.pt").read_bytes() == b"a.pt" * 1000
+        done = out.fanfs("sync", out.mnt, "--skip")  # skipped: kept on the node
+        assert done.returncode == 0 and "skipped put other.pt" in done.stdout, done.stderr
+        assert (out.dest / "b.pt").read_bytes() == b"b.pt" * 1000
+        assert out.status()["landing"]["skipped"] == ["other.pt"]
+        done = out.fanfs("umount", out.mnt)
+        assert done.returncode == 0, done.stderr
+        assert out.proc.wait(30) == 0
+    finally:
+        out.stop()
+    assert (out.dest / "big.pt" / "x").read_text() == "an earlier run's"  # never touched
+    (kept,) = work.glob("local/fanfs-stage-*/kept.json")
+    files = json.loads(kept.read_text())["files"]
+    assert (kept.parent / files["other.pt"]).read_bytes() == b"other.pt" * 1000
+
+
+def test_a_dest_too_small_for_a_file_takes_its_smaller_rewrite(user: User, work: Path) -> None:
+    """DEST has 4 MiB free: a 6 MiB checkpoint fails (ENOSPC at DEST) and blocks the rest;
+    rewritten smaller before it could land, the new version lands in its place."""
+    with tmpfs(work / "dest", "4m", user.uid, "0755") as dest:
+        out = Output(user, work)
+        write = "import sys; open(sys.argv[1], 'wb').write(b'c' * int(sys.argv[2]))"
+        try:
+            assert user.run(sys.executable, "-c", write, out.mnt / "ckpt.pt",
+                            str(6 << 20)).returncode == 0  # fmt: skip
+            assert user.run(sys.executable, "-c", write, out.mnt / "after.txt", "5").returncode == 0
+            done = out.fanfs("sync", out.mnt, "--timeout", "60")
+            assert done.returncode == ExitCode.NOT_LANDED and "No space" in done.stderr
+            assert user.run(sys.executable, "-c", write, out.mnt / "ckpt.pt",
+                            str(1 << 20)).returncode == 0  # fmt: skip
+            done = out.fanfs("sync", out.mnt, "--timeout", "60")
+            assert done.returncode == 0, done.stderr
+            assert out.fanfs("umount", out.mnt).returncode == 0
+            assert (dest / "ckpt.pt").read_bytes() == b"c" * (1 << 20)
+            assert (dest / "after.txt").read_bytes() == b"c" * 5
+            assert not [p for p in dest.iterdir() if p.name.startswith(".")]
+        finally:
+            out.stop()
+
+
+def test_a_dest_moved_or_recreated_gets_nothing_and_force_keeps_it_for_recover(
+    user: User, work: Path
+) -> None:
+    write = "import sys; open(sys.argv[1], 'wb').write(sys.argv[2].encode())"
+    out = Output(user, work)
+    try:
+        assert user.run(sys.executable, "-c", write, out.mnt / "a.pt", "a").returncode == 0
+        assert out.fanfs("sync", out.mnt).returncode == 0
+        moved = work / "dest.old"
+        out.dest.rename(moved)  # moved while mounted
+        assert user.run(sys.executable, "-c", write, out.mnt / "b.pt", "b").returncode == 0
+        done = out.fanfs("sync", out.mnt, "--timeout", "30")
+        assert done.returncode == ExitCode.NOT_LANDED and "moved or removed" in done.stderr
+        assert sorted(p.name for p in moved.iterdir()) == ["a.pt"]  # nothing in the old place
+        out.dest.mkdir()  # re-created
+        os.chown(out.dest, user.uid, user.gid)
+        done = out.fanfs("sync", out.mnt, "--timeout", "30")
+        assert done.returncode == ExitCode.NOT_LANDED and "re-created" in done.stderr
+        done = out.fanfs("umount", out.mnt)
+        assert done.returncode == ExitCode.NOT_LANDED and mounts.find(out.mnt)
+        done = out.fanfs("umount", out.mnt, "--force")
+        assert done.returncode == ExitCode.NOT_LANDED and "--recover" in done.stderr, done.stderr
+        assert out.proc.wait(30) == ExitCode.NOT_LANDED and not mounts.find(out.mnt)
+    finally:
+        out.stop()
+    assert list(out.dest.iterdir()) == []
+    done = user.run(*FANFS, "output", "--recover", out.dest, "--local", work / "local")
+    assert done.returncode == 0, done.stderr
+    assert tree(out.dest) == tree_of({"b.pt": b"b"})
+    assert not list(work.glob("local/fanfs-stage-*"))
+
+
+def test_mountpoint_or_local_inside_dest_is_refused(user: User, work: Path) -> None:
+    (work / "dest" / "mnt").mkdir(parents=True)
+    (work / "mnt").mkdir()
+    for d in (work / "dest", work / "dest" / "mnt", work / "mnt"):
+        os.chown(d, user.uid, user.gid)
+    for args in (["dest", "dest/mnt"], ["dest", "mnt", "--local", "dest"],
+                 ["dest", "mnt", "--local", "dest/deeper"], ["dest/mnt", "dest"]):  # fmt: skip
+        done = user.run(*FANFS, "output", *[work / a if not a.startswith("-") else a
+                                            for a in args])  # fmt: skip
+        assert done.returncode == ExitCode.MOUNTPOINT and "inside" in done.stderr, (args, done)
+        assert len(done.stderr.strip().splitlines()) == 1
+    assert not mounts.find(work / "mnt") and not mounts.find(work / "dest" / "mnt")
+
+
+LOG_AND_ROTATE = r"""
+import os, sys
+mnt = sys.argv[1]
+for i in range(1500):  # a log opened, appended, closed per step
+    with open(os.path.join(mnt, "train.log"), "a") as f:
+        f.write(f"step {i} loss {1 / (i + 1):.6f}\n")
+for i in range(5):  # a checkpoint rotated: tmp + os.replace, 2 MiB each
+    with open(os.path.join(mnt, "ckpt.tmp"), "wb") as f:
+        f.write(bytes([i]) * (2 << 20))
+    os.replace(os.path.join(mnt, "ckpt.tmp"), os.path.join(mnt, "ckpt.pt"))
+print(os.path.getsize(os.path.join(mnt, "train.log")))
+"""
+
+
+def test_a_log_lands_by_appends_and_superseded_checkpoints_never_land(
+    user: User, work: Path
+) -> None:
+    out = Output(user, work)
+    try:
+        done = user.run(sys.executable, "-c", LOG_AND_ROTATE, out.mnt)
+        assert done.returncode == 0, done.stderr
+        log_size = int(done.stdout)
+        assert out.fanfs("sync", out.mnt).returncode == 0
+        landing = out.status()["landing"]
+        # DEST got about what was written: the log's bytes once (appends), at most two of the
+        # five checkpoints (the first may land before the next replaces it), not 1,500 logs.
+        assert landing["landed_bytes"] <= 2 * log_size + 2 * (2 << 20) + (2 << 20), landing
+        assert landing["appended_files"] > 0 and landing["dropped_puts"] >= 2, landing
+        out.dest.chmod(0o555)  # DEST slow: five rotations while it cannot take one
+        rotate = LOG_AND_ROTATE.replace("range(1500)", "range(0)")
+        assert user.run(sys.executable, "-c", rotate, out.mnt).returncode == 0
+        out.dest.chmod(0o755)
+        before = out.status()["landing"]["landed_bytes"]
+        assert out.fanfs("sync", out.mnt).returncode == 0
+        assert out.status()["landing"]["landed_bytes"] - before == 2 << 20  # the last one only
+        assert out.fanfs("umount", out.mnt).returncode == 0
+    finally:
+        out.stop()
+    assert (out.dest / "train.log").read_text().count("\n") == 1500
+    assert (out.dest / "ckpt.pt").read_bytes() == bytes([4]) * (2 << 20)
+    assert not (out.dest / "ckpt.tmp").exists()
+
+
+MAPS = r"""
+import mmap, os, sys
+import numpy as np
+mnt = sys.argv[1]
+a = np.arange(100000, dtype=np.float32)
+np.save(os.path.join(mnt, "a.npy"), a)
+m = np.load(os.path.join(mnt, "a.npy"), mmap_mode="r")  # a read-only mapping
+assert float(m.sum()) == float(a.sum())
+with open(os.path.join(mnt, "a.npy"), "rb") as f:
+    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        assert mm[-4:] == a[-1:].tobytes()
+w = np.memmap(os.path.join(mnt, "w.bin"), dtype=np.int64, mode="w+", shape=(4096,))
+w[:] = np.arange(4096)  # a shared writable mapping
+w.flush()
+del w
+r = np.memmap(os.path.join(mnt, "w.bin"), dtype=np.int64, mode="r+", shape=(4096,))
+r[0] = -1
+r.flush()
+del r
+print("ok")
+"""
+
+
+def test_mappings_read_only_and_shared_work_on_the_output_view(user: User, work: Path) -> None:
+    out = Output(user, work)
+    try:
+        done = user.run(sys.executable, "-c", MAPS, out.mnt)
+        assert done.stdout.strip() == "ok", done.stderr + out.log.read_text()
+        assert out.fanfs("umount", out.mnt).returncode == 0
+    finally:
+        out.stop()
+    import numpy as np
+
+    assert np.array_equal(np.load(out.dest / "a.npy"), np.arange(100000, dtype=np.float32))
+    want = np.arange(4096, dtype=np.int64)
+    want[0] = -1
+    assert np.array_equal(np.fromfile(out.dest / "w.bin", dtype=np.int64), want)
+
+
+KILLED = r"""
+import os, sys
+mnt = sys.argv[1]
+with open(os.path.join(mnt, "big.pt"), "wb") as f:
+    f.write(os.urandom(1 << 20) * 150)
+for name in ("a.pt", "b.pt"):
+    with open(os.path.join(mnt, name), "wb") as f:
+        f.write(name.encode() * 1000)
+os.rename(os.path.join(mnt, "b.pt"), os.path.join(mnt, "c.pt"))
+log = open(os.path.join(mnt, "open.log"), "w")
+log.write("never closed\n")
+log.flush()
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_after_a_sigkill_umount_lands_what_was_closed_and_no_partial_stays(
+    user: User, work: Path
+) -> None:
+    out = Output(user, work)
+    try:
+        with Talk(user, sys.executable, "-c", KILLED, out.mnt) as writer:
+            assert writer.line() == "ready\n"
+            # Killed while it copies big.pt to DEST: a .partial is there.
+            assert wait_until(lambda: any(p.name.endswith(".partial")
+                                          for p in out.dest.iterdir()), 30)  # fmt: skip
+            os.kill(out.status()["pid"], signal.SIGKILL)
+            out.proc.wait(30)
+        done = out.fanfs("umount", out.mnt)  # the dead mount: unmounted, what it left landed
+        assert done.returncode == 0, done.stderr
+    finally:
+        out.stop()
+    assert sorted(p.name for p in out.dest.iterdir()) == ["a.pt", "big.pt", "c.pt"]
+    assert (out.dest / "c.pt").read_bytes() == b"b.pt" * 1000
+    assert (out.dest / "big.pt").stat().st_size == 150 << 20
+    (kept,) = work.glob("local/fanfs-stage-*/kept.json")  # the log never closed: named
+    files = json.loads(kept.read_text())["files"]
+    assert list(files) == ["open.log"]
+    assert (kept.parent / files["open.log"]).read_text() == "never closed\n"
+
+
+def test_a_random_sequence_of_changes_matches_a_model_in_the_mount_and_at_dest(
+    user: User, work: Path
+) -> None:
+    """tests/output_model.py: create, write, append, truncate, rename (over existing names
+    too), unlink, mkdir, rmdir, fsync, close, sync, DEST failing, SIGKILL; the mount checked
+    after each step, DEST after each sync and each SIGKILL's recovery."""
+    model = Path(__file__).with_name("output_model.py")
+    for seed, steps in SEEDS:
+        run = work / f"seed-{seed}"
+        run.mkdir()
+        os.chown(run, user.uid, user.gid)
+        done = user.run(sys.executable, model, FANFS[0], run, str(seed), str(steps), timeout=240)
+        assert done.stdout.strip() == "ok", f"seed {seed}: {done.stderr[-3000:]}"
+
+
+# Seeds that found bugs, then a fresh one (180 more seeds of 400-500 steps passed when this
+# was written). 3: a rename over a landed file, of a file that never landed, left the old one
+# at DEST; 8: a put given up while DEST refused left its partial file there; 10: an fsync
+# right after DEST came back failed on the head's last failure instead of retrying it.
+SEEDS = [(3, 250), (8, 400), (10, 400), (184, 400)]
+
+
+def test_directory_modes_times_sparse_files_and_small_refusals(user: User, work: Path) -> None:
+    script = r"""
+import os, sys
+mnt = sys.argv[1]
+os.mkdir(os.path.join(mnt, "d"), 0o750)
+open(os.path.join(mnt, "d", "f"), "w").write("x")
+open(os.path.join(mnt, "d", "sparse"), "w").close()
+os.truncate(os.path.join(mnt, "d", "sparse"), 1 << 30)  # a preallocation: 1 GiB of hole
+os.chmod(os.path.join(mnt, "d"), 0o710)
+os.utime(os.path.join(mnt, "d"), ns=(10**18, 10**18))
+print(os.stat(os.path.join(mnt, "d", "sparse")).st_blocks)
+"""
+    out = Output(user, work)
+    try:
+        done = user.run(sys.executable, "-c", script, out.mnt)
+        assert done.returncode == 0 and int(done.stdout) < 100, done.stderr
+        for cmd in (["drop", out.mnt], ["plan", out.mnt, "/dev/null"]):
+            done = out.fanfs(*cmd)
+            assert done.returncode == ExitCode.MOUNTPOINT and "output mount" in done.stderr
+        assert out.fanfs("umount", out.mnt).returncode == 0
+    finally:
+        out.stop()
+    d = (out.dest / "d").stat()
+    assert d.st_mode & 0o777 == 0o710 and d.st_mtime_ns == 10**18
+    sparse = (out.dest / "d" / "sparse").stat()
+    assert sparse.st_size == 1 << 30 and sparse.st_blocks < 100
+    done = user.run(*FANFS, "output", out.dest, out.mnt, "--replicas", "2")
+    assert done.returncode == ExitCode.USAGE and "MPI" in done.stderr
+
+
+DCP = r"""
+import sys, warnings
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+warnings.simplefilter("ignore")  # no process group: DCP says it saves as one
+mnt = sys.argv[1]
+state = {f"layer{i}": torch.full((1 << 18,), float(i)) for i in range(8)}
+for step in (1, 2):
+    state["step"] = torch.tensor(step)
+    dcp.save(state, storage_writer=FileSystemWriter(f"{mnt}/ckpt/step-{step}", sync_files=False,
+                                                    thread_count=4))
+loaded = {k: torch.empty_like(v) for k, v in state.items()}
+dcp.load(loaded, storage_reader=FileSystemReader(f"{mnt}/ckpt/step-2"))
+assert all(torch.equal(loaded[k], state[k]) for k in state)
+print("ok")
+"""
+
+
+def test_a_dcp_checkpoint_commits_at_dest_only_after_every_shard_it_names(
+    user: User, work: Path
+) -> None:
+    """PyTorch DCP writes its shards, then renames `.metadata` into place: the commit. A
+    watcher of DEST checks, every time it sees a `.metadata`, that each shard it names is
+    there, whole. DEST is down while the job saves, so everything lands at once, after."""
+    import pickle
+    import threading
+    import warnings
+
+    import torch.distributed.checkpoint as dcp  # now: unpickling a .metadata imports it
+
+    out = Output(user, work)
+    seen: dict[str, int] = {}
+    broken: list[str] = []
+    done_watching = threading.Event()
+
+    def check(meta: Path) -> None:
+        md = pickle.loads(meta.read_bytes())
+        for info in md.storage_data.values():
+            shard = meta.parent / info.relative_path
+            size = shard.stat().st_size if shard.exists() else -1
+            if size < info.offset + info.length:
+                broken.append(f"{meta} names {shard.name}: {size} bytes at DEST")
+        seen[meta.parent.name] = len(md.storage_data)
+
+    def watch() -> None:
+        while not done_watching.is_set():
+            try:
+                for meta in out.dest.glob("ckpt/step-*/.metadata"):
+                    if meta.parent.name not in seen:
+                        check(meta)
+            except (OSError, EOFError, pickle.UnpicklingError):
+                pass  # a file landing as it was looked at: looked at again
+            except Exception as e:
+                broken.append(repr(e))
+            time.sleep(0.001)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        out.dest.chmod(0o555)
+        done = user.run(sys.executable, "-c", DCP, out.mnt, timeout=120)
+        assert done.stdout.strip() == "ok", done.stderr[-2000:]
+        out.dest.chmod(0o755)
+        assert out.fanfs("sync", out.mnt).returncode == 0
+        assert out.fanfs("umount", out.mnt).returncode == 0
+    finally:
+        done_watching.set()
+        watcher.join(10)
+        out.stop()
+    assert sorted(seen) == ["step-1", "step-2"] and not broken, broken
+    import torch
+
+    loaded = {f"layer{i}": torch.empty(1 << 18) for i in range(8)} | {"step": torch.tensor(0)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no process group: DCP says it loads as one
+        dcp.load(loaded, storage_reader=dcp.FileSystemReader(str(out.dest / "ckpt" / "step-2")))
+    assert int(loaded["step"]) == 2 and float(loaded["layer7"][0]) == 7.0

@@ -14,8 +14,9 @@ unmount() { fusermount3 -u -z "$1" 2>/dev/null || umount -l "$1" 2>/dev/null; }
 # A mount of this job is unmounted. Any other fanfs mount is unmounted only if its daemon is
 # gone: the kernel then answers ENOTCONN ("not connected") at once. Root gets EACCES on another
 # user's live FUSE mount, and a busy daemon may answer slowly: both are alive, left alone.
-# An output mount's files are never lost this way: its staging directory holds them (and,
-# after a stop signal, a journal.json naming where each belongs), and is left in place.
+# An output mount's files are never lost this way: its staging directory holds them and its
+# journal, which the next `fanfs output` with the same DEST and --local, or `fanfs output
+# --recover`, lands; it is left in place.
 awk '$3 == "fuse.fanfs" || $3 == "fuse.fanfs-output" { print $2 }' /proc/mounts |
 while read -r escaped; do
     mnt=$(printf '%b' "$escaped")

@@ -205,6 +205,12 @@ int fanfs_writes_take(int ffd, char **bufp, uint32_t n) {
     pthread_mutex_lock(&wb.lock);
     while (wb.nspare == 0)
         pthread_cond_wait(&wb.cond, &wb.lock);
+    if (w->offset < __atomic_load_n(&wb.hold[w->fh], __ATOMIC_ACQUIRE)) {
+        /* Held since the look above: the daemon set a hold, then settles under this lock,
+         * so a WRITE it did not see queued must now go to it. */
+        pthread_mutex_unlock(&wb.lock);
+        return -1;
+    }
     fresh = wb.spare[--wb.nspare];
     slot = (wb.head + wb.count) % WB_SLOTS;
     wb.q[slot] = (struct job){msg, msg + sizeof *in + sizeof *w, (int)w->fh, w->offset, w->size};

@@ -65,6 +65,7 @@ log = logging.getLogger(__name__)
 GIVE_UP = 3  # failed attempts of one op after which a recovery without a mount gives up
 SERVE_SHARE = 0.75  # of the drain time, spent serving open writers before the unmount
 POLL_S = 0.05  # while stopping: how often open writers and the lander are looked at
+TERMINATE_S = 5.0  # requests in flight at the stop get this long to be answered
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +129,7 @@ class OutputDaemon:
         self._front = False  # the front's threads answer WRITEs
         self._hurry = trio.Event()  # a second signal: stop waiting
         self._deadline = 0.0
+        self._serve_scope = trio.CancelScope()  # the FUSE loop, cut short if it will not end
 
     def status(self) -> dict[str, Any]:
         assert self.lander is not None and self.tree is not None and self.view is not None
@@ -235,7 +237,8 @@ class OutputDaemon:
                 peers = self.world.allgather((token, str(self.dest)))
                 owner_token, owner_dest = peers[(self.rank - 1) % self.size]
                 self.replicas = Replicas(self.world, staging, tree.open_local_or_none,
-                                         owner_dest, owner_token, cfg.peer_timeout)  # fmt: skip
+                                         owner_dest, owner_token, cfg.peer_timeout,
+                                         on_sent=self._sent)  # fmt: skip
                 on_enqueued = self.replicas.enqueued
             # With replicas, no more pending changes than the partner holds for us.
             max_ops = cfg.max_ops if self.replicas is None else min(cfg.max_ops, MAX_HELD)
@@ -248,13 +251,13 @@ class OutputDaemon:
                                              on_enqueued or (lambda op: None))  # fmt: skip
             own = Source("this mount", token, tree.open_local_or_none, journal.note)
             self.lander = lander = Lander(dest, journal, own, recovering=dead,
-                                          marker=self.replicas is not None)  # fmt: skip
+                                          marker=self.replicas is not None,
+                                          on_landed=self._landed, on_dropped=self._dropped,
+                                          on_skipped=self._skipped)  # fmt: skip
             self.view = view = View(
                 tree, journal, lander, dest, front=False,
                 replicate=self.replicas.replicate if self.replicas is not None else None,
             )  # fmt: skip
-            lander.on_landed, lander.on_dropped, lander.on_skipped = (
-                self._landed, view.dropped, view.skipped)  # fmt: skip
             if cfg.mountpoint is None:
                 self._recover_only()
                 return
@@ -274,11 +277,25 @@ class OutputDaemon:
             trio.run(self._serve)
             self._verdict()
 
+    # The lander's and the replicas' hooks, handed to them at construction: they reach the
+    # view, which is built after them, through the daemon.
     def _landed(self, op: Any, result: Any) -> None:
         assert self.view is not None
         self.view.landed(op, result)
         if self.replicas is not None:
             self.replicas.landed(op)
+
+    def _dropped(self, op: Any) -> None:
+        assert self.view is not None
+        self.view.dropped(op)
+
+    def _skipped(self, op: Any) -> None:
+        assert self.view is not None
+        self.view.skipped(op)
+
+    def _sent(self, data: int, size: int) -> None:
+        assert self.view is not None
+        self.view.sent(data, size)
 
     def _verdict(self) -> None:
         """NotLanded, naming what, if anything written is not at DEST."""
@@ -358,7 +375,8 @@ class OutputDaemon:
             if self.replicas is not None:
                 await nursery.start(self.replicas.run)
             self.phase = "serving"
-            await fuse_ops.serve()
+            with self._serve_scope:
+                await fuse_ops.serve()
             if not self._deadline:  # unmounted from outside, without a signal
                 self._deadline = trio.current_time() + self.cfg.drain
             self.phase = "draining"
@@ -367,8 +385,8 @@ class OutputDaemon:
             self.lander.poke()
             with trio.move_on_at(self._deadline) as scope:
                 give_up = 0
-                if self._hurry.is_set():  # land what lands at once, no retrying
-                    give_up = (self.lander.current.attempts if self.lander.current else 0) + 1
+                if self._hurry.is_set():  # land what lands at once: one more try of a failing op
+                    give_up = 1
                 else:
                     nursery.start_soon(self._cancel_on_hurry, scope)
                 with contextlib.suppress(Exception):
@@ -410,7 +428,12 @@ class OutputDaemon:
                 await trio.sleep(POLL_S)
                 if self._hurry.is_set():
                     break
+        self.view.stop_waiting()  # an fsync waiting for DEST answers now
         fuse_ops.terminate()
+        # The loop returns once the requests in it are answered; one that will not be (a
+        # read stuck in a hung DEST) is cancelled, and the kernel fails it at the unmount.
+        await trio.sleep(TERMINATE_S)
+        self._serve_scope.cancel()
 
     async def _watch_signals(self, *, task_status: trio.TaskStatus[None]) -> None:
         with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
@@ -424,7 +447,7 @@ class OutputDaemon:
                     self._stopping(nursery)
 
     def _stopping(self, nursery: trio.Nursery) -> None:
-        if self.phase == "serving" and not self._deadline:
+        if not self._deadline:  # the first signal (serving, or about to)
             log.info("%s: landing what is written, then unmounting",
                      signal.Signals(self.stop_signal).name)  # fmt: skip
             self._deadline = trio.current_time() + self.cfg.drain

@@ -16,8 +16,11 @@ What a reader of DEST sees:
   near 1 for a log closed after every line, instead of growing with the square of its size.
 - A rename, an unlink, an rmdir, an attr touch only what fanfs itself landed for that file
   or directory (`expect`: its device and inode at DEST; `strict`): a name at DEST that holds
-  something else (an earlier run's file, something put there by hand) is left alone. Applied
-  twice (a retry, a replay after a death: recover.py, replicas.py), an op ends in the same place.
+  something else (an earlier run's file, something put there by hand) is left alone. A
+  directory made in the mount where DEST has one already becomes that one (files land into
+  it; renaming it renames DEST's, with what it holds; an rmdir leaves it if it is not empty).
+  Applied twice (a retry, a replay after a death: recover.py, replicas.py), an op ends in the
+  same place.
 - A conditional put (`Op.cond`: a file still open, landed on the way) lands only as a new
   file or as an append to fanfs's own earlier landing: it never replaces a version it did not
   write (`Outcome.COND`).
@@ -252,13 +255,15 @@ def _finish(fd: int, op: Op, segs: list[tuple[int, int]], crc: int) -> None:
 
 
 def apply(dest: Dest, op: Op, source: Callable[[int], int | None], token: str,
-          expect: Ident | None, strict: bool = True) -> Result:  # fmt: skip
+          expect: Ident | None, strict: bool = True, replaced: Ident | None = None,
+          ) -> Result:  # fmt: skip
     """Apply `op` to DEST (in a worker thread). `source` opens a put's local file (None once
     gone); `token` names this daemon in temporary names (nodes share DEST, pids repeat across
-    nodes); `expect` is what fanfs landed for the op's node (None: nothing). `strict`: rename
-    and remove only what `expect` names (a replica holder, which knows no idents, is not).
-    OSError or LandingError when it could not: DEST is then as before, but for a hidden
-    partial file at worst (or a longer file, after a failed append)."""
+    nodes); `expect` is what fanfs landed for the op's node (None: nothing), `replaced` for
+    the node a rename replaced. `strict`: rename and remove only what `expect` names (a
+    replica holder, which knows no idents, is not). OSError or LandingError when it could not:
+    DEST is then as before, but for a hidden partial file at worst (or a longer file, after a
+    failed append)."""
     root = dest.root()
     try:
         if op.kind == PUT:
@@ -268,10 +273,12 @@ def apply(dest: Dest, op: Op, source: Callable[[int], int | None], token: str,
         try:
             fd, name = open_parent(root, op.path, create=False)
         except FileNotFoundError:
-            return Result(Outcome.NOT_OURS)  # its directory is not at DEST: nothing there
+            fd, name = -1, b""  # its directory is not at DEST: nothing there
         try:
-            st = _lstat(fd, name)
+            st = _lstat(fd, name) if fd >= 0 else None
             if st is None or (strict and (expect is None or not expect.same_object(st))):
+                if op.kind == RENAME and replaced is not None:
+                    _remove_replaced(root, op, replaced)  # gone in the mount: gone at DEST
                 return Result(Outcome.NOT_OURS)
             if op.kind == RENAME:
                 _rename(root, fd, name, op)
@@ -286,10 +293,29 @@ def apply(dest: Dest, op: Op, source: Callable[[int], int | None], token: str,
             else:
                 raise LandingError(f"unknown op {op.kind!r}")
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
     finally:
         os.close(root)
     return Result(Outcome.LANDED)
+
+
+def _remove_replaced(root: int, op: Op, replaced: Ident) -> None:
+    """A rename whose source never landed replaced, in the mount, something that did: that
+    goes at DEST too (what the rename would have done)."""
+    try:
+        fd, name = open_parent(root, op.new, create=False)
+    except FileNotFoundError:
+        return
+    try:
+        st = _lstat(fd, name)
+        if st is not None and replaced.same_object(st):
+            if stat.S_ISDIR(st.st_mode):
+                _rmdir(fd, name, op)
+            else:
+                os.unlink(name, dir_fd=fd)
+    finally:
+        os.close(fd)
 
 
 def _rename(root: int, fd: int, name: bytes, op: Op) -> None:
@@ -383,7 +409,7 @@ def _append(fd: int, name: bytes, src: int, op: Op, expect: Ident) -> Result | N
     """The new bytes of a file that only grew, added in place; None if DEST's file changed
     since it was looked at, or may not be opened for writing (then it is replaced whole)."""
     try:
-        out = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+        out = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)
     except PermissionError:
         return None
     try:
@@ -428,11 +454,12 @@ def _replace(fd: int, name: bytes, src: int, op: Op, token: str) -> Result:
 
 
 def remove_partial(dest: Dest, path: bytes, token: str, seq: int) -> None:
-    """A dead daemon's partial file of put `seq` at `path`, if it is there (recover.py)."""
+    """The partial file of put `seq` at `path`, if one is there: a failed attempt's that
+    could not be removed then (DEST refused), of a put that will not be tried again."""
     root = dest.root()
     try:
         fd, _ = open_parent(root, path, create=False)
-    except (OSError, LandingError):
+    except FileNotFoundError:
         return
     finally:
         os.close(root)
@@ -458,7 +485,9 @@ def open_landed(dest: Dest, path: bytes, ident: Ident) -> int:
         os.close(root)
     try:
         try:
-            out = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            # O_NONBLOCK: a FIFO planted at the name does not hang the open.
+            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+            out = os.open(name, flags, dir_fd=fd)
         except FileNotFoundError:
             raise LandingError(f"{os.fsdecode(path)}: not at DEST any more") from None
     finally:

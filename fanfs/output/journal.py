@@ -19,11 +19,20 @@ DEST strictly in the journal's order, one at a time, but for what coalescing cha
 So: a change lands only after every change made before it, each file of those in the version
 it had then or a later one, or removed if it was removed since (docs/commands.md states it).
 
-Persistence: every record (an op, a merge, a drop, a landing, a skip, and the names of files
-and whether they changed since their last put) is appended to `journal` in the staging
-directory as one JSON line, with no fsync: it is there for the daemon's death (SIGKILL, OOM),
-which leaves the page cache, not for the node's (which takes the node's disk with it).
-recover.py replays it. The file is rewritten, short, when nothing is pending and it has grown.
+Persistence: every record is appended to `journal` in the staging directory as one JSON
+line, with no fsync: it is there for the daemon's death (SIGKILL, OOM), which leaves the page
+cache, not for the node's (which takes the node's disk with it). recover.py replays it:
+- {"op": ...} an op, as `Op.record`; {"merge": seq, ...} a newer snapshot in its place;
+  {"drop": seq}, {"skip": seq}: it will not land; {"landed": seq, "node", "ident"}: it did,
+  and what DEST holds for the node now;
+- {"name": path, "node", "data"}: a file's local data (at its creation, and when it moves to
+  new data); {"writing": node}, {"written": node}: its first handle for writing opened, its
+  last one closed (what is being written when the daemon dies is kept, named);
+- a rewritten (compacted) file: the header, {"file": node, "path", "data", "writing",
+  "ident"} for each file and directory, {"skipped": ...}, then the pending ops marked
+  "compacted" (their names are already where those ops leave them).
+The file is rewritten short when nothing is pending and it has grown, and at once after a
+record could not be written (Log: it is emptied then, never left with a hole).
 
 Concurrency: the trio thread only. Records are a few hundred bytes, written inline.
 """
@@ -31,13 +40,19 @@ Concurrency: the trio thread only. Records are a few hundred bytes, written inli
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import errno
+import fcntl
 import json
+import logging
 import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 PUT, RENAME, UNLINK, MKDIR, RMDIR, ATTR = "put", "rename", "unlink", "mkdir", "rmdir", "attr"
 KINDS = (PUT, RENAME, UNLINK, MKDIR, RMDIR, ATTR)
@@ -117,25 +132,28 @@ class Op:
                      int(r["replaced"]))  # fmt: skip
         except (KeyError, TypeError) as e:
             raise ValueError(f"not an op: {e}") from None
-        if op.kind not in KINDS or op.size < 0 or op.data < 0:
+        if op.kind not in KINDS or op.size < 0 or op.data < 0 or b"\0" in op.path + op.new:
             raise ValueError(f"not an op: {r!r}")
         return op
 
 
 class Log:
-    """The journal's file: JSON lines appended to `journal` in a staging directory."""
+    """The journal's file: JSON lines appended to `journal` in a staging directory.
+
+    A record that cannot be written (the node's disk full, say) breaks the file: it is
+    emptied at once (a replay of a file missing a record would land the wrong things; an
+    empty one is not replayed at all) and written again whole at the next compaction."""
 
     def __init__(self, dir_fd: int, header: dict[str, Any]):
         self.dir_fd = dir_fd
         self.header = {"fanfs_journal": VERSION, **header}
         self.fd = -1
         self.bytes = 0
+        self.broken = False
         self._open(self.header, [])
 
     def _open(self, header: dict[str, Any], records: list[dict[str, Any]]) -> None:
         """(Re)write the file: the header, then `records`; atomically (a rename)."""
-        import fcntl
-
         tmp = f"{NAME}.new"
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(tmp, flags, 0o600, dir_fd=self.dir_fd)
@@ -146,18 +164,37 @@ class Log:
             os.rename(tmp, NAME, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
         except BaseException:
             os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=self.dir_fd)
             raise
         if self.fd >= 0:
             os.close(self.fd)
-        self.fd, self.bytes = fd, len(text)
+        self.fd, self.bytes, self.broken = fd, len(text), False
 
     def write(self, record: dict[str, Any]) -> None:
+        if self.broken:
+            return
         line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
-        os.write(self.fd, line)  # O_APPEND is not needed: one writer, at the end
+        try:
+            if os.write(self.fd, line) != len(line):
+                raise OSError(errno.ENOSPC, "short write")
+        except OSError as e:
+            log.error(
+                "the journal in the staging directory cannot be written (%s): until it "
+                "can, a daemon killed with SIGKILL leaves its files unnamed",
+                e.strerror,
+            )
+            self.broken = True
+            with contextlib.suppress(OSError):
+                os.ftruncate(self.fd, 0)
+            return
         self.bytes += len(line)
 
     def compact(self, records: list[dict[str, Any]]) -> None:
-        self._open(self.header, records)
+        try:
+            self._open(self.header, records)
+        except OSError as e:
+            log.warning("the journal could not be rewritten: %s", e.strerror)
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -165,20 +202,23 @@ class Log:
             self.fd = -1
 
 
-def read(fd: int) -> Iterator[dict[str, Any]]:
-    """The records of a journal file (recover.py); a torn last line (the daemon died while
-    writing it) ends it."""
-    buf = b""
+def read(fd: int) -> tuple[list[dict[str, Any]], int]:
+    """The records of a journal file (recover.py), and the length of the lines they came
+    from: a torn last line (the daemon died while writing it) ends them."""
+    data = b""
     while chunk := os.read(fd, 1 << 20):
-        buf += chunk
-        *lines, buf = buf.split(b"\n")
-        for line in lines:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                return
-            if isinstance(record, dict):
-                yield record
+        data += chunk
+    records, good = [], 0
+    for line in data.split(b"\n")[:-1]:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            break
+        if not isinstance(record, dict):
+            break
+        records.append(record)
+        good += len(line) + 1
+    return records, good
 
 
 class Journal:
@@ -218,18 +258,20 @@ class Journal:
             self.pending_bytes += op.size
             self.pending_puts += 1
         self._record({"op": op.record()})
-        self.on_enqueued(op)
+        self.on_enqueued(dataclasses.replace(op))  # a copy: the journal's own changes later
         return op
 
     def put(self, node: int, path: bytes, data: int, size: int, keep: int, mode: int,
-            mtime_ns: int, cond: bool = False) -> tuple[Op, Op | None]:  # fmt: skip
-        """A snapshot of `node`: (its put, None) or, merged into a pending put, (that put,
-        what it held before: the caller releases that data)."""
+            mtime_ns: int, cond: bool = False) -> tuple[Op, Op | None, int]:  # fmt: skip
+        """A snapshot of `node`: (its put, None, the seq the partner knows it by) or, merged
+        into a pending put, (that put, what it held before: the caller releases that data,
+        the seq of the partner's copy)."""
         pending = self._puts.get(node)
         last = pending[-1] if pending else None
         if last is None or last.busy:
-            return self.add(PUT, path, node=node, data=data, size=size, keep=keep, mode=mode,
-                            mtime_ns=mtime_ns, cond=cond), None  # fmt: skip
+            op = self.add(PUT, path, node=node, data=data, size=size, keep=keep, mode=mode,
+                          mtime_ns=mtime_ns, cond=cond)  # fmt: skip
+            return op, None, op.seq
         old = Op(last.seq, PUT, last.path, data=last.data, size=last.size)
         self.pending_bytes += size - last.size
         last.take(data, size, keep, mode, mtime_ns, cond)
@@ -241,7 +283,7 @@ class Journal:
         self.enqueued += 1
         self.on_enqueued(Op(self.enqueued, PUT, path, node=node, data=data, size=size,
                             mode=mode, mtime_ns=mtime_ns))  # fmt: skip
-        return last, old
+        return last, old, self.enqueued
 
     def last_put(self, node: int) -> Op | None:
         pending = self._puts.get(node)
@@ -299,13 +341,17 @@ class Journal:
         """A record for recover.py only: a file's name and data, whether it changed."""
         self._record(record)
 
-    def compact(self, records: Callable[[], list[dict[str, Any]]]) -> None:
-        """When nothing is pending: rewrite a journal file that has grown (`records`: what
-        recover.py needs of the files that exist now)."""
-        if self.log is None or self.head() is not None or self.log.bytes < COMPACT_BYTES:
+    def compact(self, files: Callable[[], list[dict[str, Any]]]) -> None:
+        """Rewrite the file short: when nothing is pending and it has grown, or at once when
+        it is broken (`files`: what recover.py needs of the files that exist now)."""
+        if self.log is None:
             return
-        now = records()
-        if self.log.bytes > max(COMPACT_BYTES, 512 * len(now)):
+        if not self.log.broken and (self.head() is not None or self.log.bytes < COMPACT_BYTES):
+            return
+        # The files' records hold their names as they are now: the pending ops after them
+        # are not replayed as moves again.
+        now = files() + [{"op": op.record(), "compacted": True} for op in self.pending()]
+        if self.log.broken or self.log.bytes > max(COMPACT_BYTES, 512 * len(now)):
             self.log.compact(now)
 
     def pending_files(self, most: int | None = None) -> list[str]:

@@ -85,8 +85,11 @@ class Lander:
         self.current: Op | None = None  # the op being applied or retried
         self._changed = trio.Event()  # something enqueued, landed or failed
         self._poke = trio.Event()  # retry now (a sync or an umount asks)
-        self._skip = False  # the user asked to skip the op failing now
+        self._skip: Op | None = None  # the op the user asked to skip (failing when asked)
         self._backoff_from = 0  # attempts of the failing op when a retry was last asked for
+        # Puts given up after a failed attempt, whose partial file DEST may still hold (it
+        # refused its removal too): removed once DEST takes something again.
+        self._litter: list[tuple[bytes, str, int]] = []
 
     @property
     def idents(self) -> dict[int, Ident]:
@@ -107,7 +110,7 @@ class Lander:
         op = self.current
         if op is None or not op.attempts:
             return None
-        self._skip = True
+        self._skip = op
         self._poke.set()
         return f"{op.kind} {op.describe()}"
 
@@ -116,12 +119,16 @@ class Lander:
 
     async def wait_landed(self, seq: int, give_up_after_failures: int = 0) -> None:
         """Until every op up to `seq` is at DEST (and what dead daemons left). LandingError
-        once the op failing now has failed `give_up_after_failures` times (0: wait for ever)."""
+        once an op has failed `give_up_after_failures` more times since this was called (0:
+        wait for ever)."""
+        first = self.current
+        before = first.attempts if first is not None else 0
         while self.recovering or self.journal.landed_seq() < seq:
             op = self.current
-            if give_up_after_failures and op is not None and \
-                    op.attempts >= give_up_after_failures:  # fmt: skip
-                raise LandingError(f"{op.describe()}: {op.error}")
+            if give_up_after_failures and op is not None:
+                failed = op.attempts - (before if op is first else 0)
+                if failed >= give_up_after_failures:
+                    raise LandingError(f"{op.describe()}: {op.error}")
             await self._changed.wait()
 
     async def run(self) -> None:
@@ -143,6 +150,8 @@ class Lander:
                 if self.marker:
                     await self._io(dst.write_marker, self.dest, self.own.token, op.seq)
                 self.on_landed(op, result)
+                if self._litter:
+                    await self._sweep()
             self.wake()
 
     async def _io(self, fn: Callable[..., Any], *args: Any) -> None:
@@ -151,6 +160,15 @@ class Lander:
             await trio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
         except (OSError, LandingError) as e:
             log.warning("DEST %s: %s", self.dest.path, e)
+
+    async def _sweep(self) -> None:
+        litter, self._litter = self._litter, []
+        for path, token, seq in litter:
+            try:
+                await trio.to_thread.run_sync(dst.remove_partial, self.dest, path, token, seq,
+                                              abandon_on_cancel=True)  # fmt: skip
+            except (OSError, LandingError):
+                self._litter.append((path, token, seq))
 
     def _ident_json(self, op: Op) -> list[int] | None:
         ident = self.own.idents.get(op.node)
@@ -179,18 +197,21 @@ class Lander:
         try:
             while True:
                 if op.gone:
+                    self._skip = None if self._skip is op else self._skip
                     return None
-                if self._skip and op.attempts:
-                    self._skip = False
+                if self._skip is op:
+                    self._skip = None
                     self._skipped(op, source)
                     return None
+                self._poke = trio.Event()  # a poke from now on retries this op at once
                 op.start()
                 began = time.monotonic()
                 expect = source.idents.get(op.node)
+                replaced = source.idents.get(op.replaced) if op.replaced else None
                 try:
                     result = await trio.to_thread.run_sync(
                         dst.apply, self.dest, op, source.open_local, source.token, expect,
-                        source.strict, abandon_on_cancel=True,
+                        source.strict, replaced, abandon_on_cancel=True,
                     )  # fmt: skip
                 except (OSError, LandingError) as e:
                     op.stop()
@@ -201,6 +222,10 @@ class Lander:
                 return result if self._applied(op, result, source) else None
         finally:
             self.current = None
+            if self._skip is op:  # it landed, or went, before the skip was seen
+                self._skip = None
+            if op.kind == PUT and op.attempts and (op.gone or op in self.skipped):
+                self._litter.append((op.path, source.token, op.seq))
 
     def _applied(self, op: Op, result: Result, source: Source) -> bool:
         if op.attempts:
@@ -233,7 +258,6 @@ class Lander:
         log.warning("%s %s at DEST failed (attempt %d): %s", op.kind, op.describe(),
                     op.attempts, op.error)  # fmt: skip
         self.wake()
-        self._poke = trio.Event()
         tries = max(0, op.attempts - self._backoff_from - 1)
         with trio.move_on_after(min(RETRY_MAX_S, RETRY_MIN_S * 2 ** min(tries, 16))):
             await self._poke.wait()

@@ -48,61 +48,65 @@ KEPT = "kept.json"
 
 @dataclass(slots=True)
 class Replay:
-    """A journal's records, replayed: what had not landed, and what the node holds."""
+    """A journal's records (journal.py says which), replayed: what had not landed, and what
+    the node holds."""
 
     header: dict[str, Any]
     pending: dict[int, Op] = field(default_factory=dict)  # seq -> op, in seq order
     skipped: list[Op] = field(default_factory=list)
     idents: dict[int, Ident] = field(default_factory=dict)
     names: dict[int, tuple[bytes, int]] = field(default_factory=dict)  # node -> path, data
-    dirty: set[int] = field(default_factory=set)  # nodes changed since their last put
+    writing: set[int] = field(default_factory=set)  # nodes open for writing
+    dropped: list[Op] = field(default_factory=list)  # puts given up: a partial may be left
+    end: int = 0  # bytes of the file replayed (a torn last line is not)
 
     def take(self, r: dict[str, Any]) -> None:
         if "op" in r:
             op = Op.from_record(r["op"])
             self.pending[op.seq] = op
-            self._moved(op)
+            if not r.get("compacted"):
+                self._moved(op)
         elif "merge" in r:
             merged = self.pending.get(int(r["merge"]))
             if merged is not None:
                 merged.take(int(r["data"]), int(r["size"]), int(r["keep"]), int(r["mode"]),
                             int(r["mtime_ns"]), bool(r["cond"]))  # fmt: skip
-                self.dirty.discard(merged.node)
-        elif "drop" in r:
-            self.pending.pop(int(r["drop"]), None)
-        elif "skip" in r:
-            skipped = self.pending.pop(int(r["skip"]), None)
-            if skipped is not None:
-                self.skipped.append(skipped)
+        elif "drop" in r or "skip" in r:
+            gone = self.pending.pop(int(r.get("drop", r.get("skip", 0))), None)
+            if gone is not None and "skip" in r:
+                self.skipped.append(gone)
+            if gone is not None and gone.kind == PUT:
+                self.dropped.append(gone)
         elif "landed" in r:
             landed = self.pending.pop(int(r["landed"]), None)
             if landed is not None:
                 track(self.idents, landed, Ident.from_json(r.get("ident")), True)
         elif "name" in r:
             self.names[int(r["node"])] = (os.fsencode(r["name"]), int(r["data"]))
-            self.dirty.add(int(r["node"]))
-        elif "dirty" in r:
-            self.dirty.add(int(r["dirty"]))
-        elif "file" in r:  # a compacted journal's record of a file that exists
+        elif "writing" in r and "file" not in r:
+            self.writing.add(int(r["writing"]))
+        elif "written" in r:
+            self.writing.discard(int(r["written"]))
+        elif "file" in r:  # a compacted journal's record of a file or directory that exists
             node = int(r["file"])
             self.names[node] = (os.fsencode(r["path"]), int(r["data"]))
-            if r.get("dirty"):
-                self.dirty.add(node)
+            if r.get("writing"):
+                self.writing.add(node)
             ident = Ident.from_json(r.get("ident"))
             if ident is not None:
                 self.idents[node] = ident
+        elif "skipped" in r:
+            self.skipped.append(Op.from_record(r["skipped"]))
 
     def _moved(self, op: Op) -> None:
         """A namespace change, as it happened in the mount: the names follow it."""
-        if op.kind == PUT:
-            self.dirty.discard(op.node)
-        elif op.kind == UNLINK:
+        if op.kind == UNLINK:
             self.names.pop(op.node, None)
-            self.dirty.discard(op.node)
+            self.writing.discard(op.node)
         elif op.kind == RENAME:
             if op.replaced:
                 self.names.pop(op.replaced, None)
-                self.dirty.discard(op.replaced)
+                self.writing.discard(op.replaced)
             prefix = op.path + b"/"
             for node, (path, data) in list(self.names.items()):
                 if path == op.path:
@@ -113,15 +117,15 @@ class Replay:
 
 def replay(fd: int) -> Replay:
     """The journal open at `fd`, replayed; ValueError if it is not one."""
-    records = read(fd)
-    header = next(records, None)
+    records, end = read(fd)
+    header = records[0] if records else None
     if not isinstance(header, dict) or header.get("fanfs_journal") != 1:
         raise ValueError("not a fanfs journal (or of another version)")
-    rep = Replay(header)
-    for r in records:
+    rep = Replay(header, end=end)
+    for r in records[1:]:
         try:
             rep.take(r)
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise ValueError(f"a record that is not one ({e}): {r!r}") from None
     return rep
 
@@ -133,11 +137,16 @@ class Dead:
         self.path, self.fd, self._lock = path, dir_fd, lock_fd
         self.header = rep.header
         self.pending = list(rep.pending.values())
-        self.skipped = rep.skipped
+        for op in self.pending:  # whole copies: what DEST holds is not checked against `keep`
+            op.narrow(0)
+        self.skipped = [op for op in rep.skipped if op.kind == PUT]
+        self.dropped = rep.dropped
         self.replicas = bool(rep.header.get("replicas"))
-        held = {op.data for op in self.pending if op.kind == PUT}
+        # What was being written when the daemon died: kept as it is, named.
         self.unclosed = {path: data for node, (path, data) in rep.names.items()
-                         if node in rep.dirty and data not in held}  # fmt: skip
+                         if node in rep.writing and data}  # fmt: skip
+        with contextlib.suppress(OSError):  # a torn last line: the records appended follow
+            os.ftruncate(lock_fd, rep.end)
         self.source = Source(name=str(path), token=str(rep.header.get("token", "x")),
                              open_local=self._open_local, record=self._record,
                              idents=rep.idents)  # fmt: skip
@@ -174,12 +183,16 @@ class Dead:
     def finish(self, dest: Dest | None = None) -> None:
         """After its ops landed (or not): what is not needed goes; the rest is named in
         kept.json; the directory goes when it is empty (any thread)."""
-        if dest is not None and self.replicas and not self.pending:
-            dst.remove_marker(dest, self.source.token)
+        if dest is not None:
+            if self.replicas and not self.pending:
+                dst.remove_marker(dest, self.source.token)
+            for op in self.dropped:  # a partial its last attempt could not remove, if any
+                with contextlib.suppress(OSError, dst.LandingError):
+                    dst.remove_partial(dest, op.path, self.source.token, op.seq)
         kept = self.kept()
         keep = set(kept.values())
         for name in os.listdir(self.fd):
-            if name in keep or name == KEPT:
+            if name in keep or (name == KEPT and kept):
                 continue
             with contextlib.suppress(OSError):
                 if stat.S_ISREG(os.stat(name, dir_fd=self.fd, follow_symlinks=False).st_mode):
@@ -215,7 +228,7 @@ def open_dead(path: Path) -> Dead | None:
         st = os.fstat(dir_fd)
         if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
             raise OSError(errno.EPERM, "not a private directory of this user")
-        lock_fd = os.open(NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        lock_fd = os.open(NAME, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError:
         os.close(dir_fd)
         return None
@@ -246,5 +259,12 @@ def find(parent: Path, dest: str) -> list[Dead]:
             dead.close()
             continue
         found.append(dead)
-    found.sort(key=lambda d: float(d.header.get("started", 0)))
+    found.sort(key=lambda d: _started(d.header))
     return found
+
+
+def _started(header: dict[str, Any]) -> float:
+    try:
+        return float(header.get("started", 0))
+    except (TypeError, ValueError):
+        return 0.0

@@ -85,20 +85,22 @@ IDLE_SLEEP_S = (0.0005, 0.02)  # the MPI thread's poll: quick while busy, backin
 
 class Replicas:
     def __init__(self, world: Any, staging: StagingDir, open_local: Callable[[int], int | None],
-                 owner_dest: str, owner_token: str, peer_timeout: float):  # fmt: skip
+                 owner_dest: str, owner_token: str, peer_timeout: float,
+                 on_sent: Callable[[int, int], None] = lambda data, size: None):  # fmt: skip
         self.world = world
         self.rank, self.size = world.rank, world.size
         self.partner = (self.rank + 1) % self.size  # holds my copies
         self.owner = (self.rank - 1) % self.size  # whose copies I hold
         self.staging = staging
         self._open_local = open_local
+        self.on_sent = on_sent  # a put's bytes were read for the partner: (data, size) may change
         self.owner_dest = owner_dest  # where the owner's files land, and its name there
         self.owner_token = owner_token
         self.peer_timeout = peer_timeout
         self.failed = ""  # why the owner's ops could not all be landed from here
         self.dead: set[int] = set()
         self._out: queue.Queue[tuple[Any, ...]] = queue.Queue()
-        self._held: dict[int, trio.Event] = {}  # seq -> set when the partner holds it
+        self._held: dict[int, tuple[trio.Event, Op]] = {}  # seq -> set when the partner holds it
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._token: trio.lowlevel.TrioToken | None = None
@@ -125,21 +127,25 @@ class Replicas:
             await trio.to_thread.run_sync(self._thread.join)
 
     def enqueued(self, op: Op) -> None:
-        """The lander's hook: a new op, for the partner (in the journal's order)."""
+        """The journal's hook: a new op, for the partner (in the journal's order). A put's
+        bytes are held for it until `on_sent` (view.py)."""
         if self.partner in self.dead or self.partner == self.rank:
+            if op.kind == PUT:
+                self.on_sent(op.data, op.size)
             return
         if op.kind == PUT:
-            self._held[op.seq] = trio.Event()
+            self._held[op.seq] = (trio.Event(), op)
         self._out.put(("send", op))
 
-    async def replicate(self, op: Op) -> None:
-        """Return once the partner holds the put `op`'s bytes, or once it is taken for dead."""
-        held = self._held.get(op.seq)
-        if held is None:
+    async def replicate(self, seq: int) -> None:
+        """Return once the partner holds put `seq`'s bytes, or once it is taken for dead."""
+        waiting = self._held.get(seq)
+        if waiting is None:
             return  # confirmed already (or no partner)
+        held, op = waiting
         with trio.move_on_after(self.peer_timeout + op.size / (REPLICATE_MB_S * 1e6)):
             await held.wait()
-        self._held.pop(op.seq, None)
+        self._held.pop(seq, None)
         if not held.is_set():
             log.warning("rank %d did not confirm a copy of %s: taken for dead, closed files "
                         "are no longer replicated", self.partner, op.describe())  # fmt: skip
@@ -151,9 +157,9 @@ class Replicas:
             self._out.put(("landed", op.seq))
 
     def _confirmed(self, seq: int) -> None:
-        event = self._held.pop(seq, None)
-        if event is not None:
-            event.set()
+        waiting = self._held.pop(seq, None)
+        if waiting is not None:
+            waiting[0].set()
 
     async def finish(self, drain_s: float, all_landed: bool, landed: int) -> None:
         """After the unmount: say bye to the partner if everything of ours is at DEST, and
@@ -223,6 +229,11 @@ class Replicas:
             log.warning("a message for rank %d was not sent: %s", self.partner, e)
             if item[0] == "send":
                 self._confirm_from_thread(item[1].seq)  # nothing to wait for
+        finally:
+            if item[0] == "send" and item[1].kind == PUT and self._token is not None:
+                with contextlib.suppress(trio.RunFinishedError):
+                    trio.from_thread.run_sync(self.on_sent, item[1].data, item[1].size,
+                                              trio_token=self._token)  # fmt: skip
 
     def _post(self, msg: bytes, dest: int) -> None:
         if dest in self.dead or dest == self.rank:

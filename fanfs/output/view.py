@@ -34,11 +34,12 @@ touches the node's bytes waits for it. Everything between two awaits is atomic.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,17 +74,19 @@ class Handle:
 class View:
     def __init__(self, tree: Tree, journal: Journal, lander: Lander, dest: Dest, *,
                  front: bool, reserve_fraction: float = RESERVE_FRACTION,
-                 replicate: Callable[[Op], Awaitable[None]] | None = None):  # fmt: skip
+                 replicate: Callable[[int], Awaitable[None]] | None = None):  # fmt: skip
         self.tree = tree
         self.journal = journal
         self.lander = lander
         self.dest = dest
         self.front = front  # the front's C threads write WRITEs behind (else all come here)
         self.reserve_fraction = reserve_fraction
-        self.replicate = replicate  # replicas.py: return once the partner holds a put
+        self.replicate = replicate  # replicas.py: return once the partner holds put `seq`
         self.handles: dict[int, Handle] = {}
         self._fhs: dict[int, set[int]] = {}  # node -> its handles
         self._locks: dict[int, trio.Lock] = {}  # node -> held while its data moves (open ones)
+        self._waits: set[trio.CancelScope] = set()  # requests waiting on DEST
+        self._stopping = False
         self._touched: set[int] = set()  # nodes opened or changed since they were last clean
         self.poisoned: set[int] = set()  # nodes whose last write failed
         self.evictable: OrderedDict[int, None] = OrderedDict()  # closed, clean, landed: LRU
@@ -168,26 +171,30 @@ class View:
         write = bool(flags & (os.O_WRONLY | os.O_RDWR))
         if write or flags & os.O_TRUNC:
             self.check_ops_room()
-        async with self._lock(n):
-            if flags & os.O_TRUNC:
-                await self._truncate_locked(n, 0)
-            if not n.data and write:
-                await self._fetch_locked(n)
-            if n.data:
-                fh, local = self.tree.open_local(n.data), True
-            else:
-                fh, local = await self._open_landed(n), False
-            self.handles[fh] = Handle(n.ino, write, bool(flags & os.O_APPEND), local)
-            self._fhs.setdefault(n.ino, set()).add(fh)
-            n.opened()
-            self._touched.add(n.ino)
-            self.evictable.pop(n.ino, None)
-            if write:
-                if not n.dirty:  # recover.py: it may change from now on
-                    self.journal.note({"dirty": n.ino})
-                if self.front:
-                    lib.front_hold(fh, self.tree.held_below(n.data))
+        n.opened()  # before any await: an unlink meanwhile must not free it under us
+        self._touched.add(n.ino)
+        self.evictable.pop(n.ino, None)
+        try:
+            async with self._lock(n):
+                if flags & os.O_TRUNC:
+                    await self._truncate_locked(n, 0)
+                if not n.data and write:
+                    await self._fetch_locked(n)
+                if n.data:
+                    fh, local = self.tree.open_local(n.data), True
+                else:
+                    fh, local = await self._open_landed(n), False
+        except BaseException:
+            n.closed()
+            self._idle(n)
+            raise
+        self.handles[fh] = Handle(n.ino, write, bool(flags & os.O_APPEND), local)
+        self._fhs.setdefault(n.ino, set()).add(fh)
         if write:
+            if not any(self.handles[f].write for f in self.fhs(n) if f != fh):
+                self.journal.note({"writing": n.ino})  # recover.py: kept if it dies now
+            if self.front:
+                lib.front_hold(fh, self.tree.held_below(n.data))
             self.room()
         return fh
 
@@ -214,6 +221,7 @@ class View:
             await self._truncate_locked(n, size)
         if not n.opens:
             await self.put(n)  # a closed file truncated: DEST sees it too
+        self._idle(n)
 
     async def _truncate_locked(self, n: Node, size: int) -> None:
         if size == 0 and (not n.data or self.tree.held_below(n.data)):
@@ -267,52 +275,85 @@ class View:
         self._hold(n)
 
     async def _open_landed(self, n: Node) -> int:
-        """An fd of the landed copy at DEST of a file evicted from the node."""
-        ident = self.lander.idents.get(n.ino)
-        if ident is None:
-            raise TreeError(errno.EIO)
-        for attempt in (0, 1):
+        """An fd of the landed copy at DEST of a file evicted from the node (a rename of it
+        still landing is waited for, a while)."""
+        waited = False
+        while True:
+            ident = self.lander.idents.get(n.ino)
+            if ident is None:
+                raise TreeError(errno.EIO)
             try:
-                return await trio.to_thread.run_sync(dst.open_landed, self.dest,
-                                                     self.tree.path(n.ino), ident)  # fmt: skip
+                with self._interruptible():
+                    return await trio.to_thread.run_sync(
+                        dst.open_landed, self.dest, self.tree.path(n.ino), ident,
+                        abandon_on_cancel=True)  # fmt: skip
+                raise LandingError("the daemon is stopping")
             except (OSError, LandingError) as e:
-                if attempt == 0 and not self.lander.idle():  # a rename before it, landing
-                    with trio.move_on_after(READ_BACK_WAIT_S):
+                if not waited and not self.lander.idle():
+                    waited = True
+                    with trio.move_on_after(READ_BACK_WAIT_S), self._interruptible():
                         await self.lander.wait_landed(self.journal.enqueued)
-                    ident = self.lander.idents.get(n.ino, ident)
                     continue
                 log.warning("%s: evicted from this node, and its copy at DEST cannot be read: "
                             "%s", self._name(n), e)  # fmt: skip
-        raise TreeError(errno.EIO)
+                raise TreeError(errno.EIO) from None
 
     async def _fetch_locked(self, n: Node) -> None:
         """An evicted file's bytes, copied back from DEST to the node (to be written)."""
         src = await self._open_landed(n)
-        ident = self.lander.idents[n.ino]
-        new = self.tree.new_data()
+        new = 0
         try:
+            ident = self.lander.idents[n.ino]
+            new = self.tree.new_data()
             out = self.tree.open_local(new, os.O_WRONLY)
             try:
-                await trio.to_thread.run_sync(dst.fetch, src, out, ident)
+                with self._interruptible():
+                    await trio.to_thread.run_sync(dst.fetch, src, out, ident,
+                                                  abandon_on_cancel=True)  # fmt: skip
+                    self._switch_locked(n, new)
+                    self.read_back += 1
+                    return
+                raise LandingError("the daemon is stopping")
             finally:
                 os.close(out)
-        except (OSError, LandingError) as e:
-            self.tree.discard_data(new)
+        except (OSError, LandingError, KeyError) as e:
+            if new:
+                self.tree.discard_data(new)
             log.warning("%s: its copy at DEST cannot be read back: %s", self._name(n), e)
             raise TreeError(errno.EIO) from None
         finally:
             os.close(src)
-        self._switch_locked(n, new)
-        self.read_back += 1
+
+    @contextlib.contextmanager
+    def _interruptible(self) -> Iterator[trio.CancelScope]:
+        """A wait on DEST that a stop cuts short (`stop_waiting`): the request in it answers
+        instead of holding the unmount up."""
+        with trio.CancelScope() as scope:
+            if self._stopping:
+                scope.cancel()
+            self._waits.add(scope)
+            try:
+                yield scope
+            finally:
+                self._waits.discard(scope)
+
+    def stop_waiting(self) -> None:
+        """The daemon stops: every request waiting on DEST answers now (EIO), and new ones
+        do not wait."""
+        self._stopping = True
+        for scope in list(self._waits):
+            scope.cancel()
 
     # -- landing ---------------------------------------------------------------------------
 
     async def put(self, n: Node, cond: bool = False) -> Op | None:
         """A snapshot of `n` for DEST (None if it cannot land: no name, a failed write)."""
         async with self._lock(n):
-            return self._put_locked(n, cond)
+            put = self._put_locked(n, cond)
+        return put[0] if put is not None else None
 
-    def _put_locked(self, n: Node, cond: bool) -> Op | None:
+    def _put_locked(self, n: Node, cond: bool) -> tuple[Op, int] | None:
+        """(the put, the seq the partner knows this snapshot by)."""
         self._collect_node(n)
         if n.is_dir or not n.linked or n.failed or not n.data:
             return None
@@ -320,14 +361,16 @@ class View:
         self._collect_node(n)  # what the queue held
         st = self.tree.stat_local(n)
         keep = n.snapshot(st.st_size)
-        op, old = self.journal.put(n.ino, self.tree.path(n.ino), n.data, st.st_size, keep,
-                                   n.mode, st.st_mtime_ns, cond)  # fmt: skip
         self.tree.hold(n.data, st.st_size)
+        if self.replicate is not None:
+            self.tree.hold(n.data, st.st_size)  # until the partner's copy is read (`sent`)
+        op, old, sent = self.journal.put(n.ino, self.tree.path(n.ino), n.data, st.st_size, keep,
+                                         n.mode, st.st_mtime_ns, cond)  # fmt: skip
         if old is not None:
             self.tree.release(old.data, old.size)
         self._hold(n)
         self.lander.wake()
-        return op
+        return op, sent
 
     async def put_all(self, cond: bool = False, appending: bool = False) -> int:
         """Snapshots of every file changed (`appending`: only those open for appending),
@@ -353,22 +396,33 @@ class View:
             return
         self._check(n, fh)
         if n.wrote:
-            op = await self.put(n)
-            if op is not None and self.replicate is not None:
-                await self.replicate(op)
+            async with self._lock(n):
+                put = self._put_locked(n, cond=False)
+            if put is not None and self.replicate is not None:
+                await self.replicate(put[1])
 
     async def fsync(self, fh: int) -> None:
-        """Returns once `fh`'s file is at DEST; LandingError if its landing failed once."""
+        """Returns once `fh`'s file is at DEST; LandingError if its landing failed once (or
+        the daemon stops first)."""
         n = self.collect(fh)
         if n is None or not n.linked:
             return
         self._check(n, fh)
-        op = await self.put(n) if n.dirty else self.journal.last_put(n.ino)
+        if n.dirty:
+            async with self._lock(n):
+                put = self._put_locked(n, cond=False)
+            if put is not None and self.replicate is not None:
+                await self.replicate(put[1])
+            op = put[0] if put is not None else None
+        else:
+            op = self.journal.last_put(n.ino)
         if op is None:
             return
-        if self.replicate is not None:
-            await self.replicate(op)
-        await self.lander.wait_landed(op.seq, give_up_after_failures=1)
+        self.lander.poke()  # a failing op is tried again now, for this fsync
+        with self._interruptible():
+            await self.lander.wait_landed(op.seq, give_up_after_failures=1)
+            return
+        raise LandingError("the daemon is stopping")
 
     def _check(self, n: Node, fh: int) -> None:
         """A close or fsync, through a handle for writing, of a file whose write failed
@@ -378,24 +432,33 @@ class View:
 
     async def release(self, fh: int) -> None:
         n = self.collect(fh)
-        self.handles.pop(fh, None)
+        h = self.handles.pop(fh, None)
         os.close(fh)
         if n is None:
             return
         self.fhs(n).discard(fh)
         n.closed()
-        if n.dirty and not n.opens:
-            await self.put(n)  # changed after its last close (created or truncated, say)
-        if not n.opens:
-            self._fhs.pop(n.ino, None)
-            lock = self._locks.get(n.ino)
-            if lock is not None and not lock.locked() and not lock.statistics().tasks_waiting:
-                del self._locks[n.ino]
-            if not n.dirty:
-                self._touched.discard(n.ino)
-            self._may_evict(n)
+        if h is not None and h.write and not any(self.handles[f].write for f in self.fhs(n)):
+            if n.dirty and n.linked:
+                await self.put(n)  # changed after its last close (created or truncated, say)
+            self.journal.note({"written": n.ino})  # after its put: recover.py lands that
+        elif n.dirty and not n.opens:
+            await self.put(n)
+        self._idle(n)
         self.tree.forget_if_unused(n)
         self.room()
+
+    def _idle(self, n: Node) -> None:
+        """`n` may have no handle and no change any more: what it needed goes."""
+        if n.opens:
+            return
+        self._fhs.pop(n.ino, None)
+        lock = self._locks.get(n.ino)
+        if lock is not None and not lock.locked() and not lock.statistics().tasks_waiting:
+            del self._locks[n.ino]
+        if not n.dirty:
+            self._touched.discard(n.ino)
+        self._may_evict(n)
 
     # -- the namespace ---------------------------------------------------------------------
 
@@ -438,6 +501,7 @@ class View:
 
     async def setattr(self, n: Node, mode: int | None, size: int | None,
                       mtime_ns: int | None) -> None:  # fmt: skip
+        self.check_ops_room()
         if mode is not None:
             n.chmod(mode)
             if n.linked:
@@ -542,17 +606,26 @@ class View:
 
     def skipped_files(self) -> dict[str, str]:
         """Puts the user skipped: {DEST path: local file}."""
-        return {os.fsdecode(op.path): self.tree.local_name(op.data) for op in self.kept}
+        return {os.fsdecode(op.path): self.tree.local_name(op.data) for op in self.kept
+                if op.kind == PUT}  # fmt: skip
+
+    def sent(self, data: int, size: int) -> None:
+        """replicas.py sent the partner its copy of a put of `data`: that hold goes."""
+        self.tree.release(data, size)
 
     def journal_files(self) -> list[dict[str, Any]]:
-        """recover.py's records of the files that exist now (a compacted journal)."""
-        out = []
+        """recover.py's records of the files and directories that exist now, and of the puts
+        the user skipped (a compacted journal)."""
+        out: list[dict[str, Any]] = []
         for n in self.tree.nodes.values():
             if not n.linked or n.ino == ROOT:
                 continue
             ident = self.lander.idents.get(n.ino)
+            writing = any(self.handles[fh].write for fh in self.fhs(n))
             out.append({"file": n.ino, "path": self._name(n), "data": n.data,
-                        "dirty": n.dirty, "ident": ident.to_json() if ident else None})  # fmt: skip
+                        "writing": writing,
+                        "ident": ident.to_json() if ident else None})  # fmt: skip
+        out.extend({"skipped": op.record()} for op in self.kept)
         return out
 
     def statistics(self) -> dict[str, Any]:
