@@ -113,6 +113,47 @@ def work(user: User, request: pytest.FixtureRequest) -> Iterator[Path]:
         (work / "dest").chmod(0o755)  # a test that made it fail: removable again
 
 
+class Talk:
+    """A process of the user's that the test talks to, line by line; killed at the end."""
+
+    def __init__(self, user: User, *args: Any):
+        self.proc = subprocess.Popen(user.cmd(*args), env=user.env(), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)  # fmt: skip
+
+    def line(self) -> str:
+        assert self.proc.stdout is not None
+        return self.proc.stdout.readline()
+
+    def say(self, text: str = "") -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(text + "\n")
+        self.proc.stdin.flush()
+
+    def wait(self, timeout: float = 30) -> int:
+        return self.proc.wait(timeout)
+
+    def __enter__(self) -> Talk:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.kill()
+        self.proc.communicate()
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str, uid: int, mode: str) -> Iterator[Path]:
+    """A real, small file system at `path` (a node's disk, or DEST), the user's."""
+    path.mkdir(exist_ok=True)
+    options = f"size={size},uid={uid},mode={mode}"
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                          capture_output=True, text=True, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
 def test_checkpoints_renamed_and_rotated_land_exactly(user: User, work: Path) -> None:
     out = Output(user, work)
     try:
@@ -237,22 +278,39 @@ def test_a_symlink_planted_in_dest_is_never_followed(user: User, work: Path) -> 
     assert (out.dest / "sub" / "x").read_text() == "x" and list(elsewhere.iterdir()) == []
 
 
+HOLD_OPEN = r"""
+import sys
+f = open(sys.argv[1], "w")
+f.write("still open\n")
+f.flush()
+print("open", flush=True)
+sys.stdin.readline()
+"""
+
+
 def test_stop_signal_with_dest_down_keeps_the_files(user: User, work: Path) -> None:
+    """DEST refuses, a file is held open by a job that ignores the signal: the daemon still
+    ends within its drain time, and keeps both files, named."""
     out = Output(user, work, "--drain", "2")
     try:
         out.dest.chmod(0o555)
         write = "import sys; open(sys.argv[1], 'wb').write(b'k' * 5000)"
         assert user.run(sys.executable, "-c", write, out.mnt / "kept.pt").returncode == 0
-        os.kill(out.status()["pid"], signal.SIGTERM)  # Slurm's, without `fanfs umount` first
-        assert out.proc.wait(30) == ExitCode.NOT_LANDED
+        with Talk(user, sys.executable, "-c", HOLD_OPEN, out.mnt / "open.log") as holder:
+            assert holder.line() == "open\n"
+            began = time.monotonic()
+            os.kill(out.status()["pid"], signal.SIGTERM)  # Slurm's, without `fanfs umount`
+            assert out.proc.wait(30) == ExitCode.NOT_LANDED
+            assert time.monotonic() - began < 2 + 1.5, "not ended within its drain time"
         assert "kept.pt" in out.log.read_text()
     finally:
         out.stop()
     kept = list(work.glob("local/fanfs-stage-*/kept.json"))
     assert len(kept) == 1, list(work.rglob("*"))
     named = json.loads(kept[0].read_text())
-    assert named["dest"] == str(out.dest) and list(named["files"]) == ["kept.pt"]
+    assert named["dest"] == str(out.dest) and sorted(named["files"]) == ["kept.pt", "open.log"]
     assert (kept[0].parent / named["files"]["kept.pt"]).read_bytes() == b"k" * 5000
+    assert (kept[0].parent / named["files"]["open.log"]).read_bytes() == b"still open\n"
 
 
 @pytest.mark.mpi
@@ -362,47 +420,6 @@ def test_a_full_local_disk_fails_writes_with_enospc_and_lands_no_torn_file(
             out.stop()
     # The checkpoint that failed never replaced the good one at DEST.
     assert tree(out.dest) == tree_of({"ckpt.pt": b"g" * 4096, "small.pt": b"s" * 4096})
-
-
-class Talk:
-    """A process of the user's that the test talks to, line by line; killed at the end."""
-
-    def __init__(self, user: User, *args: Any):
-        self.proc = subprocess.Popen(user.cmd(*args), env=user.env(), stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)  # fmt: skip
-
-    def line(self) -> str:
-        assert self.proc.stdout is not None
-        return self.proc.stdout.readline()
-
-    def say(self, text: str = "") -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(text + "\n")
-        self.proc.stdin.flush()
-
-    def wait(self, timeout: float = 30) -> int:
-        return self.proc.wait(timeout)
-
-    def __enter__(self) -> Talk:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.proc.kill()
-        self.proc.communicate()
-
-
-@contextlib.contextmanager
-def tmpfs(path: Path, size: str, uid: int, mode: str) -> Iterator[Path]:
-    """A real, small file system at `path` (a node's disk, or DEST), the user's."""
-    path.mkdir(exist_ok=True)
-    options = f"size={size},uid={uid},mode={mode}"
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
-                          capture_output=True, text=True, check=False)  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def tree_of(files: dict[str, bytes]) -> dict[str, str]:
@@ -951,3 +968,63 @@ def test_a_dcp_checkpoint_commits_at_dest_only_after_every_shard_it_names(
         warnings.simplefilter("ignore")  # no process group: DCP says it loads as one
         dcp.load(loaded, storage_reader=dcp.FileSystemReader(str(out.dest / "ckpt" / "step-2")))
     assert int(loaded["step"]) == 2 and float(loaded["layer7"][0]) == 7.0
+
+
+CLIENTS = r"""
+import os, subprocess, sys
+import h5py
+import numpy as np
+mnt, src = sys.argv[1], sys.argv[2]
+subprocess.run(["tar", "-C", src, "-cf", os.path.join(mnt, "..", "src.tar"), "."], check=True)
+os.mkdir(os.path.join(mnt, "tarred"))
+subprocess.run(["tar", "-C", os.path.join(mnt, "tarred"), "-xpf",
+                os.path.join(mnt, "..", "src.tar")], check=True)
+subprocess.run(["rsync", "-a", src + "/", os.path.join(mnt, "synced") + "/"], check=True)
+with h5py.File(os.path.join(mnt, "m.h5"), "w") as f:  # HDF5 rewrites its header in place
+    f.create_dataset("x", data=np.arange(1000), maxshape=(None,), chunks=(100,))
+with h5py.File(os.path.join(mnt, "m.h5"), "a") as f:
+    f["x"].resize((2000,))
+    f["x"][1000:] = np.arange(1000, 2000)
+with h5py.File(os.path.join(mnt, "m.h5"), "r") as f:
+    assert np.array_equal(f["x"][:], np.arange(2000))
+writers = [subprocess.Popen([sys.executable, "-c",
+    "import sys\nf = open(sys.argv[1], 'a')\nfor i in range(300):\n"
+    "    f.write(f'{sys.argv[2]} {i:04d}\\n'); f.flush()", os.path.join(mnt, "shared.log"), str(w)])
+    for w in range(4)]
+assert all(p.wait() == 0 for p in writers)
+print("ok")
+"""
+
+
+def test_tar_rsync_h5py_and_four_appenders_land_as_written(user: User, work: Path) -> None:
+    """What held before the redesign must hold: tar -x and rsync -a (modes and times of
+    files and directories too), h5py creating, extending and reading a file, four processes
+    appending to one log with O_APPEND."""
+    src = work / "src"
+    user.make_sample(src, 40, seed=5)
+    (src / "exec.sh").write_text("#!/bin/sh\n")
+    os.chown(src / "exec.sh", user.uid, user.gid)
+    os.chmod(src / "exec.sh", 0o750)
+    os.utime(src, ns=(10**18, 10**18))
+    out = Output(user, work)
+    try:
+        done = user.run(sys.executable, "-c", CLIENTS, out.mnt, src, timeout=120)
+        assert done.stdout.strip() == "ok", done.stderr[-2000:] + out.log.read_text()
+        assert out.fanfs("umount", out.mnt).returncode == 0
+    finally:
+        out.stop()
+
+    def shape(root: Path) -> dict[str, tuple[int, int]]:
+        return {str(p.relative_to(root)): (p.stat().st_mode & 0o7777, int(p.stat().st_mtime))
+                for p in [root, *root.rglob("*")]}  # fmt: skip
+
+    for copy in ("tarred", "synced"):
+        assert tree(out.dest / copy) == tree(src), copy
+        assert shape(out.dest / copy) == shape(src), copy
+    import h5py
+    import numpy as np
+
+    with h5py.File(out.dest / "m.h5", "r") as f:
+        assert np.array_equal(f["x"][:], np.arange(2000))
+    lines = (out.dest / "shared.log").read_text().splitlines()
+    assert sorted(lines) == sorted(f"{w} {i:04d}" for w in range(4) for i in range(300))
