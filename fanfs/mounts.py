@@ -23,7 +23,7 @@ FSTYPE = "fuse.fanfs"
 OUTPUT_FSTYPE = "fuse.fanfs-output"  # `fanfs output`: a writable view landing on DEST
 STATUS_XATTR = "user.fanfs.status"
 RETRY_XATTR = "user.fanfs.retry"  # output mounts: land everything now, then the status
-SKIP_XATTR = "user.fanfs.skip"  # output mounts: skip the change failing now (`sync --skip`)
+SKIP_XATTR = "user.fanfs.skip"  # output mounts: + ".SEQ": skip change SEQ, failing (`sync --skip`)
 OUTPUT_SOURCE = "fanfs-output"  # an output mount's source: "fanfs-output:<staging directory>"
 _OCTAL = re.compile(r"\\([0-7]{3})")
 

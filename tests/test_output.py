@@ -280,7 +280,7 @@ def test_a_symlink_planted_in_dest_is_never_followed(user: User, work: Path) -> 
 
 HOLD_OPEN = r"""
 import sys
-f = open(sys.argv[1], "w")
+f = open(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "w")
 f.write("still open\n")
 f.flush()
 print("open", flush=True)
@@ -640,8 +640,9 @@ def test_a_file_that_cannot_land_is_superseded_or_skipped_and_the_rest_lands(
         out.stop()
     assert (out.dest / "big.pt" / "x").read_text() == "an earlier run's"  # never touched
     (kept,) = work.glob("local/fanfs-stage-*/kept.json")
-    files = json.loads(kept.read_text())["files"]
-    assert (kept.parent / files["other.pt"]).read_bytes() == b"other.pt" * 1000
+    named = json.loads(kept.read_text())
+    assert named["files"] == {} and list(named["skipped"]) == ["other.pt"]
+    assert (kept.parent / named["skipped"]["other.pt"]).read_bytes() == b"other.pt" * 1000
 
 
 def test_a_dest_too_small_for_a_file_takes_its_smaller_rewrite(user: User, work: Path) -> None:
@@ -1028,3 +1029,23 @@ def test_tar_rsync_h5py_and_four_appenders_land_as_written(user: User, work: Pat
         assert np.array_equal(f["x"][:], np.arange(2000))
     lines = (out.dest / "shared.log").read_text().splitlines()
     assert sorted(lines) == sorted(f"{w} {i:04d}" for w in range(4) for i in range(300))
+
+
+def test_an_open_log_replaces_an_earlier_runs_only_at_a_sync_or_close(
+    user: User, work: Path
+) -> None:
+    """DEST holds an earlier run's train.log: the new run's log, open for appending, does not
+    replace it on the way (a conditional put, dropped), but `fanfs sync` lands it."""
+    out = Output(user, work, "--interval", "0.2")
+    (out.dest / "train.log").write_text("an earlier run's log\n")
+    try:
+        with Talk(user, sys.executable, "-c", HOLD_OPEN, out.mnt / "train.log", "a") as holder:
+            assert holder.line() == "open\n"
+            time.sleep(1)  # a few intervals: each conditional put finds what it must not replace
+            assert (out.dest / "train.log").read_text() == "an earlier run's log\n"
+            assert out.status()["landing"]["dropped_puts"] >= 1
+            assert out.fanfs("sync", out.mnt).returncode == 0
+            assert (out.dest / "train.log").read_text() == "still open\n"
+        assert out.fanfs("umount", out.mnt).returncode == 0
+    finally:
+        out.stop()

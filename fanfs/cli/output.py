@@ -103,7 +103,10 @@ def failed_writes(entry: mounts.MountEntry, status: dict[str, Any] | None) -> No
 def cmd_sync(args: argparse.Namespace) -> int:
     entry = output_mount(mounts.canonical(args.mountpoint))
     if args.skip:
-        skipped = ask(entry, xattr=mounts.SKIP_XATTR)
+        failing = _landing(entry).get("failing")
+        # By the op's number: a second request for the answer (getxattr asks its size first)
+        # skips nothing more.
+        skipped = ask(entry, xattr=f"{mounts.SKIP_XATTR}.{failing['seq']}") if failing else None
         what = (skipped or {}).get("skipped")
         if not what:
             raise NotLanded(f"{entry.mountpoint}: nothing is failing to land: nothing skipped")

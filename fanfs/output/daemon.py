@@ -128,6 +128,7 @@ class OutputDaemon:
         self._mounted = False
         self._front = False  # the front's threads answer WRITEs
         self._hurry = trio.Event()  # a second signal: stop waiting
+        self._signalled = False  # a first signal was handled
         self._deadline = 0.0
         self._serve_scope = trio.CancelScope()  # the FUSE loop, cut short if it will not end
 
@@ -247,8 +248,7 @@ class OutputDaemon:
                 "mountpoint": str(self.mountpoint), "started": time.time(),
                 "replicas": self.replicas is not None})  # fmt: skip
             stack.callback(journal_log.close)
-            self.journal = journal = Journal(journal_log, max_ops,
-                                             on_enqueued or (lambda op: None))  # fmt: skip
+            self.journal = journal = Journal(journal_log, max_ops, on_enqueued)
             own = Source("this mount", token, tree.open_local_or_none, journal.note)
             self.lander = lander = Lander(dest, journal, own, recovering=dead,
                                           marker=self.replicas is not None,
@@ -293,9 +293,9 @@ class OutputDaemon:
         assert self.view is not None
         self.view.skipped(op)
 
-    def _sent(self, data: int, size: int) -> None:
+    def _sent(self, node: int, data: int, size: int) -> None:
         assert self.view is not None
-        self.view.sent(data, size)
+        self.view.sent(node, data, size)
 
     def _verdict(self) -> None:
         """NotLanded, naming what, if anything written is not at DEST."""
@@ -332,13 +332,14 @@ class OutputDaemon:
 
     def _close_staging(self, staging: StagingDir) -> None:
         """However the daemon ends (an exception too): what did not land is kept, named."""
-        if self.view is not None and self.lander is not None:
-            kept = {**self.view.skipped_files(), **self.view.unlanded()}
-            if kept or not self.lander.idle():
+        if self.view is not None and self.journal is not None:
+            files, skipped = self.view.unlanded(), self.view.skipped_files()
+            if files or skipped or self.journal.head() is not None:
                 staging.keep_contents()
                 try:
                     _write_json(staging.fd, recover.KEPT, {"dest": str(self.dest),
-                                                           "files": kept})  # fmt: skip
+                                                           "files": files,
+                                                           "skipped": skipped})  # fmt: skip
                 except OSError as e:
                     log.error("kept.json not written in %s: %s", staging.path, e.strerror)
         rep = self.replicas
@@ -418,7 +419,6 @@ class OutputDaemon:
         """Steps 1 and 2 of a stop (module docstring); then the mount goes."""
         assert self.view is not None and self.lander is not None
         now = trio.current_time()
-        self._deadline = now + self.cfg.drain
         await self.view.put_all()
         self.lander.poke()
         with trio.move_on_at(now + self.cfg.drain * SERVE_SHARE) as scope:
@@ -447,10 +447,12 @@ class OutputDaemon:
                     self._stopping(nursery)
 
     def _stopping(self, nursery: trio.Nursery) -> None:
-        if not self._deadline:  # the first signal (serving, or about to)
+        if not self._signalled:  # the first signal (serving, or about to)
+            self._signalled = True
             log.info("%s: landing what is written, then unmounting",
                      signal.Signals(self.stop_signal).name)  # fmt: skip
-            self._deadline = trio.current_time() + self.cfg.drain
+            if not self._deadline:
+                self._deadline = trio.current_time() + self.cfg.drain
             nursery.start_soon(self._stop)
         elif not self._hurry.is_set():
             log.info("a second signal: not waiting any more, keeping what has not landed")

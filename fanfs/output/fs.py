@@ -271,8 +271,11 @@ class OutputOperations(pyfuse3.Operations):
         if name == RETRY_XATTR:  # `fanfs sync` or `umount`: everything written, now
             await self.view.put_all()
             self.view.lander.poke()
-        elif name == SKIP_XATTR:  # `fanfs sync --skip`
-            return json.dumps({"skipped": self.view.lander.skip()}).encode()
+        elif name.startswith(SKIP_XATTR + b"."):  # `fanfs sync --skip`: the op failing now
+            seq = name[len(SKIP_XATTR) + 1 :]
+            if not seq.isdigit():
+                raise pyfuse3.FUSEError(errno.ENODATA)
+            return json.dumps({"skipped": self.view.lander.skip(int(seq))}).encode()
         elif name != STATUS_XATTR:
             raise pyfuse3.FUSEError(errno.ENODATA)
         return json.dumps(self._status()).encode()

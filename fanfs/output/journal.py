@@ -59,6 +59,7 @@ KINDS = (PUT, RENAME, UNLINK, MKDIR, RMDIR, ATTR)
 NAME = "journal"
 VERSION = 1
 COMPACT_BYTES = 4 << 20  # rewrite an idle journal past this (and past 512 bytes per file)
+COMPACT_RETRY_S = 5.0  # a broken journal is rewritten at most this often
 
 
 @dataclass(slots=True)
@@ -150,6 +151,7 @@ class Log:
         self.fd = -1
         self.bytes = 0
         self.broken = False
+        self._tried = 0.0
         self._open(self.header, [])
 
     def _open(self, header: dict[str, Any], records: list[dict[str, Any]]) -> None:
@@ -191,10 +193,15 @@ class Log:
         self.bytes += len(line)
 
     def compact(self, records: list[dict[str, Any]]) -> None:
+        self._tried = time.monotonic()
         try:
             self._open(self.header, records)
         except OSError as e:
             log.warning("the journal could not be rewritten: %s", e.strerror)
+
+    def may_compact(self) -> bool:
+        """Not more than every few seconds while it fails (a full disk)."""
+        return time.monotonic() - self._tried > COMPACT_RETRY_S
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -225,7 +232,7 @@ class Journal:
     """The ops not landed yet, in order, with the coalescing above and their records."""
 
     def __init__(self, log: Log | None, max_ops: int = 1 << 20,
-                 on_enqueued: Callable[[Op], None] = lambda op: None):  # fmt: skip
+                 on_enqueued: Callable[[Op], None] | None = None):  # fmt: skip
         self.log = log
         self.max_ops = max_ops  # ops held at most (memory): more fail with ENOSPC
         self.ops: deque[Op] = deque()
@@ -235,10 +242,19 @@ class Journal:
         self.pending_puts = 0
         self.merged = 0  # puts that took a newer snapshot instead of a second put
         self.dropped = 0  # puts never landed: their file was removed, or they were skipped
-        self.on_enqueued = on_enqueued  # replicas.py hears of each snapshot, in order
+        self.on_enqueued = on_enqueued or (lambda op: None)  # replicas.py: each op, in order
+        # With a partner, the copies of merged snapshots it holds count against max_ops too
+        # (it bounds what it holds by the same number): their seqs, until they land.
+        self._copies: deque[int] | None = deque() if on_enqueued is not None else None
 
     def full(self) -> bool:
-        return len(self.ops) >= self.max_ops
+        copies = 0
+        if self._copies is not None:
+            landed = self.landed_seq()
+            while self._copies and self._copies[0] <= landed:
+                self._copies.popleft()
+            copies = len(self._copies)
+        return len(self.ops) + copies >= self.max_ops
 
     def landed_seq(self) -> int:
         """Every op with a seq up to this is at DEST (or was dropped)."""
@@ -281,6 +297,8 @@ class Journal:
         # The partner (replicas.py) gets the new snapshot as an op of its own, after those
         # it has: replayed in order, its copies land every version, which is safe.
         self.enqueued += 1
+        if self._copies is not None:
+            self._copies.append(self.enqueued)
         self.on_enqueued(Op(self.enqueued, PUT, path, node=node, data=data, size=size,
                             mode=mode, mtime_ns=mtime_ns))  # fmt: skip
         return last, old, self.enqueued
@@ -344,7 +362,7 @@ class Journal:
     def compact(self, files: Callable[[], list[dict[str, Any]]]) -> None:
         """Rewrite the file short: when nothing is pending and it has grown, or at once when
         it is broken (`files`: what recover.py needs of the files that exist now)."""
-        if self.log is None:
+        if self.log is None or not self.log.may_compact():
             return
         if not self.log.broken and (self.head() is not None or self.log.bytes < COMPACT_BYTES):
             return

@@ -105,14 +105,17 @@ class Lander:
         self._backoff_from = self.current.attempts if self.current else 0
         self._poke.set()
 
-    def skip(self) -> str | None:
-        """Skip the op failing now (`fanfs sync --skip`): what it is, None if none fails."""
-        op = self.current
-        if op is None or not op.attempts:
-            return None
-        self._skip = op
-        self._poke.set()
-        return f"{op.kind} {op.describe()}"
+    def skip(self, seq: int) -> str | None:
+        """Skip op `seq` if it is the one failing now (`fanfs sync --skip`): what it is; the
+        same again if it was skipped already (a reader of the answer may ask twice); None if
+        it is not failing."""
+        for op in (self.current, self._skip, *self.skipped[-8:]):
+            if op is not None and op.seq == seq and (op.attempts or op is not self.current):
+                if op is self.current:
+                    self._skip = op
+                    self._poke.set()
+                return f"{op.kind} {op.describe()}"
+        return None
 
     def idle(self) -> bool:
         return not self.recovering and self.journal.head() is None
@@ -176,7 +179,8 @@ class Lander:
 
     async def _recover(self, dead: Any) -> None:
         try:
-            await trio.to_thread.run_sync(dead.skip_landed_by_partner, self.dest)
+            await trio.to_thread.run_sync(dead.skip_landed_by_partner, self.dest,
+                                          abandon_on_cancel=True)  # fmt: skip
         except (OSError, LandingError) as e:  # then all are replayed, which is safe (dest.py)
             log.warning("%s: the replicas' marker at DEST cannot be read: %s", dead.path, e)
         log.warning("landing what a dead daemon left (%s): %d changes", dead.source.name,
@@ -187,9 +191,14 @@ class Lander:
                 ident = dead.source.idents.get(op.node)
                 dead.source.record({"landed": op.seq, "node": op.node,
                                     "ident": ident.to_json() if ident else None})  # fmt: skip
+            elif op in self.skipped:
+                dead.skipped.append(op)  # its bytes stay there, named
             dead.pending.pop(0)
             self.wake()
-        await trio.to_thread.run_sync(dead.finish, self.dest)
+        try:
+            await trio.to_thread.run_sync(dead.finish, self.dest, abandon_on_cancel=True)
+        except OSError as e:
+            log.warning("%s: not cleaned up: %s", dead.path, e.strerror)
 
     async def _land(self, op: Op, source: Source) -> Result | None:
         """Apply `op` until it lands (what it did), or is dropped or skipped (None)."""
@@ -289,7 +298,7 @@ class Lander:
             "last_put_s": round(self.last_put_s, 3),
             "failing": None if head is None or not head.attempts else {
                 "op": head.kind, "path": head.describe(), "attempts": head.attempts,
-                "error": head.error,
+                "error": head.error, "seq": head.seq,
             },
             "skipped": [os.fsdecode(op.path) for op in self.skipped[:20]],
             "pending": j.pending_files(20),

@@ -158,11 +158,17 @@ class Dead:
             return None
 
     def _record(self, record: dict[str, Any]) -> None:
-        fd = os.open(NAME, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
+        """A landing or a skip, appended to its journal (a record lost to a full disk makes a
+        later replay land that op again: safe, dest.py)."""
         try:
-            os.write(fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
-        finally:
-            os.close(fd)
+            fd = os.open(NAME, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         dir_fd=self.fd)  # fmt: skip
+            try:
+                os.write(fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
+            finally:
+                os.close(fd)
+        except OSError as e:
+            log.warning("%s: its journal cannot be written: %s", self.path, e.strerror)
 
     def skip_landed_by_partner(self, dest: Dest) -> None:
         """With replicas: the ops the marker at DEST says were landed (by this daemon before
@@ -173,12 +179,13 @@ class Dead:
         if marker is not None:
             self.pending = [op for op in self.pending if op.seq > marker]
 
-    def kept(self) -> dict[str, str]:
-        """What stays here: {DEST path: local file}."""
-        kept = {os.fsdecode(path): f"o{data}" for path, data in self.unclosed.items()}
-        kept.update({os.fsdecode(op.path): f"o{op.data}" for op in self.skipped if op.kind == PUT})
-        kept.update({os.fsdecode(op.path): f"o{op.data}" for op in self.pending if op.kind == PUT})
-        return kept
+    def kept(self) -> dict[str, dict[str, str]]:
+        """What stays here: {"files": {DEST path: local file}, "skipped": {...}}."""
+        files = {os.fsdecode(path): f"o{data}" for path, data in self.unclosed.items()}
+        files.update({os.fsdecode(op.path): f"o{op.data}" for op in self.pending
+                      if op.kind == PUT})  # fmt: skip
+        skipped = {os.fsdecode(op.path): f"o{op.data}" for op in self.skipped if op.kind == PUT}
+        return {"files": files, "skipped": skipped}
 
     def finish(self, dest: Dest | None = None) -> None:
         """After its ops landed (or not): what is not needed goes; the rest is named in
@@ -190,23 +197,24 @@ class Dead:
                 with contextlib.suppress(OSError, dst.LandingError):
                     dst.remove_partial(dest, op.path, self.source.token, op.seq)
         kept = self.kept()
-        keep = set(kept.values())
+        keep = {*kept["files"].values(), *kept["skipped"].values()}
         for name in os.listdir(self.fd):
-            if name in keep or (name == KEPT and kept):
+            if name in keep or (name == KEPT and keep):
                 continue
             with contextlib.suppress(OSError):
                 if stat.S_ISREG(os.stat(name, dir_fd=self.fd, follow_symlinks=False).st_mode):
                     os.unlink(name, dir_fd=self.fd)
-        if kept:
+        if keep:
             fd = os.open(KEPT, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600,
                          dir_fd=self.fd)  # fmt: skip
             with os.fdopen(fd, "w") as f:
-                json.dump({"dest": self.header.get("dest"), "files": kept}, f, indent=1)
+                json.dump({"dest": self.header.get("dest"), **kept}, f, indent=1)
+            names = sorted({*kept["files"], *kept["skipped"]})
             log.warning("%d files were not landed (never closed, or skipped): kept in %s "
-                        "(kept.json names each): %s", len(kept), self.path,
-                        ", ".join(sorted(kept)[:10]))  # fmt: skip
+                        "(kept.json names each): %s", len(keep), self.path,
+                        ", ".join(names[:10]))  # fmt: skip
         self.close()
-        if not kept:
+        if not keep:
             with contextlib.suppress(OSError):
                 os.rmdir(self.path)
 
@@ -234,6 +242,10 @@ def open_dead(path: Path) -> Dead | None:
         return None
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.fstat(lock_fd).st_ino != os.stat(NAME, dir_fd=dir_fd, follow_symlinks=False).st_ino:
+            # A live daemon rewrote its journal (journal.py, compaction) between our open and
+            # our lock: this one is its old file, which it let go.
+            raise BlockingIOError(errno.EWOULDBLOCK, "rewritten meanwhile")
         rep = replay(lock_fd)
     except (OSError, ValueError) as e:
         if not isinstance(e, BlockingIOError):

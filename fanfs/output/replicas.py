@@ -86,14 +86,15 @@ IDLE_SLEEP_S = (0.0005, 0.02)  # the MPI thread's poll: quick while busy, backin
 class Replicas:
     def __init__(self, world: Any, staging: StagingDir, open_local: Callable[[int], int | None],
                  owner_dest: str, owner_token: str, peer_timeout: float,
-                 on_sent: Callable[[int, int], None] = lambda data, size: None):  # fmt: skip
+                 on_sent: Callable[[int, int, int], None] = lambda node, data, size: None,
+                 ):  # fmt: skip
         self.world = world
         self.rank, self.size = world.rank, world.size
         self.partner = (self.rank + 1) % self.size  # holds my copies
         self.owner = (self.rank - 1) % self.size  # whose copies I hold
         self.staging = staging
         self._open_local = open_local
-        self.on_sent = on_sent  # a put's bytes were read for the partner: (data, size) may change
+        self.on_sent = on_sent  # a put's bytes were read for the partner: (node, data, size)
         self.owner_dest = owner_dest  # where the owner's files land, and its name there
         self.owner_token = owner_token
         self.peer_timeout = peer_timeout
@@ -131,7 +132,7 @@ class Replicas:
         bytes are held for it until `on_sent` (view.py)."""
         if self.partner in self.dead or self.partner == self.rank:
             if op.kind == PUT:
-                self.on_sent(op.data, op.size)
+                self.on_sent(op.node, op.data, op.size)
             return
         if op.kind == PUT:
             self._held[op.seq] = (trio.Event(), op)
@@ -232,8 +233,8 @@ class Replicas:
         finally:
             if item[0] == "send" and item[1].kind == PUT and self._token is not None:
                 with contextlib.suppress(trio.RunFinishedError):
-                    trio.from_thread.run_sync(self.on_sent, item[1].data, item[1].size,
-                                              trio_token=self._token)  # fmt: skip
+                    trio.from_thread.run_sync(self.on_sent, item[1].node, item[1].data,
+                                              item[1].size, trio_token=self._token)  # fmt: skip
 
     def _post(self, msg: bytes, dest: int) -> None:
         if dest in self.dead or dest == self.rank:

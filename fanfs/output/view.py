@@ -187,6 +187,7 @@ class View:
         except BaseException:
             n.closed()
             self._idle(n)
+            self.tree.forget_if_unused(n)
             raise
         self.handles[fh] = Handle(n.ino, write, bool(flags & os.O_APPEND), local)
         self._fhs.setdefault(n.ino, set()).add(fh)
@@ -202,7 +203,14 @@ class View:
         h = self.handles[fh]
         if h.local:
             return os.pread(fh, size, off)
-        return await trio.to_thread.run_sync(os.pread, fh, size, off)  # DEST may be slow
+        with self._interruptible():  # DEST may be slow, or hang
+            own = [os.dup(fh)]
+            try:
+                return await trio.to_thread.run_sync(_pread_own, own, size, off,
+                                                     abandon_on_cancel=True)  # fmt: skip
+            finally:
+                _close_own(own)
+        raise LandingError("the daemon is stopping")
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         """A WRITE the front did not take: below a hold (a copy first), or no front at all."""
@@ -261,7 +269,12 @@ class View:
 
     def _switch_locked(self, n: Node, new: int) -> None:
         """`n` uses `new` from now on, and so does every handle of it (same fd numbers)."""
-        fd = self.tree.open_local(new)
+        try:
+            fd = self.tree.open_local(new)
+        except OSError:
+            self.tree.discard_data(new)
+            self._hold(n)
+            raise
         try:
             for fh in self.fhs(n):
                 os.dup2(fd, fh, inheritable=False)
@@ -308,8 +321,12 @@ class View:
             out = self.tree.open_local(new, os.O_WRONLY)
             try:
                 with self._interruptible():
-                    await trio.to_thread.run_sync(dst.fetch, src, out, ident,
-                                                  abandon_on_cancel=True)  # fmt: skip
+                    own = [os.dup(src), os.dup(out)]
+                    try:
+                        await trio.to_thread.run_sync(_fetch_own, own, ident,
+                                                      abandon_on_cancel=True)  # fmt: skip
+                    finally:
+                        _close_own(own)
                     self._switch_locked(n, new)
                     self.read_back += 1
                     return
@@ -383,8 +400,9 @@ class View:
             if appending and not any(self.handles[fh].append for fh in self._writers(n)):
                 continue
             self._collect_node(n)
-            if n.dirty and await self.put(n, cond) is not None:
+            if (n.dirty if cond else self._unput(n)) and await self.put(n, cond) is not None:
                 count += 1
+            self._idle(n)
         return count
 
     async def flush(self, fh: int) -> None:
@@ -396,10 +414,15 @@ class View:
             return
         self._check(n, fh)
         if n.wrote:
-            async with self._lock(n):
-                put = self._put_locked(n, cond=False)
-            if put is not None and self.replicate is not None:
-                await self.replicate(put[1])
+            await self._put_replicated(n)
+
+    async def _put_replicated(self, n: Node) -> Op | None:
+        """A snapshot of `n`, once the partner holds it (replicas.py)."""
+        async with self._lock(n):
+            put = self._put_locked(n, cond=False)
+        if put is not None and self.replicate is not None:
+            await self.replicate(put[1])
+        return put[0] if put is not None else None
 
     async def fsync(self, fh: int) -> None:
         """Returns once `fh`'s file is at DEST; LandingError if its landing failed once (or
@@ -408,14 +431,8 @@ class View:
         if n is None or not n.linked:
             return
         self._check(n, fh)
-        if n.dirty:
-            async with self._lock(n):
-                put = self._put_locked(n, cond=False)
-            if put is not None and self.replicate is not None:
-                await self.replicate(put[1])
-            op = put[0] if put is not None else None
-        else:
-            op = self.journal.last_put(n.ino)
+        self._collect_node(n)  # bytes written through its other handles count too
+        op = await self._put_replicated(n) if self._unput(n) else self.journal.last_put(n.ino)
         if op is None:
             return
         self.lander.poke()  # a failing op is tried again now, for this fsync
@@ -433,20 +450,30 @@ class View:
     async def release(self, fh: int) -> None:
         n = self.collect(fh)
         h = self.handles.pop(fh, None)
+        if self.front:
+            lib.front_hold(fh, 0)  # the fd number's next user starts with no hold
         os.close(fh)
         if n is None:
             return
         self.fhs(n).discard(fh)
         n.closed()
         if h is not None and h.write and not any(self.handles[f].write for f in self.fhs(n)):
-            if n.dirty and n.linked:
+            if self._unput(n) and n.linked:
                 await self.put(n)  # changed after its last close (created or truncated, say)
             self.journal.note({"written": n.ino})  # after its put: recover.py lands that
-        elif n.dirty and not n.opens:
+        elif self._unput(n) and not n.opens:
             await self.put(n)
         self._idle(n)
         self.tree.forget_if_unused(n)
+        if n.ino not in self.tree.nodes:
+            self._touched.discard(n.ino)
         self.room()
+
+    def _unput(self, n: Node) -> bool:
+        """Whether `n` has changes no unconditional put holds (a conditional put may not
+        land: a close, a sync or an fsync lands the file whatever DEST holds)."""
+        pending = self.journal.last_put(n.ino)
+        return n.dirty or (pending is not None and pending.cond)
 
     def _idle(self, n: Node) -> None:
         """`n` may have no handle and no change any more: what it needed goes."""
@@ -456,7 +483,7 @@ class View:
         lock = self._locks.get(n.ino)
         if lock is not None and not lock.locked() and not lock.statistics().tasks_waiting:
             del self._locks[n.ino]
-        if not n.dirty:
+        if not self._unput(n):
             self._touched.discard(n.ino)
         self._may_evict(n)
 
@@ -502,9 +529,10 @@ class View:
     async def setattr(self, n: Node, mode: int | None, size: int | None,
                       mtime_ns: int | None) -> None:  # fmt: skip
         self.check_ops_room()
+        at_dest = n.linked and n.ino != ROOT  # DEST's own mode and times are the user's
         if mode is not None:
             n.chmod(mode)
-            if n.linked:
+            if at_dest:
                 self.journal.add(ATTR, self.tree.path(n.ino), node=n.ino, mode=n.mode)
         if size is not None and not n.is_dir:
             await self.truncate(n, size)
@@ -516,7 +544,7 @@ class View:
                     os.utime(fd, ns=(mtime_ns, mtime_ns))
                 finally:
                     os.close(fd)
-            if n.linked:
+            if at_dest:
                 self.journal.add(ATTR, self.tree.path(n.ino), node=n.ino, mtime_ns=mtime_ns)
         self.lander.wake()
 
@@ -532,7 +560,10 @@ class View:
         disk has less free than the reserve."""
         if not self.evictable:
             return
-        v = os.statvfs(self.tree.fd)
+        try:
+            v = os.statvfs(self.tree.fd)
+        except OSError:
+            return
         free = v.f_bavail * v.f_frsize
         reserve = min(v.f_blocks * v.f_frsize * self.reserve_fraction, RESERVE_MAX)
         while free < reserve and self.evictable:
@@ -609,9 +640,13 @@ class View:
         return {os.fsdecode(op.path): self.tree.local_name(op.data) for op in self.kept
                 if op.kind == PUT}  # fmt: skip
 
-    def sent(self, data: int, size: int) -> None:
+    def sent(self, node: int, data: int, size: int) -> None:
         """replicas.py sent the partner its copy of a put of `data`: that hold goes."""
         self.tree.release(data, size)
+        n = self.tree.nodes.get(node)
+        if n is not None:
+            self._hold(n)
+            self._may_evict(n)
 
     def journal_files(self) -> list[dict[str, Any]]:
         """recover.py's records of the files and directories that exist now, and of the puts
@@ -625,6 +660,10 @@ class View:
             out.append({"file": n.ino, "path": self._name(n), "data": n.data,
                         "writing": writing,
                         "ident": ident.to_json() if ident else None})  # fmt: skip
+        listed = {r["file"] for r in out}
+        out.extend({"file": node, "path": "", "data": 0, "writing": False,
+                    "ident": ident.to_json()}
+                   for node, ident in self.lander.idents.items() if node not in listed)  # fmt: skip
         out.extend({"skipped": op.record()} for op in self.kept)
         return out
 
@@ -632,3 +671,29 @@ class View:
         return {"open_handles": len(self.handles), "failed_writes": self.failed_files()[:20],
                 "evicted_files": self.evicted_files, "evicted_bytes": self.evicted_bytes,
                 "read_back": self.read_back}  # fmt: skip
+
+
+# A worker thread that a stop may abandon must not use an fd the event loop closes (its
+# number could name another file by then): these take dups of them from `own`, a list only
+# one side empties (list.pop is atomic), and close them; the loop closes what they did not take.
+def _close_own(own: list[int]) -> None:
+    while own:
+        with contextlib.suppress(IndexError, OSError):
+            os.close(own.pop())
+
+
+def _pread_own(own: list[int], size: int, off: int) -> bytes:
+    fd = own.pop()
+    try:
+        return os.pread(fd, size, off)
+    finally:
+        os.close(fd)
+
+
+def _fetch_own(own: list[int], ident: dst.Ident) -> None:
+    out, src = own.pop(), own.pop()
+    try:
+        dst.fetch(src, out, ident)
+    finally:
+        os.close(src)
+        os.close(out)
