@@ -128,11 +128,17 @@ def _attribute_writes(tree: ast.AST) -> list[tuple[int, str]]:
                 for t in node.targets if isinstance(t, ast.Name)}  # fmt: skip
         for node in ast.walk(func):
             if isinstance(node, ast.Assign):
-                targets = node.targets
+                targets = list(node.targets)
             elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
                 targets = [node.target]
             else:
                 continue
+            while any(isinstance(t, (ast.Tuple, ast.List)) for t in targets):  # a, b.x = ...
+                targets = [
+                    e
+                    for t in targets
+                    for e in (t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t])
+                ]
             for t in targets:
                 while isinstance(t, ast.Subscript):  # x[i] = ...: the container x is written
                     t = t.value

@@ -289,7 +289,8 @@ def apply(dest: Dest, op: Op, source: Callable[[int], int | None], token: str,
             elif op.kind == RMDIR:
                 _rmdir(fd, name, op)
             elif op.kind == ATTR:
-                return Result(Outcome.LANDED, _attr(fd, name, op))
+                ident = _attr(fd, name, op, expect if strict else None)
+                return Result(Outcome.LANDED if ident else Outcome.NOT_OURS, ident)
             else:
                 raise LandingError(f"unknown op {op.kind!r}")
         finally:
@@ -368,10 +369,14 @@ def _mkdir(root: int, op: Op) -> Result:
         os.close(fd)
 
 
-def _attr(fd: int, name: bytes, op: Op) -> Ident:
-    """A mode or an mtime, set through an O_PATH fd (which needs no read permission)."""
+def _attr(fd: int, name: bytes, op: Op, expect: Ident | None) -> Ident | None:
+    """A mode or an mtime, set through an O_PATH fd (which needs no read permission); None
+    if the name holds something else by then (`expect`), or a symlink."""
     p = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
     try:
+        st = os.fstat(p)
+        if stat.S_ISLNK(st.st_mode) or (expect is not None and not expect.same_object(st)):
+            return None
         via = f"/proc/self/fd/{p}"
         if op.mode >= 0:
             os.chmod(via, op.mode & 0o777)

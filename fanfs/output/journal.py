@@ -162,7 +162,10 @@ class Log:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # recover.py: held while alive
             text = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in [header, *records])
-            os.write(fd, text.encode())
+            data = text.encode()
+            done = 0
+            while done < len(data):  # all of it, or not in place: a short file loses records
+                done += os.write(fd, data[done:])
             os.rename(tmp, NAME, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
         except BaseException:
             os.close(fd)
@@ -171,7 +174,7 @@ class Log:
             raise
         if self.fd >= 0:
             os.close(self.fd)
-        self.fd, self.bytes, self.broken = fd, len(text), False
+        self.fd, self.bytes, self.broken = fd, len(data), False
 
     def write(self, record: dict[str, Any]) -> None:
         if self.broken:
