@@ -144,8 +144,9 @@ class Plans:
         self._share_of = np.full(n, -1, dtype=np.int32)  # the latest share naming each entry
         self._naming = np.zeros(n, dtype=np.uint16)  # how many shares name it
         self._held: dict[int, Held] = {}  # entry -> bytes read ahead, waiting for its READ
-        # Files whose READ came before their read-ahead finished: bytes arriving for them now
-        # would wait for a READ that has been (the kernel has the file): not held.
+        # Files whose READ came (before their read-ahead finished, or to bytes held for it):
+        # bytes arriving for them now would wait for a READ that has been (the kernel has the
+        # file): not held.
         self._missed: OrderedDict[int, None] = OrderedDict()
         self.held_bytes = 0
         self.planned = 0
@@ -344,6 +345,10 @@ class Plans:
         self.hits += 1
         if offset + size >= len(held.data):
             self._release(entry)
+            # Read: the kernel keeps it now. A read-ahead of it again (a rewind of a position
+            # before it, to make room, reads the positions after it again too) would hold
+            # bytes for a READ that never comes.
+            self._miss(entry)
         return memoryview(held.data)[offset : offset + size]
 
     def _release(self, entry: int) -> Held | None:
