@@ -15,7 +15,7 @@ fanfs/node/pool.py, which builds them.
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.pycapsule cimport PyCapsule_New
-from libc.errno cimport EBADMSG, EILSEQ, EINVAL, EIO, ENOMEM, ENOSYS
+from libc.errno cimport EAGAIN, EBADMSG, EILSEQ, EINVAL, EIO, ENOMEM, ENOSYS
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
@@ -147,6 +147,13 @@ cdef extern from "fanfs_native.h" nogil:
     int fanfs_meta_set(const fanfs_meta *m)
     int fanfs_front_start(int fd, int nthreads, int spin_us)
     int fanfs_front_receive(void *session, fuse_buf *buf)
+    ssize_t fanfs_front_forwarded(void *out, size_t cap)
+    size_t fanfs_front_bufsize()
+    void fanfs_front_kernel(uint64_t *out)
+    int fanfs_front_pretend(int minor, long page)
+    enum: FANFS_FRONT_SERVES
+    enum: FANFS_FRONT_WHY_PROTOCOL
+    enum: FANFS_FRONT_WHY_BUFFER
     void fanfs_front_drain()
     void fanfs_front_stop()
     void fanfs_front_close()
@@ -618,6 +625,53 @@ def front_start(int fd, int threads, int spin_us):
     if ret < 0:
         raise OSError(-ret, "front: " + os.strerror(-ret))
     return ret
+
+
+def front_bufsize():
+    """The size the front reads requests with (libfuse's: 256 pages and a header page)."""
+    return fanfs_front_bufsize()
+
+
+FRONT_WHY = {FANFS_FRONT_SERVES: "", FANFS_FRONT_WHY_PROTOCOL: "protocol",
+             FANFS_FRONT_WHY_BUFFER: "buffer"}
+
+
+def front_kernel():
+    """What the kernel's INIT said: {"major", "minor" (0 before the INIT), "flags", "why"
+    ("": the front answers; "protocol": older than 7.12, libfuse answers everything; "buffer":
+    the kernel refused the front's request buffer and the session ended), "bufsize"}."""
+    cdef uint64_t out[5]
+    fanfs_front_kernel(out)
+    return {"major": out[0], "minor": out[1], "flags": out[2], "why": FRONT_WHY[out[3]],
+            "bufsize": out[4]}
+
+
+def front_pretend(int minor, long page=0):
+    """Before front_start, for tests that play another kernel: rewrite the INIT to protocol
+    7.`minor`'s layout and flags (0: as sent); size the buffer for `page`-byte pages (0: the
+    machine's)."""
+    cdef int ret = fanfs_front_pretend(minor, page)
+    if ret < 0:
+        raise OSError(-ret, "front_pretend: " + os.strerror(-ret))
+
+
+def front_forwarded():
+    """The next request the front forwarded (bytes), None if none waits, b"" once the
+    session ended: pyfuse3's receiver, for a test that plays the kernel."""
+    cdef size_t cap = fanfs_front_bufsize()
+    cdef char *buf = <char *>malloc(cap)
+    cdef ssize_t n
+    if buf == NULL:
+        raise MemoryError()
+    try:
+        n = fanfs_front_forwarded(buf, cap)
+        if n == -EAGAIN:
+            return None
+        if n < 0:
+            raise OSError(-n, "front_forwarded: " + os.strerror(-n))
+        return buf[:n]
+    finally:
+        free(buf)
 
 
 def front_writes(bint on):

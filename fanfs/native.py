@@ -8,7 +8,9 @@ is refused with what to run, instead of being half used. Built by the project's 
 
 from __future__ import annotations
 
-API_VERSION = 9  # fanfs/csrc/fanfs_native.h's FANFS_NATIVE_API that this Python expects
+import os
+
+API_VERSION = 10  # fanfs/csrc/fanfs_native.h's FANFS_NATIVE_API that this Python expects
 
 try:
     from fanfs import _native as lib
@@ -33,5 +35,34 @@ failure_reason = lib.failure_reason
 CRC_LIBRARY: str = lib.CRC_LIBRARY
 DECODES: bool = lib.DECODES  # libzstd was found: compressed pieces decode in C
 
-__all__ = ["API_VERSION", "CRC_LIBRARY", "DECODES", "CorruptPiece", "Dictionaries", "crc32",
-           "decode", "failure_reason", "lib", "read", "read_stored"]  # fmt: skip
+
+# FANFS_PRETEND_PROTOCOL=7.N (checked by the CLI, fanfs/cli/options.py): the front rewrites
+# the kernel's INIT to protocol 7.N's layout and flags, so that this kernel talks to the
+# daemon as an older kernel would (tests/test_kernels.py). Off (0) unless set.
+PRETEND_PROTOCOL = "FANFS_PRETEND_PROTOCOL"
+
+
+def pretend_protocol() -> int:
+    """The protocol minor FANFS_PRETEND_PROTOCOL asks the front to rewrite INIT to (0: none)."""
+    raw = os.environ.get(PRETEND_PROTOCOL, "").strip()
+    return int(raw.partition(".")[2]) if raw else 0
+
+
+def front_kernel() -> tuple[str, str]:
+    """(the kernel's FUSE protocol, "7.N", "" before its INIT; why the front does not answer
+    requests, in one line, "" when it does)."""
+    k = lib.front_kernel()
+    protocol = f"{k['major']}.{k['minor']}" if k["minor"] else ""
+    why = {
+        "": "",
+        "protocol": f"the kernel's FUSE protocol {protocol} is older than 7.12: pyfuse3 answers "
+        "every request",
+        "buffer": f"the kernel refused {k['bufsize']}-byte reads of the FUSE device (a max_write "
+        "above libfuse's 256 pages): the session ended",
+    }[k["why"]]
+    return protocol, why
+
+
+__all__ = ["API_VERSION", "CRC_LIBRARY", "DECODES", "PRETEND_PROTOCOL", "CorruptPiece",
+           "Dictionaries", "crc32", "decode", "failure_reason", "front_kernel", "lib",
+           "pretend_protocol", "read", "read_stored"]  # fmt: skip

@@ -134,6 +134,8 @@ class FrontStatus:
     remote_fetched: int = 0  # peers' files the MPI thread fetched for its READs (no Python)
     remote_failed: int = 0  # ... no holder could give (those READs went to Python)
     remote_at_lookup: int = 0  # ... fetches started at a LOOKUP
+    protocol: str = ""  # the kernel's FUSE protocol, from its INIT ("7.27"; "" before it)
+    off: str = ""  # why the front answers nothing, in one line ("": it answers)
 
 
 NO_FRONT = FrontStatus(False, 0, 0, 0, 0, 0, 0, 0, 0, 0)
@@ -267,13 +269,15 @@ def render(s: Status) -> str:
             f"{s.native_direct_reads} direct reads"
         )
     f = s.front
-    if f.running:
+    if f.off:
+        lines.append(f"front:    off: {f.off}")
+    elif f.running:
         lines.append(
             f"front:    {f.lookups} lookups, {f.getattrs} getattrs, {f.reads} reads answered "
             f"in C with no event loop, {f.forwarded} forwarded; {f.lookahead_started} reads "
             f"started at lookup ({f.lookahead_used} read, {f.lookahead_unused} never); "
             f"{f.remote_fetched} peers' files fetched for it ({f.remote_at_lookup} at lookup, "
-            f"{f.remote_failed} given up)"
+            f"{f.remote_failed} given up); kernel FUSE {f.protocol or '(no INIT yet)'}"
         )
     if p is not None:
         lines.append(

@@ -14,10 +14,11 @@ then SIGTERM, then SIGKILL, then a lazy unmount, so a failing test never leaves 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import pwd
 import shutil
-import stat
+import struct
 import subprocess
 import sys
 import tempfile
@@ -45,6 +46,7 @@ TIERS = {
     "test_read_pieces": "adapter",
     "test_hostile": "adapter",
     "test_fuse_ops": "adapter",
+    "test_kernels": "adapter",
     "test_remote": "adapter",
     "test_mount": "mount",
     "test_errors": "mount",
@@ -146,11 +148,69 @@ def wait_until(predicate: object, timeout: float = 10.0) -> bool:
 
 
 # -- an unprivileged user ---------------------------------------------------------------------
-# Cluster users are never root. CI runs as root, so the tests create a system user, run fanfs
-# as that user with setpriv, and give it what a standard distribution gives every user:
-# /dev/fuse readable and writable (this machine ships it 0600; opened for the test run only).
+# Cluster users are never root. CI runs as root, so the tests create a system user of their
+# own (one per run: two suites on one machine, two developers or CI beside one, never share
+# it), run fanfs as that user with setpriv, and give it what a standard distribution gives
+# every user: /dev/fuse readable and writable. This machine ships it 0600, so the run's user
+# gets an ACL entry of its own, removed after; the device's mode and other users' entries
+# stay as they were. At the end only that user's processes are ended: this run's.
 
-TEST_USER = "fanfs-tester"
+TEST_USER = f"fanfs-t{os.getpid()}"
+_ACL = "system.posix_acl_access"
+_ACL_ENTRY = struct.Struct("<HHI")  # tag, permissions, id (linux/posix_acl_xattr.h, version 2)
+_USER_OBJ, _USER, _GROUP_OBJ, _GROUP, _MASK, _OTHER = 0x01, 0x02, 0x04, 0x08, 0x10, 0x20
+_NO_ID = 0xFFFFFFFF
+
+
+def _acl_entries(path: str) -> list[tuple[int, int, int]]:
+    try:
+        raw = os.getxattr(path, _ACL)
+    except OSError:  # none yet: the mode is the whole ACL
+        mode = os.stat(path).st_mode
+        return [(_USER_OBJ, (mode >> 6) & 7, _NO_ID), (_GROUP_OBJ, (mode >> 3) & 7, _NO_ID),
+                (_OTHER, mode & 7, _NO_ID)]  # fmt: skip
+    return [_ACL_ENTRY.unpack_from(raw, 4 + i * 8) for i in range((len(raw) - 4) // 8)]
+
+
+def _set_acl(path: str, entries: list[tuple[int, int, int]]) -> None:
+    """Write `entries` (the mask recomputed); only the base three left: the plain mode."""
+    base = [e for e in entries if e[0] in (_USER_OBJ, _GROUP_OBJ, _OTHER)]
+    named = [e for e in entries if e[0] in (_USER, _GROUP)]
+    if not named:
+        with contextlib.suppress(OSError):
+            os.removexattr(path, _ACL)
+        perms = {tag: p for tag, p, _ in base}
+        os.chmod(path, perms[_USER_OBJ] << 6 | perms[_GROUP_OBJ] << 3 | perms[_OTHER])
+        return
+    mask = 0
+    for _, p, _ in named + [e for e in base if e[0] == _GROUP_OBJ]:
+        mask |= p
+    every = sorted(base + named + [(_MASK, mask, _NO_ID)], key=lambda e: (e[0], e[2]))
+    os.setxattr(path, _ACL, struct.pack("<I", 2) + b"".join(_ACL_ENTRY.pack(*e) for e in every))
+
+
+@contextlib.contextmanager
+def _fuse_for(uid: int) -> Iterator[None]:
+    """/dev/fuse readable and writable by `uid` (an ACL entry) while the context lasts."""
+    with open(os.path.join(tempfile.gettempdir(), ".fanfs-tests-dev-fuse.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two runs never rewrite the ACL at once
+        _set_acl("/dev/fuse", [e for e in _acl_entries("/dev/fuse") if e[2] != uid]
+                 + [(_USER, 6, uid)])  # fmt: skip
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            _set_acl("/dev/fuse", [e for e in _acl_entries("/dev/fuse")
+                                   if not (e[0] == _USER and e[2] == uid)])  # fmt: skip
+
+
+def _forget_dead_runs_users() -> None:
+    """Users of earlier runs that were killed before their clean-up (their pid is gone)."""
+    for pw in pwd.getpwall():
+        pid = pw.pw_name.removeprefix("fanfs-t")
+        if pw.pw_name.startswith("fanfs-t") and pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            subprocess.run(["userdel", pw.pw_name], check=False, timeout=30, capture_output=True)
 
 
 @dataclass(frozen=True)
@@ -194,20 +254,18 @@ class User:
 
 @pytest.fixture(scope="session")
 def user() -> Iterator[User]:
-    made = subprocess.run(["id", TEST_USER], capture_output=True, check=False).returncode != 0
-    if made:
-        subprocess.run(["useradd", "--system", "--no-create-home", "--home-dir", "/nonexistent",
-                        "--shell", "/usr/sbin/nologin", TEST_USER],
-                       check=True, timeout=30)  # fmt: skip
+    _forget_dead_runs_users()
+    subprocess.run(["useradd", "--system", "--no-create-home", "--home-dir", "/nonexistent",
+                    "--shell", "/usr/sbin/nologin", TEST_USER], check=True, timeout=30)  # fmt: skip
     pw = pwd.getpwnam(TEST_USER)
     home = Path(tempfile.mkdtemp(prefix="fanfs-user-"))
     (home / "tmp").mkdir()
     for d in (home, home / "tmp"):
         os.chown(d, pw.pw_uid, pw.pw_gid)
     home.chmod(0o755)
-    fuse_mode = stat.S_IMODE(os.stat("/dev/fuse").st_mode)
-    os.chmod("/dev/fuse", fuse_mode | 0o666)
     u = User(TEST_USER, pw.pw_uid, pw.pw_gid, home)
+    fuse = _fuse_for(pw.pw_uid)
+    fuse.__enter__()
     try:
         probe = u.run(sys.executable, "-c", "import fanfs, pyfuse3")
         assert probe.returncode == 0, (
@@ -216,11 +274,10 @@ def user() -> Iterator[User]:
         )
         yield u
     finally:
-        os.chmod("/dev/fuse", fuse_mode)
-        subprocess.run(["pkill", "-KILL", "-u", TEST_USER], check=False, timeout=30)
+        fuse.__exit__(None, None, None)
+        subprocess.run(["pkill", "-KILL", "-u", TEST_USER], check=False, timeout=30)  # ours only
         for line in Path("/proc/mounts").read_text().splitlines():
             if str(home) in line.split()[1]:
                 subprocess.run(["umount", "-l", line.split()[1]], check=False, timeout=30)
         shutil.rmtree(home, ignore_errors=True)
-        if made:
-            subprocess.run(["userdel", TEST_USER], check=False, timeout=30)
+        subprocess.run(["userdel", TEST_USER], check=False, timeout=30)

@@ -75,6 +75,7 @@ def test_lookups_attributes_and_reads_never_reach_python(tree: tuple[Path, Path]
         st = m.status()
         front = st["front"]
         assert front["running"] and front["lookups"] >= N_FILES + 4, front
+        assert front["protocol"].startswith("7.") and front["off"] == "", front
         assert front["reads"] >= N_FILES - 3, front
         # Python saw only the first READ of each partition (which hands the C its fds).
         assert st["reader"]["reads"] <= 3, st["reader"]
@@ -136,8 +137,30 @@ def test_with_the_front_off_the_event_loop_answers_everything(
         read_all(src, m.mountpoint)
         st = m.status()
         assert not st["front"]["running"] and st["front"]["lookups"] == 0
+        assert st["front"]["off"] == "FANFS_FRONT=0"
     finally:
         m.stop()
+
+
+@pytest.mark.parametrize("protocol", ["7.27", "7.34"])
+def test_an_old_kernels_init_still_gets_the_front(
+    tree: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, protocol: str
+) -> None:
+    """The INIT the daemon sees is rewritten to RHEL 8's (7.27) or Ubuntu 22.04's (7.34)
+    layout and flags (FANFS_PRETEND_PROTOCOL): libfuse answers it as such, this kernel then
+    talks to the daemon as to one of that protocol (no max_pages: READs of at most 128 KiB),
+    and the front answers lookups and READs in C, every byte the source's."""
+    src, image = tree
+    monkeypatch.setenv("FANFS_PRETEND_PROTOCOL", protocol)
+    with mounted(image, tmp_path / "mnt", tmp_path / "local") as m:
+        m.wait_staged()
+        read_all(src, m.mountpoint)
+        st = m.status()
+        front = st["front"]
+        assert front["protocol"] == protocol and front["off"] == "", front
+        assert front["running"] and front["lookups"] >= N_FILES, front
+        assert front["reads"] >= N_FILES - 3, front
+        assert st["reader"]["reads"] <= 3, st["reader"]
 
 
 def cpu_stalled_us() -> int:

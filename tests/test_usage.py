@@ -75,6 +75,26 @@ def test_a_bad_variable_is_one_line_for_its_command_only(
 
 
 @pytest.mark.parametrize(
+    ("var", "value"),
+    [
+        ("FANFS_LOG_LEVEL", "bogus"),
+        ("FANFS_FRONT", "off"),
+        ("FANFS_PUSH", "no"),
+        ("FANFS_NATIVE_DECODE", "2"),
+        ("FANFS_NATIVE_REMOTE", "yes"),
+        ("FANFS_SPIN_US", "-5"),
+        ("FANFS_PRETEND_PROTOCOL", "27"),
+        ("FANFS_PRETEND_PROTOCOL", "7.11"),
+    ],
+)
+def test_a_bad_switch_is_one_line_for_every_command(image: Path, var: str, value: str) -> None:
+    """The variables the daemons read themselves (not an option's default) are checked by
+    every command before any work: a traceback or a silent default before."""
+    assert_one_line_error(run_env("info", image, **{var: value}), ExitCode.USAGE,
+                          f"{var}={value!r}")  # fmt: skip
+
+
+@pytest.mark.parametrize(
     "args",
     [
         ["mount", "IMG", "MNT", "--peer-timeout", "-1"],

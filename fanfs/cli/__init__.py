@@ -18,7 +18,7 @@ from typing import NoReturn
 
 from fanfs import logs
 from fanfs.cli import bench, image, mount, output
-from fanfs.cli.options import resolve_env
+from fanfs.cli.options import check_environment, resolve_env
 from fanfs.errors import ExitCode, FanfsError, UsageError
 
 
@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
+        check_environment(dict(os.environ))
         logs.configure(-1 if args.quiet else args.verbose)
         resolve_env(args)
         code: int = args.func(args)

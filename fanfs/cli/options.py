@@ -156,6 +156,37 @@ def resolve_env(args: argparse.Namespace) -> None:
             raise UsageError(f"{ENV_PREFIX}{var}={raw!r}: {e}") from None
 
 
+# The variables read by the daemons rather than as an option's default (switches for
+# comparison, the log level, a test's pretend kernel): checked here, once, before any work, so
+# a bad value is one line and exit 2, never a traceback or a silent default.
+_SWITCH = ("0", "1")
+_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _pretend(raw: str) -> bool:
+    major, _, minor = raw.partition(".")
+    return major == "7" and minor.isdigit() and 12 <= int(minor) <= 63
+
+
+CHECKED_ENV: dict[str, tuple[Callable[[str], bool], str]] = {
+    "FRONT": (lambda v: v in _SWITCH, "0 (off) or 1 (on)"),
+    "NATIVE_DECODE": (lambda v: v in _SWITCH, "0 (off) or 1 (on)"),
+    "NATIVE_REMOTE": (lambda v: v in _SWITCH, "0 (off) or 1 (on)"),
+    "PUSH": (lambda v: v in _SWITCH, "0 (off) or 1 (on)"),
+    "SPIN_US": (str.isdigit, "a whole number of microseconds"),
+    "LOG_LEVEL": (lambda v: v.upper() in _LEVELS, "one of " + ", ".join(_LEVELS)),
+    "PRETEND_PROTOCOL": (_pretend, "7.N, a FUSE protocol from 7.12 (tests only)"),
+}
+
+
+def check_environment(environ: dict[str, str]) -> None:
+    """UsageError naming the first FANFS_* variable of CHECKED_ENV whose value is bad."""
+    for var, (ok, expected) in CHECKED_ENV.items():
+        raw = environ.get(ENV_PREFIX + var)
+        if raw is not None and raw.strip() and not ok(raw.strip()):
+            raise UsageError(f"{ENV_PREFIX}{var}={raw!r}: expected {expected}")
+
+
 def writable(path: str | os.PathLike[str] | None, option: str) -> None:
     """Fail now, before hours of work, if `path` cannot be written."""
     if path is None:

@@ -139,6 +139,11 @@ def render(status: dict[str, Any]) -> str:
         f"  node's disk {status['evicted_files']} landed files evicted "
         f"({status['evicted_bytes'] / 1e6:.1f} MB), {status['read_back']} read back from DEST",
     ]  # fmt: skip
+    front = status.get("front", {})
+    if front.get("off"):
+        lines.append(f"  front       off: {front['off']}")
+    elif front.get("running"):
+        lines.append(f"  front       WRITEs answered in C (kernel FUSE {front['protocol']})")
     if landing.get("recovering"):
         lines.append(f"  RECOVERING  {landing['recovering']} changes a dead daemon left")
     if landing.get("skipped"):

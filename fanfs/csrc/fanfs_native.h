@@ -24,7 +24,7 @@
 #include <stdint.h>
 #include <sys/uio.h>
 
-#define FANFS_NATIVE_API 9
+#define FANFS_NATIVE_API 10
 
 /* What a piece's stored bytes are (fanfs/node/pool.py names the same numbers). */
 enum {
@@ -270,9 +270,23 @@ struct fanfs_meta {
     uint64_t timeout_s;  /* how long the kernel may keep entries and attributes */
 };
 
-/* libfuse's buffer size for requests (256 pages and a header page): the front reads with it
- * and hands pyfuse3 buffers of it. */
-#define FANFS_FRONT_BUFSIZE (256 * 4096 + 4096)
+/* The size the front reads requests with and hands pyfuse3 buffers of: libfuse's own, 256
+ * pages of the machine's size and a header page. The kernel refuses (EINVAL) a read of the
+ * device smaller than a WRITE of the negotiated max_write, which libfuse caps at 256 pages:
+ * 16 MiB with 64 KiB pages (aarch64, GH200), 4 MiB with 16 KiB ones. Fixed while the front
+ * runs. */
+size_t fanfs_front_bufsize(void);
+/* What the kernel's INIT said, for `fanfs status` and the mount's log: out[0] major, out[1]
+ * minor (0: no INIT yet), out[2] its flags (flags2 in the high half), out[3] why the front
+ * does not answer (FANFS_FRONT_WHY_*), out[4] the buffer size. */
+enum { FANFS_FRONT_SERVES, FANFS_FRONT_WHY_PROTOCOL, FANFS_FRONT_WHY_BUFFER };
+void fanfs_front_kernel(uint64_t out[5]);
+/* For tests that play an older or other kernel, before fanfs_front_start (-EBUSY while it
+ * runs): the page size the buffer is sized from (0: the machine's), and `minor` > 0 rewrites
+ * the kernel's INIT to protocol 7.minor's layout and flags before anyone reads it, so that
+ * libfuse answers, and the real kernel then talks to this daemon, as with that protocol
+ * (FANFS_PRETEND_PROTOCOL; tests/test_kernels.py). */
+int fanfs_front_pretend(int minor, long page);
 
 /* The catalog the front answers from (copied; -EBUSY while it runs). */
 int fanfs_meta_set(const struct fanfs_meta *m);
@@ -284,6 +298,9 @@ int fanfs_front_start(int fd, int nthreads, int spin_us);
  * once the session has ended. */
 struct fuse_buf;
 int fanfs_front_receive(void *session, struct fuse_buf *buf);
+/* The receiver for a test that plays the kernel (no session): the next forwarded request
+ * copied into `out` (`cap` >= fanfs_front_bufsize()), as fanfs_front_receive answers. */
+ssize_t fanfs_front_forwarded(void *out, size_t cap);
 /* pyfuse3's loop has ended: requests forwarded and not taken, and every one the threads
  * would forward from now on, are answered EIO (the threads go on answering the rest). Call it
  * before stopping the pool: its pusher may wait for a page that a READ in the kernel's queue

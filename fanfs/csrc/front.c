@@ -76,7 +76,14 @@ static struct {
     int stopfd;   /* eventfd: written once, to stop every thread */
     int readyfd;  /* eventfd: readable while forwarded requests wait (or the session ended) */
     int ep;       /* the epoll the leader waits in: the FUSE fd and stopfd */
-    int nthreads, running, ended, minor; /* minor: 1 once INIT is seen (-1: too old) */
+    int nthreads, running, ended;
+    int minor;            /* the kernel's protocol minor, 0 until its INIT */
+    uint32_t major;
+    uint64_t kflags;      /* the flags the kernel offered at INIT (flags2 in the high half) */
+    int why;              /* FANFS_FRONT_WHY_*: why the front forwards everything */
+    size_t bufsize;       /* fanfs_front_bufsize(), fixed while running */
+    long page;            /* the page size it is sized from (0: the machine's) */
+    int pretend;          /* rewrite the INIT to protocol 7.pretend (tests; 0: no) */
     int stopping, led;    /* led: a thread leads (takes requests) */
     int draining;         /* pyfuse3's loop has ended: what would be forwarded fails */
     int64_t spin_ns, last_ns; /* the leader's poll after a request; when the last came */
@@ -535,14 +542,14 @@ int fanfs_cpu_pressed(void) {
     return was;
 }
 
-/* As the leader: the next request into `buf` (its size), 0 to stop, -1 once the session has
- * ended (unmounted). */
+/* As the leader: the next request into `buf` (front.bufsize), 0 to stop, -1 once the session
+ * has ended (unmounted, or the kernel refused the buffer: front.why says so). */
 static ssize_t take(char *buf, int ep) {
     struct epoll_event ev[2];
     int64_t until = front.last_ns + front.spin_ns;
     int spin = front.spin_ns > 0 && !fanfs_cpu_pressed();
     for (;;) {
-        ssize_t n = read(front.fd, buf, FANFS_FRONT_BUFSIZE);
+        ssize_t n = read(front.fd, buf, front.bufsize);
         int i, got;
         if (n > 0) {
             front.last_ns = now_ns();
@@ -550,6 +557,8 @@ static ssize_t take(char *buf, int ep) {
         }
         if (n < 0 && (errno == EINTR || errno == ENOENT))
             continue; /* ENOENT: a request interrupted before it was read */
+        if (n < 0 && errno == EINVAL) /* smaller than a WRITE of max_write: libfuse fails too */
+            __atomic_store_n(&front.why, FANFS_FRONT_WHY_BUFFER, __ATOMIC_RELAXED);
         if (n == 0 || errno != EAGAIN)
             return -1; /* ENODEV: unmounted */
         if (__atomic_load_n(&front.stopping, __ATOMIC_ACQUIRE))
@@ -566,19 +575,104 @@ static ssize_t take(char *buf, int ep) {
     }
 }
 
+/* -- the kernel's INIT --------------------------------------------------------------------
+ * Its layout grew with the protocol: 7.6 to 7.35 send major, minor, max_readahead and flags
+ * (16 bytes); 7.36 and later add flags2 and reserved words (64 bytes). Only major and minor
+ * are needed here: every reply the front writes (entry, attr, read, write, notify_store) has
+ * kept its 7.12 layout since, and what depends on a feature the kernel may lack (max_pages,
+ * no_open, ...) is negotiated by libfuse, which answers the INIT. RHEL 8 (4.18) speaks 7.27,
+ * RHEL 9 and SLES 15 (5.14) 7.33, Ubuntu 22.04 (5.15) 7.34, 6.8 7.39. */
+
+#define INIT_OLD_SIZE 16 /* the INIT of 7.6 to 7.35: major, minor, max_readahead, flags */
+
+/* The protocol minor each INIT flag bit first appeared in (linux/fuse.h's changelog; bits
+ * 0-11 are older than 7.12; 0xff: unknown, dropped by a rewrite). */
+static const uint8_t flag_since[64] = {
+    [12] = 20, [13] = 21, [14] = 21, [15] = 22, [16] = 23, [17] = 23, [18] = 25, [19] = 26,
+    [20] = 26, [21] = 27, [22] = 28, [23] = 28, [24] = 29, [25] = 30, [26] = 31, [27] = 32,
+    [28] = 33, [29] = 33, [30] = 36, [31] = 36, [32] = 36, [33] = 36, [34] = 38, [35] = 38,
+    [36] = 39, [37] = 40, [38] = 40, [39] = 40, [40] = 40, [41] = 42, [42 ... 63] = 0xff};
+
+static uint64_t init_flags(const struct fuse_init_in *init, size_t len) {
+    uint64_t f = init->flags;
+    if (init->minor >= 36 && len >= sizeof *init && (f & FUSE_INIT_EXT))
+        f |= (uint64_t)init->flags2 << 32;
+    return f;
+}
+
+/* Rewrite the INIT in `buf` (`n` bytes) as a kernel of protocol 7.front.pretend would send
+ * it: its minor, only the flags that protocol has, its layout. The new length. */
+static ssize_t pretend_init(char *buf, ssize_t n) {
+    struct fuse_in_header *in = (void *)buf;
+    struct fuse_init_in *init = (void *)(buf + sizeof *in);
+    uint64_t flags, keep = 0;
+    int bit, minor = front.pretend;
+    if ((size_t)n < sizeof *in + INIT_OLD_SIZE || init->major != 7 || init->minor <= minor)
+        return n;
+    flags = init_flags(init, (size_t)n - sizeof *in);
+    for (bit = 0; bit < 64; bit++)
+        if (flag_since[bit] <= minor)
+            keep |= 1ULL << bit;
+    flags &= keep;
+    init->minor = (uint32_t)minor;
+    init->flags = (uint32_t)flags;
+    if (minor >= 36 && (size_t)n >= sizeof *in + sizeof *init) {
+        init->flags2 = (uint32_t)(flags >> 32);
+        return n;
+    }
+    in->len = sizeof *in + INIT_OLD_SIZE;
+    return (ssize_t)in->len;
+}
+
+static void saw_init(const char *buf, ssize_t n) {
+    const struct fuse_init_in *init = (const void *)(buf + sizeof(struct fuse_in_header));
+    size_t len = (size_t)n - sizeof(struct fuse_in_header);
+    if (len < INIT_OLD_SIZE)
+        return; /* no kernel sends this: forwarded, libfuse answers it */
+    front.major = init->major;
+    front.kflags = init_flags(init, len);
+    /* Replies here are laid out for 7.12 and later (every kernel since 2.6.29); an older
+     * one, or another major, is answered by libfuse alone for the life of the mount. */
+    if (init->major != 7 || init->minor < 12)
+        __atomic_store_n(&front.why, FANFS_FRONT_WHY_PROTOCOL, __ATOMIC_RELAXED);
+    __atomic_store_n(&front.minor, init->major == 7 ? (int)init->minor : -1, __ATOMIC_RELEASE);
+}
+
+void fanfs_front_kernel(uint64_t out[5]) {
+    int minor = __atomic_load_n(&front.minor, __ATOMIC_ACQUIRE);
+    out[0] = minor ? front.major : 0;
+    out[1] = minor > 0 ? (uint64_t)minor : 0;
+    out[2] = minor ? front.kflags : 0;
+    out[3] = (uint64_t)__atomic_load_n(&front.why, __ATOMIC_RELAXED);
+    out[4] = fanfs_front_bufsize();
+}
+
+size_t fanfs_front_bufsize(void) {
+    long page = front.page > 0 ? front.page : sysconf(_SC_PAGESIZE);
+    return (size_t)(page > 0 ? page : 4096) * 256 + 4096;
+}
+
+int fanfs_front_pretend(int minor, long page) {
+    if (front.running)
+        return -EBUSY;
+    if (minor < 0 || page < 0 || (page & (page - 1)) != 0 || page > (1L << 20))
+        return -EINVAL;
+    front.pretend = minor;
+    front.page = page;
+    return 0;
+}
+
 static void handle(char **bufp, ssize_t n) {
     char *buf = *bufp;
     const struct fuse_in_header *in = (const void *)buf;
     if ((size_t)n < sizeof *in || in->len != (uint32_t)n)
         return; /* the kernel never sends this */
-    if (in->opcode == FUSE_INIT && (size_t)n >= sizeof *in + sizeof(struct fuse_init_in)) {
-        const struct fuse_init_in *init = (const void *)(buf + sizeof *in);
-        /* Replies here are laid out for protocol 7.12 and later (every kernel since 2.6.29);
-         * an older one is answered by libfuse alone. */
-        __atomic_store_n(&front.minor, init->major == 7 && init->minor >= 12 ? 1 : -1,
-                         __ATOMIC_RELEASE);
+    if (in->opcode == FUSE_INIT) {
+        if (front.pretend)
+            n = pretend_init(buf, n);
+        saw_init(buf, n);
     }
-    if (__atomic_load_n(&front.minor, __ATOMIC_ACQUIRE) <= 0) {
+    if (__atomic_load_n(&front.minor, __ATOMIC_ACQUIRE) < 12) {
         if (front.writes)
             fanfs_writes_settle();
         forward(buf, (uint32_t)n);
@@ -589,7 +683,7 @@ static void handle(char **bufp, ssize_t n) {
 }
 
 static void *front_main(void *arg) {
-    char *buf = malloc(FANFS_FRONT_BUFSIZE);
+    char *buf = malloc(front.bufsize);
     int leading = 0;
     (void)arg;
     if (buf == NULL)
@@ -646,7 +740,10 @@ int fanfs_front_start(int fd, int nthreads, int spin_us) {
     if (fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK) != 0)
         return -errno;
     front.fd = fd;
-    front.ended = front.minor = front.stopping = front.led = front.draining = 0;
+    front.ended = front.minor = front.stopping = front.led = front.draining = front.why = 0;
+    front.major = 0;
+    front.kflags = 0;
+    front.bufsize = fanfs_front_bufsize();
     front.spin_ns = (int64_t)spin_us * 1000;
     front.stopfd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     front.readyfd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
@@ -713,7 +810,7 @@ int fanfs_front_receive(void *session, struct fuse_buf *buf) {
     if (front.head == NULL)
         front.tail = NULL;
     pthread_mutex_unlock(&front.lock);
-    if (buf->mem == NULL && (buf->mem = malloc(FANFS_FRONT_BUFSIZE)) == NULL) {
+    if (buf->mem == NULL && (buf->mem = malloc(front.bufsize)) == NULL) {
         free(f);
         return -ENOMEM;
     }
@@ -722,6 +819,15 @@ int fanfs_front_receive(void *session, struct fuse_buf *buf) {
     buf->flags = 0;
     free(f);
     return (int)buf->size;
+}
+
+ssize_t fanfs_front_forwarded(void *out, size_t cap) {
+    struct fuse_buf b;
+    if (cap < front.bufsize)
+        return -EINVAL;
+    memset(&b, 0, sizeof b);
+    b.mem = out;
+    return fanfs_front_receive(NULL, &b);
 }
 
 void fanfs_front_drain(void) {

@@ -31,7 +31,7 @@
  * with fanfs_front_take_error and keeps it on the file), as the kernel reports a page cache's
  * write-back errors. Nothing is dropped silently.
  *
- * Memory: WB_SLOTS buffers of FANFS_FRONT_BUFSIZE besides the front's own: the front waits
+ * Memory: WB_SLOTS buffers of fanfs_front_bufsize() besides the front's own: the front waits
  * for a free one when the disk is slower than the writer.
  *
  * Concurrency: one lock and one condition variable for the queue, the spare buffers and the
@@ -134,7 +134,7 @@ int fanfs_writes_start(void) {
         return -EBUSY;
     wb.stop = wb.busy = wb.head = wb.count = wb.nspare = 0;
     for (i = 0; i < WB_SLOTS; i++) {
-        if ((wb.spare[i] = malloc(FANFS_FRONT_BUFSIZE)) == NULL) {
+        if ((wb.spare[i] = malloc(fanfs_front_bufsize())) == NULL) {
             while (i-- > 0)
                 free(wb.spare[i]);
             return -ENOMEM;

@@ -89,6 +89,7 @@ def build(catalog: Catalog, store: PartitionStore, owners: list[tuple[int, ...]]
         decode=env_on("FANFS_NATIVE_DECODE"),
         push=env_on("FANFS_PUSH"),
         front=front,
+        front_off=front_off(),
     )
     budget = cfg.prefetch_bytes if cfg.prefetch_bytes is not None else default_budget()
     plans = Plans(catalog, budget, pool.planned, pool.held)
@@ -138,6 +139,13 @@ def spin_us() -> int:
     except ValueError:
         log.warning("FANFS_SPIN_US is not an integer: %r", os.environ["FANFS_SPIN_US"])
         return SPIN_US
+
+
+def front_off() -> str:
+    """Why this daemon has no front, in one line ("": it has one)."""
+    if fuse_ops.RECEIVER is None:
+        return "pyfuse3 is not fanfs's patched build (run `make setup`)"
+    return "" if env_on("FANFS_FRONT") else "FANFS_FRONT=0"
 
 
 def env_on(name: str) -> bool:

@@ -39,7 +39,7 @@ from fanfs.errors import ExitCode, FanfsError, Interrupted, MountFailed, Mountpo
 from fanfs.node import assemble, fuse_ops
 from fanfs.node.staging import default_parent
 from fanfs.node.store import PartitionStore, check_partitions
-from fanfs.status import Status
+from fanfs.status import FrontStatus, Status
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,16 @@ def check_mountpoint(mountpoint: Path, nonempty: bool = False, image: Path | Non
                 f"{mountpoint}: mount point is not empty (holds {held.name!r}); "
                 "use --nonempty to mount over it anyway"
             )
+
+
+def log_front(f: FrontStatus) -> None:
+    """One line, once the kernel's INIT is answered: its protocol, and whether the front
+    answers requests in C or why not (what every figure in docs/performance.md assumes)."""
+    if f.off:
+        log.warning("kernel FUSE %s; the front is off, every request goes through Python: %s",
+                    f.protocol or "(no INIT yet)", f.off)  # fmt: skip
+    else:
+        log.info("kernel FUSE %s; the front answers requests in C", f.protocol)
 
 
 def _tune_readahead(mountpoint: Path) -> None:
@@ -275,7 +285,7 @@ class Daemon:
             await nursery.start(self._watch_signals)
             if n.transport is not None:
                 await nursery.start(n.transport.run)
-            nursery.start_soon(self._tune_readahead_after_init)
+            nursery.start_soon(self._after_init)
             if n.pool.running:
                 nursery.start_soon(n.pool.errors)
             nursery.start_soon(n.read_ahead.run)
@@ -302,11 +312,13 @@ class Daemon:
         if self.node is not None:
             await self.node.read_ahead.stop()
 
-    async def _tune_readahead_after_init(self) -> None:
+    async def _after_init(self) -> None:
         # The kernel sets the mount's readahead from FUSE INIT, which fuse_ops.serve answers
         # first: a value written before that is overwritten. INIT takes well under a second.
         await trio.sleep(1.0)
         _tune_readahead(self.mountpoint)
+        if self.node is not None:
+            log_front(self.node.pool.front_status())
 
     async def _watch_signals(self, *, task_status: trio.TaskStatus[None]) -> None:
         with trio.open_signal_receiver(*STOP_SIGNALS) as signals:

@@ -23,6 +23,7 @@ tasks; `held` and `ahead` run in any thread; the rest runs in the trio thread (`
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import struct
@@ -33,7 +34,7 @@ import numpy as np
 import trio
 
 from fanfs import catalog as cat
-from fanfs import codec, filters
+from fanfs import codec, filters, native
 from fanfs.errors import CorruptFile
 from fanfs.native import lib
 from fanfs.node.cache import percentiles_ms
@@ -135,6 +136,7 @@ class Front:
         self.holders = holders
         self.rank = rank
         self.running = False
+        self.off = ""  # why it could not start
 
     def give_catalog(self, c: cat.Catalog) -> None:
         """Hand the C the catalog it answers from (also without threads: the unit tests)."""
@@ -155,9 +157,11 @@ class Front:
         (and a warning) if they cannot start: pyfuse3 reads the device itself."""
         try:
             self.give_catalog(catalog)
+            lib.front_pretend(native.pretend_protocol())
             ready = lib.front_start(self.session_fd(), THREADS, self.spin_us)
         except (OSError, ValueError) as e:
             log.warning("front threads unavailable, requests go through the event loop: %s", e)
+            self.off = f"its threads could not start ({e})"
             return False
         stack.callback(lib.front_close)  # after trio is done with the receiver's fd
         self.install(lib.receiver(), ready)
@@ -178,27 +182,32 @@ class Front:
             lib.front_stop()
 
     def statistics(self) -> FrontStatus:
+        protocol, why = native.front_kernel()
         return FrontStatus(running=self.running, **lib.front_stats(), **lib.remote_stats(),
-                           read_ms=percentiles_ms(*lib.front_latencies()))  # fmt: skip
+                           read_ms=percentiles_ms(*lib.front_latencies()), protocol=protocol,
+                           off=self.off or why)  # fmt: skip
 
 
 class NativePool:
     def __init__(self, catalog: cat.Catalog,
                  install_hook: Callable[[Any], None] | None,
                  failed: Callable[[int, BaseException], None], decode: bool = True,
-                 push: bool = True, front: Front | None = None):  # fmt: skip
+                 push: bool = True, front: Front | None = None,
+                 front_off: str = ""):  # fmt: skip
         """`install_hook(read_hook)`: registers the pool's hook with pyfuse3 (None where pyfuse3
         has no read hook: the Reader then reads in Python);
         `failed(entry, error)`: a file the pool found bad (the bad-file registry's `mark`);
         `decode`: False keeps compressed files in Python (FANFS_NATIVE_DECODE=0); `push`: False
         never pushes the rest of a piece into the page cache (FANFS_PUSH=0); `front`: threads
         that take requests from the FUSE device themselves and answer READs of staged files
-        with no Python (None, or FANFS_FRONT=0: pyfuse3 takes them all)."""
+        with no Python (None, or FANFS_FRONT=0: pyfuse3 takes them all); `front_off`: why
+        there is none, for `fanfs status`."""
         self.catalog = catalog
         self.install_hook = install_hook
         self.failed = failed
         self._decode = decode
         self.front = front
+        self.front_off = front_off
         self.fast = False  # READs of staged files answered by the front (pool_fast)
         self._fast_parts: set[int] = set()
         self.flags = lib.JOB_PUSH if push else 0
@@ -337,7 +346,9 @@ class NativePool:
         return {**lib.pool_stats(), **lib.read_stats(), "fast": lib.pool_fast_count()}
 
     def front_status(self) -> FrontStatus:
-        return self.front.statistics() if self.front is not None else NO_FRONT
+        if self.front is not None:
+            return self.front.statistics()
+        return dataclasses.replace(NO_FRONT, off=self.front_off)
 
     def drop(self) -> None:
         """Empty the pool's cache of decoded pieces (cold measurements)."""

@@ -38,7 +38,7 @@ from typing import Any
 
 import trio
 
-from fanfs import mounts
+from fanfs import mounts, native
 from fanfs.errors import (
     ExitCode,
     FanfsError,
@@ -141,12 +141,22 @@ class OutputDaemon:
             "staging": str(self.staging.path) if self.staging else "",
             "uptime_s": round(time.time() - self.started, 1), "files": self.tree.files,
             "written_bytes": self.view.bytes_written + _front_written(),
+            "front": self._front_status(),
             **self.view.statistics(),
             "landing": self.lander.statistics(),
         }  # fmt: skip
         if self.replicas is not None:
             out["replicas"] = self.replicas.statistics()
         return out
+
+    def _front_status(self) -> dict[str, Any]:
+        """Whether the front answers WRITEs in C, the kernel's FUSE protocol, and why not."""
+        protocol, why = native.front_kernel()
+        if fuse_ops.RECEIVER is None:
+            why = "pyfuse3 is not fanfs's patched build (run `make setup`)"
+        elif not self._front and not why:
+            why = "its threads could not start"
+        return {"running": self._front, "protocol": protocol, "off": why}
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if not self.stop_signal:
@@ -367,12 +377,22 @@ class OutputDaemon:
                 _stop_front()
             fuse_ops.unmount()
 
+    async def _after_init(self) -> None:
+        await trio.sleep(1.0)  # the kernel's INIT is answered by fuse_ops.serve, first
+        f = self._front_status()
+        if f["off"]:
+            log.warning("kernel FUSE %s; the front is off, every WRITE goes through Python: %s",
+                        f["protocol"] or "(no INIT yet)", f["off"])  # fmt: skip
+        else:
+            log.info("kernel FUSE %s; the front answers WRITEs in C", f["protocol"])
+
     async def _serve(self) -> None:
         assert self.lander is not None and self.view is not None
         async with trio.open_nursery() as nursery:
             await nursery.start(self._watch_signals)
             nursery.start_soon(self.lander.run)
             nursery.start_soon(self._periodic)
+            nursery.start_soon(self._after_init)
             if self.replicas is not None:
                 await nursery.start(self.replicas.run)
             self.phase = "serving"
@@ -539,6 +559,7 @@ def _start_front(stack: contextlib.ExitStack) -> bool:
     install, session_fd = fuse_ops.RECEIVER
     try:
         lib.front_writes(True)
+        lib.front_pretend(native.pretend_protocol())
         ready = lib.front_start(session_fd(), FRONT_THREADS, 0)
     except OSError as e:
         log.warning("front threads unavailable, writes go through the event loop: %s", e)
