@@ -82,6 +82,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                          f"{', remote' if key[2] else ''}): "
                          + "; ".join(f"{k} p50/p99/max {v[0]}/{v[1]}/{v[2]} ms"
                                      for k, v in lat.items()))  # fmt: skip
+    lines += [f"front: {f}" for f in sorted({r["front"] for r in rows if r.get("front")})]
     idle = [r["daemon_idle_cpu_pct"] for r in rows if "daemon_idle_cpu_pct" in r]
     if idle:
         lines.append(f"idle daemon: {max(idle):.1f} % of a core at most; us/file: the fanfs "

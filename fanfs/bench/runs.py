@@ -119,9 +119,10 @@ def _dataset_cases(
         idle = global_epoch.idle_cpu_percent(sides[1].pids)
         got = _cases(mean, kind, "local", sides, rels, *plan)
         results += got
-        latency = daemon_latency(d)
+        latency, front = daemon_latency(d), daemon_front(d)
         for case in {r.case for r in got}:
-            extras[case] = {**_extras(case, got, idle), "daemon_latency_ms": latency}
+            extras[case] = {**_extras(case, got, idle), "daemon_latency_ms": latency,
+                            "front": front}  # fmt: skip
         if planned and "cold" in temps:
             results += _cases(mean, kind, "planned", sides[:2], rels, readers, ["cold"], repeat,
                               log, client)  # fmt: skip
@@ -179,8 +180,8 @@ def _remote_cases(base: Path, mean: int, kind: str, rels: list[str], ranks: int,
         sides = [Side("native", src, lambda: make_cold(natives)), _fanfs_side("fanfs", d)]
         got = _cases(mean, kind, "remote", sides, remote, *plan)
         results += got
-        latency = daemon_latency(d)
-        extras.update({r.case: {"daemon_latency_ms": latency} for r in got})
+        latency, front = daemon_latency(d), daemon_front(d)
+        extras.update({r.case: {"daemon_latency_ms": latency, "front": front} for r in got})
         if epoch == "global":
             part_of = [int(catalog.part[entries[r]]) for r in rels]
             got, more = _epoch_cases(mean, kind, src, d, rels, part_of, owners, *plan)
@@ -202,6 +203,15 @@ def daemon_latency(d: Daemons) -> dict[str, list[float]]:
 
     s = Status.from_json(d.status(0))
     return {name: [ms.p50, ms.p99, ms.max] for name, ms, _ in sources(s)}
+
+
+def daemon_front(d: Daemons) -> str:
+    """Daemon 0's front as `fanfs status` says it: the kernel's FUSE protocol, and why the
+    front answers nothing when it does not (every figure then goes through Python)."""
+    front = d.status(0)["front"]
+    if front.get("off"):
+        return f"off ({front['off']}): every request went through Python"
+    return f"answering in C (kernel FUSE {front.get('protocol', '?')})"
 
 
 @contextlib.contextmanager
