@@ -901,7 +901,11 @@ static void post_error(int64_t entry, int err) {
 }
 
 /* Answer a READ: 0, or WAITING when `qj` (a queued READ; NULL: the caller waits instead)
- * was hung on a piece another thread is reading. */
+ * was hung on a piece another thread is reading. `t` and `j` must not point into `qj`: once
+ * it is hung, the thread that settles the piece owns it (requeues it, and another thread
+ * answers and frees it), so this one never touches it again. A queued READ is always answered
+ * (nobody else can); one of the front's (`qj` NULL) that needs a peer's piece it cannot have
+ * is left to Python (FANFS_EREMOTE). */
 static int answer(struct qjob *qj, const struct target *t, const struct fanfs_job *j) {
     struct got got[FANFS_MAX_PIECES];
     struct iovec iov[FANFS_MAX_PIECES];
@@ -912,7 +916,10 @@ static int answer(struct qjob *qj, const struct target *t, const struct fanfs_jo
         for (k = 0; k < j->npieces; k++) /* let go of what it holds; it starts over */
             if (held[k])
                 piece_done(&got[k]);
-        return err; /* WAITING: queued again when its piece is read; EREMOTE: to Python */
+        if (err == WAITING || qj == NULL)
+            return err; /* WAITING: queued again when its piece is read; EREMOTE: to Python */
+        reply_err(t, EIO); /* a queued READ of a peer's piece: Python has no request to answer */
+        return 0;
     }
     if (err == 0) {
         reply_iov(t, iov, niov);
@@ -930,7 +937,10 @@ static int answer(struct qjob *qj, const struct target *t, const struct fanfs_jo
 }
 
 static void run_read(struct qjob *qj) {
-    if (answer(qj, &qj->t, &qj->j) != WAITING)
+    /* Copies: if the READ is hung on a piece, qj is another thread's from then on. */
+    struct target t = qj->t;
+    struct fanfs_job j = qj->j;
+    if (answer(qj, &t, &j) != WAITING)
         free(qj); /* else it is hung on a piece: queued again when the piece is read */
 }
 
@@ -1131,7 +1141,9 @@ void fanfs_pool_set_dicts(struct fanfs_dicts *d) { pool.dicts = d; }
 
 static int enqueue(const struct target *t, int lookahead, const struct fanfs_job *job) {
     struct qjob *qj;
-    if (pool.nthreads == 0 || pool.stopping || fanfs_job_check(job) != 0)
+    /* A job's pieces are read from fd: a peer's (fd <= -2) are fetched for the front's READs
+     * only (remote_piece), which the pool's threads cannot do: the caller answers those. */
+    if (pool.nthreads == 0 || pool.stopping || job->fd < 0 || fanfs_job_check(job) != 0)
         return -1;
     qj = malloc(sizeof *qj);
     if (qj == NULL)
