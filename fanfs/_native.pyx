@@ -410,8 +410,6 @@ def run_job(tuple job, Dictionaries dicts=None):
 
 # -- the pool ---------------------------------------------------------------------------------
 
-_pool_dicts = None  # the Dictionaries the running pool decodes with (kept alive here)
-
 
 def pool_start(int threads, int errfd):
     """Start the pool's threads; a failed READ posts a 16-byte record (entry, errno, 0) on
@@ -422,10 +420,9 @@ def pool_start(int threads, int errfd):
 
 
 def pool_dicts(Dictionaries d):
-    """The dictionaries the pool decodes with; set before serving (not while jobs run)."""
-    global _pool_dicts
+    """The dictionaries the pool decodes with (it takes its own reference: jobs decoding with
+    the previous set keep it until they are done)."""
     fanfs_pool_set_dicts(d.d)
-    _pool_dicts = d
 
 
 def pool_stop():

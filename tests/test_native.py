@@ -328,7 +328,7 @@ def stress_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # The harness's checks this test runs (all of them once each finding is fixed).
-STRESS_PARTS = "remote"
+STRESS_PARTS = "remote swap"
 STRESS_LEAKS = False
 
 

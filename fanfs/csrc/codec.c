@@ -43,6 +43,7 @@ static zlib_crc32_fn zlib_crc32;
 static pthread_once_t loaded = PTHREAD_ONCE_INIT;
 
 struct fanfs_dicts {
+    int refs; /* holders (atomic): its maker, the pool, the jobs decoding with it */
     int n;
     zstd_ddict *d[];
 };
@@ -119,12 +120,19 @@ struct fanfs_dicts *fanfs_dicts_new(int n, const char *const *dicts, const size_
         }
         d->n = i + 1;
     }
+    d->refs = 1;
+    return d;
+}
+
+struct fanfs_dicts *fanfs_dicts_ref(struct fanfs_dicts *d) {
+    if (d != NULL)
+        __atomic_add_fetch(&d->refs, 1, __ATOMIC_RELAXED);
     return d;
 }
 
 void fanfs_dicts_free(struct fanfs_dicts *d) {
     int i;
-    if (d == NULL)
+    if (d == NULL || __atomic_sub_fetch(&d->refs, 1, __ATOMIC_ACQ_REL) > 0)
         return;
     for (i = 0; i < d->n; i++)
         zstd.free_ddict(d->d[i]);

@@ -94,10 +94,13 @@ const char *fanfs_crc_name(void); /* "isa-l" or "zlib" */
 int fanfs_can_decode(void);       /* libzstd was found */
 uint32_t fanfs_crc32(uint32_t crc, const void *buf, size_t len);
 
-/* The image's zstd dictionaries (dictionary id i + 1 is dicts[i]); immutable once made. */
+/* The image's zstd dictionaries (dictionary id i + 1 is dicts[i]); immutable once made, and
+ * counted: fanfs_dicts_new gives the caller one reference, fanfs_dicts_ref takes another
+ * (any thread; NULL is returned as is), fanfs_dicts_free lets one go (the last frees them). */
 struct fanfs_dicts;
 struct fanfs_dicts *fanfs_dicts_new(int n, const char *const *dicts, const size_t *lens,
                                     int *err);
+struct fanfs_dicts *fanfs_dicts_ref(struct fanfs_dicts *d);
 void fanfs_dicts_free(struct fanfs_dicts *d);
 
 /* Decode a checked piece's stored bytes `in` (p->len of them) into `out` (p->size bytes,
@@ -132,8 +135,9 @@ int fanfs_pool_start(int nthreads, int errfd);
 /* Answer every queued READ, stop the threads and the pusher, free the cache. Call before the
  * FUSE session is destroyed. */
 void fanfs_pool_stop(void);
-/* The dictionaries jobs decode with (the pool keeps its own reference: call before any job
- * that needs them; the previous set is freed once no job uses it). */
+/* The dictionaries jobs decode with (NULL: none), any time: the pool takes its own reference
+ * (the caller may let its own go), and each job holds one while it decodes, so the previous
+ * set is freed once no job uses it. */
 void fanfs_pool_set_dicts(struct fanfs_dicts *d);
 /* Queue a job answering `req` on `session`; 0, or -1 (the caller answers EIO). */
 int fanfs_pool_submit(void *session, void *req, const struct fanfs_job *job);

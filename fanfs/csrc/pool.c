@@ -114,9 +114,23 @@ static struct {
     int nahead;
     pthread_t threads[MAX_THREADS];
     int nthreads, stopping, errfd;
-    const struct fanfs_dicts *dicts;
     uint64_t jobs;
-} pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .cond = PTHREAD_COND_INITIALIZER, .errfd = -1};
+    /* The dictionaries (a reference of the pool's). A job takes a reference of its own for as
+     * long as it decodes (dicts_hold): a new set may come at any time. dlock is taken alone,
+     * never with another lock held. */
+    pthread_mutex_t dlock;
+    struct fanfs_dicts *dicts; /* protected by dlock */
+} pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .cond = PTHREAD_COND_INITIALIZER, .errfd = -1,
+          .dlock = PTHREAD_MUTEX_INITIALIZER};
+
+/* The dictionaries to decode with, held until fanfs_dicts_free. */
+static struct fanfs_dicts *dicts_hold(void) {
+    struct fanfs_dicts *d;
+    pthread_mutex_lock(&pool.dlock);
+    d = fanfs_dicts_ref(pool.dicts);
+    pthread_mutex_unlock(&pool.dlock);
+    return d;
+}
 
 struct push {
     struct fuse_session *se; /* through libfuse, or NULL: written to `fd` */
@@ -840,10 +854,13 @@ int fanfs_remote_fill(const struct fanfs_rreq *r, const char *stored, uint32_t l
     buf = piece_alloc(p.size, &cap);
     if (buf == NULL)
         return ENOMEM;
-    if (p.kind == FANFS_KIND_RAW)
+    if (p.kind == FANFS_KIND_RAW) {
         err = p.len == p.size ? (memcpy(buf, stored, p.size), 0) : FANFS_EBADDATA;
-    else
-        err = fanfs_decode(pool.dicts, &p, (const unsigned char *)stored, (unsigned char *)buf);
+    } else {
+        struct fanfs_dicts *dicts = dicts_hold();
+        err = fanfs_decode(dicts, &p, (const unsigned char *)stored, (unsigned char *)buf);
+        fanfs_dicts_free(dicts);
+    }
     if (err != 0) {
         piece_free(buf, cap);
         return err;
@@ -910,8 +927,10 @@ static int answer(struct qjob *qj, const struct target *t, const struct fanfs_jo
     struct got got[FANFS_MAX_PIECES];
     struct iovec iov[FANFS_MAX_PIECES];
     int held[FANFS_MAX_PIECES] = {0}, niov, k, err;
+    struct fanfs_dicts *dicts = dicts_hold();
 
-    err = gather(qj, j, pool.dicts, got, held, iov, &niov);
+    err = gather(qj, j, dicts, got, held, iov, &niov);
+    fanfs_dicts_free(dicts);
     if (err == WAITING || err == FANFS_EREMOTE) {
         for (k = 0; k < j->npieces; k++) /* let go of what it holds; it starts over */
             if (held[k])
@@ -970,10 +989,12 @@ static void run_ahead(struct qjob *qj) {
     const struct fanfs_job *j = &qj->j;
     int k, i, held, slot;
     int64_t pos = j->base;
+    struct fanfs_dicts *dicts;
     if (qj->lookahead && !lookahead_wanted(j->ino)) {
         free(qj); /* its READ came first and read it */
         return;
     }
+    dicts = dicts_hold();
     for (k = 0; k < j->npieces; k++) {
         const struct fanfs_piece *p = &j->pieces[k];
         char *buf = NULL;
@@ -1001,7 +1022,7 @@ static void run_ahead(struct qjob *qj) {
         }
         pthread_mutex_unlock(&cache.lock);
         if (slot >= 0) {
-            if (load_piece(j, p, pool.dicts, &buf, &cap, &data) != 0) {
+            if (load_piece(j, p, dicts, &buf, &cap, &data) != 0) {
                 if (buf != NULL)
                     piece_free(buf, cap);
                 slot_fill(slot, NULL, 0, NULL); /* its READ reads it and reports it */
@@ -1014,6 +1035,7 @@ static void run_ahead(struct qjob *qj) {
         }
         pos += p->size;
     }
+    fanfs_dicts_free(dicts);
     free(qj);
 }
 
@@ -1137,7 +1159,14 @@ int fanfs_pool_start(int nthreads, int errfd) {
     return pool.nthreads > 0 ? 0 : -EAGAIN;
 }
 
-void fanfs_pool_set_dicts(struct fanfs_dicts *d) { pool.dicts = d; }
+void fanfs_pool_set_dicts(struct fanfs_dicts *d) {
+    struct fanfs_dicts *old;
+    pthread_mutex_lock(&pool.dlock);
+    old = pool.dicts;
+    pool.dicts = fanfs_dicts_ref(d);
+    pthread_mutex_unlock(&pool.dlock);
+    fanfs_dicts_free(old); /* freed here, or by the last job decoding with it */
+}
 
 static int enqueue(const struct target *t, int lookahead, const struct fanfs_job *job) {
     struct qjob *qj;
