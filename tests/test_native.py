@@ -11,6 +11,7 @@ it."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import subprocess
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import trio
 import zstandard
 from conftest import prepare
 from hypothesis import given, settings
@@ -210,6 +212,24 @@ def test_a_wrong_checksum_or_short_partition_is_an_error(
             lib.run_job(job)
 
 
+def test_only_bad_bytes_make_a_file_bad(opened: tuple[cat.Catalog, list[int], list[int]]) -> None:
+    """The pool's failure records: a failed check or decode marks the file bad for the mount;
+    ENOMEM, a disk's EIO, EINTR or EAGAIN (the moment's) mark nothing."""
+    c, _, _ = opened
+    marked: list[int] = []
+    pool = NativePool(c, None, lambda e, err: marked.append(e))
+    rfd, wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    codes = [errno.ENOMEM, errno.EIO, errno.EINTR, errno.EAGAIN, errno.EBADMSG, errno.EILSEQ]
+    os.write(wfd, b"".join(jobs.ERROR_RECORD.pack(e, err, 0) for e, err in enumerate(codes)))
+    os.close(wfd)
+    pool._rfd = rfd
+    try:
+        trio.run(pool.errors)  # ends at the pipe's end
+    finally:
+        os.close(rfd)
+    assert marked == [4, 5]
+
+
 def test_direct_reads_are_used_when_the_page_cache_lacks_the_bytes(tmp_path: Path) -> None:
     path = tmp_path / "part"
     data = np.random.default_rng(1).bytes(3 << 20)
@@ -328,7 +348,7 @@ def stress_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # The harness's checks this test runs (all of them once each finding is fixed).
-STRESS_PARTS = "remote swap"
+STRESS_PARTS = "remote swap transient"
 STRESS_LEAKS = False
 
 

@@ -36,7 +36,9 @@ static struct {
     void (*free_ddict)(zstd_ddict *);
     unsigned (*is_error)(size_t);
     unsigned (*dict_id)(const void *, size_t);
+    int (*error_code)(size_t); /* optional: ENOMEM is told from bad bytes with it */
 } zstd;
+#define ZSTD_ERROR_MEMORY_ALLOCATION 64 /* zstd_errors.h's ZSTD_error_memory_allocation */
 
 static isal_crc32_fn isal_crc32;
 static zlib_crc32_fn zlib_crc32;
@@ -66,6 +68,7 @@ static void load(void) {
     *(void **)&zstd.free_ddict = dlsym(lib, "ZSTD_freeDDict");
     *(void **)&zstd.is_error = dlsym(lib, "ZSTD_isError");
     *(void **)&zstd.dict_id = dlsym(lib, "ZSTD_getDictID_fromFrame");
+    *(void **)&zstd.error_code = dlsym(lib, "ZSTD_getErrorCode");
     if (!(zstd.create_dctx && zstd.free_dctx && zstd.decompress_dctx && zstd.decompress_ddict &&
           zstd.create_ddict && zstd.free_ddict && zstd.is_error && zstd.dict_id))
         memset(&zstd, 0, sizeof zstd);
@@ -315,13 +318,14 @@ VECTORIZE static int unfilter(int fid, const unsigned char *in, uint64_t n, unsi
     return 0;
 }
 
-/* One zstd frame into `out` (room for `cap` bytes); its decoded length, or -1. */
+/* One zstd frame into `out` (room for `cap` bytes); its decoded length, -1 if the bytes do
+ * not decode, or -ENOMEM (the memory of the moment, not the bytes: the file is not bad). */
 static int64_t unzstd(const struct fanfs_dicts *dicts, const unsigned char *in, uint32_t n,
                       unsigned char *out, uint64_t cap) {
     unsigned id;
     size_t r;
     if (dctx == NULL && (dctx = zstd.create_dctx()) == NULL)
-        return -1;
+        return -ENOMEM;
     id = zstd.dict_id(in, n);
     if (id != 0) {
         if (dicts == NULL || id > (unsigned)dicts->n)
@@ -330,7 +334,11 @@ static int64_t unzstd(const struct fanfs_dicts *dicts, const unsigned char *in, 
     } else {
         r = zstd.decompress_dctx(dctx, out, cap, in, n);
     }
-    return zstd.is_error(r) ? -1 : (int64_t)r;
+    if (!zstd.is_error(r))
+        return (int64_t)r;
+    return zstd.error_code != NULL && zstd.error_code(r) == ZSTD_ERROR_MEMORY_ALLOCATION
+               ? -ENOMEM
+               : -1;
 }
 
 int fanfs_decode(const struct fanfs_dicts *dicts, const struct fanfs_piece *p,
@@ -363,7 +371,7 @@ int fanfs_decode(const struct fanfs_dicts *dicts, const struct fanfs_piece *p,
     }
     if (fid == 0) {
         got = unzstd(dicts, in, n, out, p->size);
-        return got == (int64_t)p->size ? 0 : FANFS_EBADDATA;
+        return got == -ENOMEM ? ENOMEM : got == (int64_t)p->size ? 0 : FANFS_EBADDATA;
     }
     if (filter_width(fid) == 0)
         return FANFS_EBADDATA;
@@ -372,8 +380,9 @@ int fanfs_decode(const struct fanfs_dicts *dicts, const struct fanfs_piece *p,
     if (filtered == NULL)
         return ENOMEM;
     got = unzstd(NULL, in, n, (unsigned char *)filtered, cap);
-    err = got < 0 ? FANFS_EBADDATA
-                  : unfilter(fid, (unsigned char *)filtered, (uint64_t)got, out, p->size);
+    err = got == -ENOMEM ? ENOMEM
+          : got < 0      ? FANFS_EBADDATA
+                         : unfilter(fid, (unsigned char *)filtered, (uint64_t)got, out, p->size);
     scratch_done(filtered);
     return err;
 }

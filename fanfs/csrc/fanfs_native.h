@@ -130,7 +130,8 @@ void fanfs_read_counters(struct fanfs_read_stats *out);
 /* -- pool.c: the threads that answer FUSE READs ------------------------------------------ */
 
 /* Start `nthreads` threads (idempotent); a failed job posts a 16-byte record (entry, errno, 0)
- * on `errfd` (a non-blocking pipe). 0 or -errno. */
+ * on `errfd` (a non-blocking pipe): FANFS_EBADCRC and FANFS_EBADDATA say the file is bad,
+ * any other errno a failure of the moment. 0 or -errno. */
 int fanfs_pool_start(int nthreads, int errfd);
 /* Answer every queued READ, stop the threads and the pusher, free the cache. Call before the
  * FUSE session is destroyed. */
@@ -188,7 +189,8 @@ uint64_t fanfs_pool_fast_count(void); /* READs answered by it */
 void fanfs_pool_plan_mark(uint64_t e, int flag, int on);
 
 /* The fast path's job for a READ of inode `ino`: 0, or -1 when Python must answer it
- * (entries whose job failed once go to Python from then on, which knows them bad). */
+ * (entries whose stored bytes failed their check or decode go to Python from then on, which
+ * knows them bad; a failure of the moment, ENOMEM or a disk's EIO, marks nothing). */
 int fanfs_pool_fast_job(uint64_t ino, int64_t off, uint64_t size, struct fanfs_job *j);
 int fanfs_pool_fast_on(void); /* whether the fast path is on */
 /* Answer a READ of inode `ino` taken from the FUSE device `fd` (request `unique`) with the

@@ -904,14 +904,19 @@ void fanfs_remote_counters(uint64_t out[3]) {
     out[2] = __atomic_load_n(&rq.looked_up, __ATOMIC_RELAXED);
 }
 
+/* Whether a failure is the stored bytes' own (a failed check or decode: every later read
+ * fails the same way), not the moment's (ENOMEM, EIO from the disk, EINTR, EAGAIN, ...: the
+ * READ is answered with an error, and the next one tries again). */
+static int bad_data(int err) { return err == FANFS_EBADCRC || err == FANFS_EBADDATA; }
+
 static void post_error(int64_t entry, int err) {
-    /* A full pipe loses the record; the file is still answered EIO on every read. */
+    /* A full pipe loses the record; a bad file is still answered EIO on every read. */
     struct {
         int64_t entry;
         int32_t err, pad;
     } rec = {entry, err, 0};
     ssize_t posted;
-    if (fast.bad != NULL && entry >= 0 && (uint64_t)entry < fast.t.n)
+    if (bad_data(err) && fast.bad != NULL && entry >= 0 && (uint64_t)entry < fast.t.n)
         __atomic_store_n(&fast.bad[entry], 1, __ATOMIC_RELAXED);
     posted = pool.errfd >= 0 ? write(pool.errfd, &rec, sizeof rec) : 0;
     (void)posted;

@@ -8,7 +8,8 @@ them and answer the kernel without the GIL or the event loop. Then they push wha
 not ask for of the pieces they decoded into the kernel's page cache, so a large file costs one
 or two round trips (the kernel's READs are at most 128 KiB for an unprivileged mount). A
 failure answers EIO and posts an `ERROR_RECORD` on a pipe, which `NativePool.errors` turns
-into the bad-file registry's marks.
+into the bad-file registry's marks when the stored bytes are bad (a failure of the moment,
+ENOMEM or a disk's EIO, marks nothing: the next READ tries again).
 
 `NativePool` says whether the pool runs and decodes (the Reader asks it) and builds the jobs
 from the catalog. Registering the hook with pyfuse3 comes in from fuse_ops (`install_hook`),
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import logging
 import os
 import struct
@@ -55,6 +57,9 @@ JOB_FIELDS = lib.JOB_FIELDS  # a job's header; then 6 numbers per piece
 INODE_BASE = 1  # inode = entry + INODE_BASE (pyfuse3.ROOT_INODE; fuse_ops checks it)
 # The pool's failure record (native byte order): entry, errno, padding.
 ERROR_RECORD = struct.Struct("=qii")
+# The errnos of a record that make a file bad: its stored bytes fail their CRC-32, or do not
+# decode. Any other is a failure of the moment (ENOMEM, a disk's EIO): nothing is marked.
+BAD_DATA = frozenset((errno.EBADMSG, errno.EILSEQ))
 KIND_RAW, KIND_ZSTD, KIND_FILTERED, KIND_FILTER = (
     lib.KIND_RAW, lib.KIND_ZSTD, lib.KIND_FILTERED, lib.KIND_FILTER)  # fmt: skip
 # (fd, dfd, entry, inode, base, skip, count, flags), then per stored piece (offset, length,
@@ -309,7 +314,10 @@ class NativePool:
             lib.pool_plan_mark(entry, lib.PLAN_AHEAD, ahead)
 
     async def errors(self) -> None:
-        """Mark every file the pool reports as bad, until the pool stops."""
+        """Mark the files the pool reports bad (their stored bytes fail their check or do not
+        decode), until the pool stops. Other failures (ENOMEM, a disk's EIO) are the
+        moment's: the READ was answered EIO, the next one tries again, so they are logged
+        only."""
         while True:
             await trio.lowlevel.wait_readable(self._rfd)
             try:
@@ -319,8 +327,12 @@ class NativePool:
             if not records:
                 return  # the pool has stopped and its end is closed
             for entry, err, _ in ERROR_RECORD.iter_unpack(records):
-                if 0 <= entry < self.catalog.n_entries:
+                if 0 <= entry < self.catalog.n_entries and err in BAD_DATA:
                     self.failed(entry, CorruptFile(lib.failure_reason(err)))
+                elif 0 <= entry < self.catalog.n_entries:
+                    log.warning("native read pool: a READ of %s failed (%s), answered EIO",
+                                os.fsdecode(b"/" + self.catalog.path(entry)),
+                                lib.failure_reason(err))  # fmt: skip
                 else:  # a record the pool would never write: not worth ending the daemon
                     log.error("native read pool reported entry %d, errno %d", entry, err)
 
