@@ -153,3 +153,62 @@ def test_a_peer_asking_too_much_gets_refusals_and_no_memory(tmp_path: Path) -> N
         (base / "done").touch()
         launch.stop_process(proc, [mnt])  # type: ignore[arg-type]
         assert mounts.find(mnt) is None
+
+
+THREAD_BUFFERS = r"""
+import os, sys, threading
+import numpy as np, zstandard
+from fanfs import filters, native
+from fanfs.native import lib
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+rng = np.random.default_rng(5)
+data = rng.random(3 << 18).astype("f4").tobytes()  # 3 MiB: little to compress
+stored = zstandard.ZstdCompressor().compress(filters.encode(filters.SHUFFLE4, data))
+kind = lib.KIND_FILTER + filters.SHUFFLE4
+raw = rng.bytes(3 << 20)
+path = sys.argv[1]
+with open(path, "wb") as f:
+    f.write(stored + raw)
+fd = os.open(path, os.O_RDONLY)
+crc = native.crc32(stored)
+jobs = [(fd, -1, 0, 1, 0, 0, len(data), 0, 0, len(stored), crc, kind, len(data), 0),
+        (fd, -1, 1, 2, 0, 0, len(raw), 0, len(stored), len(raw), native.crc32(raw),
+         lib.KIND_RAW, len(raw), 0)]
+start, go, done = rss(), threading.Barrier(49), threading.Event()
+
+def work():
+    assert native.decode(stored, kind, len(data)) == data
+    for job in jobs:  # the pool's code: stored bytes and a decoded file in its own buffers
+        lib.run_job(job)
+    go.wait()
+    done.wait()
+
+threads = [threading.Thread(target=work) for _ in range(48)]
+for t in threads:
+    t.start()
+go.wait()
+alive = rss() - start
+done.set()
+for t in threads:
+    t.join()
+print(alive, rss() - start)
+"""
+
+
+def test_threads_keep_bounded_buffers_and_free_them_as_they_end(tmp_path: Path) -> None:
+    """48 threads decode a 3 MiB filtered piece and run the pool's jobs on 3 MiB files: what
+    they keep for their next piece is bounded for all of them together (64 MiB), not per
+    thread (about 1 GiB at 64 threads), and all of it goes once they end (trio's worker
+    threads end after 10 s idle). glibc's mmap threshold is fixed so that freed buffers leave
+    the resident memory at once."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(64 << 10)}
+    out = subprocess.run([sys.executable, "-c", THREAD_BUFFERS, str(tmp_path / "part")],
+                         capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    alive, ended = (int(x) for x in out.stdout.split())
+    assert alive < 100 * MIB, f"{alive / MIB:.0f} MiB kept by 48 threads"
+    assert ended < 16 * MIB, f"{ended / MIB:.0f} MiB left by 48 threads that ended"

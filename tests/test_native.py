@@ -348,8 +348,8 @@ def stress_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # The harness's checks this test runs (all of them once each finding is fixed).
-STRESS_PARTS = "remote swap transient"
-STRESS_LEAKS = False
+STRESS_PARTS = "remote swap transient cache ended"
+STRESS_LEAKS = True
 
 
 def _fuse3(flag: str) -> list[str]:

@@ -156,30 +156,86 @@ char *fanfs_alloc(uint64_t size, uint32_t *cap) {
     return p;
 }
 
-/* Per-thread scratch for the filtered bytes between zstd and a filter, kept between calls
- * (a fresh one per piece costs page faults: glibc maps blocks of 128 KiB and more straight from
- * the kernel) up to SCRATCH_KEEP. */
-#define SCRATCH_KEEP (8u << 20)
-static __thread char *scratch;
-static __thread uint64_t scratch_cap;
-static __thread zstd_dctx *dctx;
+/* -- a thread's own buffers -----------------------------------------------------------------
+ * Kept between calls (a fresh one per piece costs page faults: glibc maps blocks of 128 KiB and
+ * more straight from the kernel), each up to TLS_KEEP_ONE, and all threads' together up to
+ * TLS_KEEP_ALL (`tls_kept`): with 64 threads, per-thread buffers kept at their largest would
+ * hold about 1 GiB. What a thread holds goes with it: a pthread key's destructor frees it
+ * when the thread ends (trio's worker threads end after 10 s idle). */
+#define TLS_KEEP_ONE (4u << 20)
+#define TLS_KEEP_ALL (64u << 20)
 
-static char *scratch_get(uint64_t len) {
-    if (len <= scratch_cap)
-        return scratch;
-    if (len > SCRATCH_KEEP)
-        return malloc(len);
-    free(scratch);
-    scratch_cap = 0;
-    scratch = malloc(SCRATCH_KEEP);
-    if (scratch != NULL)
-        scratch_cap = SCRATCH_KEEP;
-    return scratch;
+static pthread_key_t tls_key;
+static pthread_once_t tls_once = PTHREAD_ONCE_INIT;
+static int tls_key_ok;
+static __thread struct fanfs_tls *tls; /* (the key's value, without a call to get it) */
+static uint64_t tls_kept;              /* bytes all threads keep (atomic) */
+
+static void tbuf_free(struct fanfs_tbuf *b) {
+    __atomic_sub_fetch(&tls_kept, b->counted, __ATOMIC_RELAXED);
+    free(b->buf);
+    b->buf = NULL;
+    b->cap = b->counted = 0;
 }
 
-static void scratch_done(char *p) {
-    if (p != scratch)
-        free(p);
+static void tls_end(void *arg) {
+    struct fanfs_tls *t = arg;
+    tbuf_free(&t->stored);
+    tbuf_free(&t->out);
+    tbuf_free(&t->scratch);
+    if (t->dctx != NULL)
+        zstd.free_dctx(t->dctx);
+    free(t);
+    tls = NULL;
+}
+
+static void tls_key_make(void) { tls_key_ok = pthread_key_create(&tls_key, tls_end) == 0; }
+
+struct fanfs_tls *fanfs_tls(void) {
+    struct fanfs_tls *t = tls;
+    if (t != NULL)
+        return t;
+    pthread_once(&tls_once, tls_key_make);
+    if (!tls_key_ok || (t = calloc(1, sizeof *t)) == NULL)
+        return NULL;
+    if (pthread_setspecific(tls_key, t) != 0) {
+        free(t);
+        return NULL;
+    }
+    return tls = t;
+}
+
+void fanfs_tbuf_settle(struct fanfs_tbuf *b) {
+    __atomic_sub_fetch(&tls_kept, b->counted, __ATOMIC_RELAXED);
+    b->counted = 0;
+    if (b->buf == NULL)
+        return;
+    if (b->cap <= TLS_KEEP_ONE &&
+        __atomic_add_fetch(&tls_kept, b->cap, __ATOMIC_RELAXED) <= TLS_KEEP_ALL) {
+        b->counted = b->cap;
+        return;
+    }
+    if (b->cap <= TLS_KEEP_ONE)
+        __atomic_sub_fetch(&tls_kept, b->cap, __ATOMIC_RELAXED);
+    free(b->buf);
+    b->buf = NULL;
+    b->cap = 0;
+}
+
+uint64_t fanfs_tls_kept(void) { return __atomic_load_n(&tls_kept, __ATOMIC_RELAXED); }
+
+/* The scratch for `len` filtered bytes (the thread's, grown to it), or NULL (ENOMEM). */
+static char *scratch_get(struct fanfs_tls *t, uint64_t len) {
+    uint32_t cap;
+    char *p;
+    if (len <= t->scratch.cap)
+        return t->scratch.buf;
+    if (len > UINT32_MAX || (p = fanfs_alloc(len, &cap)) == NULL)
+        return NULL;
+    tbuf_free(&t->scratch);
+    t->scratch.buf = p;
+    t->scratch.cap = cap;
+    return p;
 }
 
 /* -- filters: the inverse of fanfs/filters.py, byte for byte ------------------------------ */
@@ -320,11 +376,12 @@ VECTORIZE static int unfilter(int fid, const unsigned char *in, uint64_t n, unsi
 
 /* One zstd frame into `out` (room for `cap` bytes); its decoded length, -1 if the bytes do
  * not decode, or -ENOMEM (the memory of the moment, not the bytes: the file is not bad). */
-static int64_t unzstd(const struct fanfs_dicts *dicts, const unsigned char *in, uint32_t n,
-                      unsigned char *out, uint64_t cap) {
+static int64_t unzstd(struct fanfs_tls *t, const struct fanfs_dicts *dicts,
+                      const unsigned char *in, uint32_t n, unsigned char *out, uint64_t cap) {
     unsigned id;
     size_t r;
-    if (dctx == NULL && (dctx = zstd.create_dctx()) == NULL)
+    zstd_dctx *dctx = t->dctx;
+    if (dctx == NULL && (t->dctx = dctx = zstd.create_dctx()) == NULL)
         return -ENOMEM;
     id = zstd.dict_id(in, n);
     if (id != 0) {
@@ -348,6 +405,7 @@ int fanfs_decode(const struct fanfs_dicts *dicts, const struct fanfs_piece *p,
     uint64_t cap;
     int64_t got;
     char *filtered;
+    struct fanfs_tls *t;
 
     if (p->kind == FANFS_KIND_RAW) {
         if (n != p->size)
@@ -358,6 +416,8 @@ int fanfs_decode(const struct fanfs_dicts *dicts, const struct fanfs_piece *p,
     }
     if (zstd.create_dctx == NULL)
         return ENOSYS;
+    if ((t = fanfs_tls()) == NULL)
+        return ENOMEM;
     if (p->kind == FANFS_KIND_FILTERED) {
         if (n < 2)
             return FANFS_EBADDATA;
@@ -370,20 +430,20 @@ int fanfs_decode(const struct fanfs_dicts *dicts, const struct fanfs_piece *p,
         return FANFS_EBADDATA;
     }
     if (fid == 0) {
-        got = unzstd(dicts, in, n, out, p->size);
+        got = unzstd(t, dicts, in, n, out, p->size);
         return got == -ENOMEM ? ENOMEM : got == (int64_t)p->size ? 0 : FANFS_EBADDATA;
     }
     if (filter_width(fid) == 0)
         return FANFS_EBADDATA;
     cap = filtered_max(fid, p->size);
-    filtered = scratch_get(cap);
+    filtered = scratch_get(t, cap);
     if (filtered == NULL)
         return ENOMEM;
-    got = unzstd(NULL, in, n, (unsigned char *)filtered, cap);
+    got = unzstd(t, NULL, in, n, (unsigned char *)filtered, cap);
     err = got == -ENOMEM ? ENOMEM
           : got < 0      ? FANFS_EBADDATA
                          : unfilter(fid, (unsigned char *)filtered, (uint64_t)got, out, p->size);
-    scratch_done(filtered);
+    fanfs_tbuf_settle(&t->scratch); /* kept for the next piece, or freed */
     return err;
 }
 

@@ -121,6 +121,26 @@ int fanfs_read_stored(int fd, int dfd, const struct fanfs_piece *p, char **buf, 
 /* An aligned buffer of at least `size` bytes (*cap set to what it holds); free() frees it. */
 char *fanfs_alloc(uint64_t size, uint32_t *cap);
 
+/* A thread's own buffers (codec.c), kept between calls and freed when the thread ends. Only
+ * the thread that owns them touches them. */
+struct fanfs_tbuf {
+    char *buf; /* from fanfs_alloc, or NULL */
+    uint32_t cap;
+    uint32_t counted; /* bytes of it counted as kept (fanfs_tbuf_settle) */
+};
+struct fanfs_tls {
+    struct fanfs_tbuf stored, out; /* the pool's: stored bytes read for a decode, a decoded file */
+    struct fanfs_tbuf scratch;     /* codec.c's: the filtered bytes between zstd and a filter */
+    void *dctx;                    /* codec.c's: zstd's decompression context */
+};
+/* The calling thread's buffers, or NULL (ENOMEM). */
+struct fanfs_tls *fanfs_tls(void);
+/* After a call used `b`: keep it for the next, or free it when it is larger than one thread
+ * may keep or all threads keep too much already. */
+void fanfs_tbuf_settle(struct fanfs_tbuf *b);
+/* Bytes all threads keep (for the tests). */
+uint64_t fanfs_tls_kept(void);
+
 /* Reading counters since start (any thread). */
 struct fanfs_read_stats {
     uint64_t cached, direct, buffered; /* pieces read from the page cache, O_DIRECT, buffered */

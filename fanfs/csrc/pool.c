@@ -40,7 +40,11 @@
 #define SLOTS 32
 #define CACHE_BYTES (64u << 20)
 #define SPARES 8          /* freed piece buffers kept for the next piece: pages mapped already */
-#define KEEP (4u << 20)   /* a thread's own buffers are kept up to this size */
+/* A spare is kept only up to one compressed piece (4 MiB, plus a direct read's alignment) and
+ * SPARE_BYTES in all: a larger buffer is rarely asked for again, and a spare is memory that
+ * the cache's budget does not see. */
+#define SPARE_MAX ((4u << 20) + 2 * FANFS_DIRECT_ALIGN)
+#define SPARE_BYTES (16u << 20)
 #define PUSH_MAX 64       /* queued pushes; beyond, a piece is not pushed (the kernel READs it) */
 #define WAITING (1 << 30) /* piece_get: the job was hung on a piece being read */
 
@@ -84,6 +88,7 @@ struct slot {
     uint8_t kind;          /* the key: where the stored piece is, and what it is */
     char *buf;             /* its allocation (NULL: an empty slot, or pending) */
     uint32_t cap;
+    uint32_t charge;       /* bytes counted for it in cache.bytes: its allocation's, once made */
     const char *data;      /* its decoded bytes, inside buf */
     int refs;              /* replies and pushes using it: never evicted while > 0 */
     int pending;           /* a thread is reading it */
@@ -101,7 +106,9 @@ static struct {
         char *buf;
         uint32_t cap;
     } spare[SPARES];
-    uint64_t clock, bytes, hits, misses;
+    uint64_t spare_bytes; /* their caps */
+    uint64_t clock, hits, misses;
+    uint64_t bytes; /* what the slots hold or will: their charges (about CACHE_BYTES at most) */
     int ahead;   /* pending peers' pieces reserved at LOOKUP (at most LA_REMOTE_MAX) */
     int waiting; /* READs of the front waiting for a peer's piece (at most rq.max_waiting) */
 } cache = {.lock = PTHREAD_MUTEX_INITIALIZER, .ready = PTHREAD_COND_INITIALIZER};
@@ -150,20 +157,13 @@ static struct {
     uint64_t pushes, bytes, skipped;
 } push = {.lock = PTHREAD_MUTEX_INITIALIZER, .cond = PTHREAD_COND_INITIALIZER};
 
-/* A thread's own buffers: stored bytes read for a decode, and a decoded whole file. */
-static __thread char *tstored, *tout;
-static __thread uint32_t tstored_cap, tout_cap;
-
+/* After a job: the thread's own buffers (fanfs_tls: stored bytes read for a decode, a decoded
+ * whole file) kept for the next within codec.c's bounds, or freed. */
 static void thread_buffers_trim(void) {
-    if (tstored_cap > KEEP) {
-        free(tstored);
-        tstored = NULL;
-        tstored_cap = 0;
-    }
-    if (tout_cap > KEEP) {
-        free(tout);
-        tout = NULL;
-        tout_cap = 0;
+    struct fanfs_tls *t = fanfs_tls();
+    if (t != NULL) {
+        fanfs_tbuf_settle(&t->stored);
+        fanfs_tbuf_settle(&t->out);
     }
 }
 
@@ -172,14 +172,16 @@ static char *piece_alloc(uint64_t size, uint32_t *cap) {
     int i, best = -1;
     char *buf = NULL;
     pthread_mutex_lock(&cache.lock);
-    for (i = 0; i < SPARES; i++)
+    for (i = 0; i < SPARES; i++) /* (one much larger than asked would be charged in full) */
         if (cache.spare[i].buf != NULL && cache.spare[i].cap >= size &&
+            cache.spare[i].cap <= 2 * size + 2 * FANFS_DIRECT_ALIGN &&
             (best < 0 || cache.spare[i].cap < cache.spare[best].cap))
             best = i;
     if (best >= 0) {
         buf = cache.spare[best].buf;
         *cap = cache.spare[best].cap;
         cache.spare[best].buf = NULL;
+        cache.spare_bytes -= *cap;
     }
     pthread_mutex_unlock(&cache.lock);
     return buf != NULL ? buf : fanfs_alloc(size, cap);
@@ -190,12 +192,14 @@ static void piece_free_locked(char *buf, uint32_t cap) {
     int i;
     if (buf == NULL)
         return;
-    for (i = 0; i < SPARES; i++)
-        if (cache.spare[i].buf == NULL) {
-            cache.spare[i].buf = buf;
-            cache.spare[i].cap = cap;
-            return;
-        }
+    if (cap <= SPARE_MAX && cache.spare_bytes + cap <= SPARE_BYTES)
+        for (i = 0; i < SPARES; i++)
+            if (cache.spare[i].buf == NULL) {
+                cache.spare[i].buf = buf;
+                cache.spare[i].cap = cap;
+                cache.spare_bytes += cap;
+                return;
+            }
     free(buf);
 }
 
@@ -203,6 +207,14 @@ static void piece_free(char *buf, uint32_t cap) {
     pthread_mutex_lock(&cache.lock);
     piece_free_locked(buf, cap);
     pthread_mutex_unlock(&cache.lock);
+}
+
+/* What a piece's buffer will take, as counted before it is allocated: its decoded size in
+ * whole pages (a raw piece's buffer also holds a direct read's alignment). Settled at the
+ * allocation's own size when the slot is filled. */
+static uint32_t piece_charge(const struct fanfs_piece *p) {
+    uint64_t n = p->kind == FANFS_KIND_RAW ? (uint64_t)p->len + 2 * FANFS_DIRECT_ALIGN : p->size;
+    return (uint32_t)((n + FANFS_DIRECT_ALIGN - 1) / FANFS_DIRECT_ALIGN * FANFS_DIRECT_ALIGN);
 }
 
 static int slot_is(const struct slot *s, int fd, const struct fanfs_piece *p) {
@@ -234,7 +246,8 @@ static int slot_room(uint32_t size) {
         if (victim < 0)
             return -1;
         s = &cache.slot[victim];
-        cache.bytes -= s->size;
+        cache.bytes -= s->charge;
+        s->charge = 0;
         piece_free_locked(s->buf, s->cap);
         s->buf = NULL;
         s->data = NULL;
@@ -270,8 +283,12 @@ static struct qjob *slot_fill_locked(int i, char *buf, uint32_t cap, const char 
     s->cap = cap;
     s->data = data;
     if (buf == NULL) {
-        cache.bytes -= s->size;
+        cache.bytes -= s->charge;
+        s->charge = 0;
         s->refs = 0;
+    } else { /* what it allocated, counted from now on */
+        cache.bytes += (uint64_t)cap - s->charge;
+        s->charge = cap;
     }
     if (s->ahead) {
         s->ahead = 0;
@@ -305,6 +322,7 @@ static int load_piece(const struct fanfs_job *j, const struct fanfs_piece *p,
                       const char **data) {
     int err;
     const char *at;
+    struct fanfs_tls *t;
     if (p->kind == FANFS_KIND_RAW) {
         if (p->len != p->size)
             return FANFS_EBADDATA;
@@ -315,7 +333,9 @@ static int load_piece(const struct fanfs_job *j, const struct fanfs_piece *p,
         *data = at;
         return err;
     }
-    err = fanfs_read_stored(j->fd, j->dfd, p, &tstored, &tstored_cap, &at);
+    if ((t = fanfs_tls()) == NULL)
+        return ENOMEM;
+    err = fanfs_read_stored(j->fd, j->dfd, p, &t->stored.buf, &t->stored.cap, &at);
     if (err != 0)
         return err;
     *buf = piece_alloc(p->size, cap);
@@ -345,6 +365,7 @@ static int piece_get(struct qjob *qj, const struct fanfs_job *j, int k,
     char *buf = NULL;
     uint32_t cap = 0;
     const char *data = NULL, *at;
+    struct fanfs_tls *t;
 
     g->slot = -1;
     g->own = NULL;
@@ -382,7 +403,9 @@ static int piece_get(struct qjob *qj, const struct fanfs_job *j, int k,
             return 0;
         }
         pthread_mutex_unlock(&cache.lock);
-        err = fanfs_read_stored(j->fd, j->dfd, p, &tstored, &tstored_cap, &at);
+        if ((t = fanfs_tls()) == NULL)
+            return ENOMEM;
+        err = fanfs_read_stored(j->fd, j->dfd, p, &t->stored.buf, &t->stored.cap, &at);
         if (err != 0)
             return err;
         g->fresh = 1;
@@ -391,15 +414,15 @@ static int piece_get(struct qjob *qj, const struct fanfs_job *j, int k,
             return p->len == p->size ? 0 : FANFS_EBADDATA;
         }
         if (j->npieces == 1) {
-            if (p->size > tout_cap) {
+            if (p->size > t->out.cap || t->out.buf == NULL) {
                 char *n = fanfs_alloc(p->size, &cap);
                 if (n == NULL)
                     return ENOMEM;
-                free(tout);
-                tout = n;
-                tout_cap = cap;
+                free(t->out.buf); /* (its count is redone when it is settled) */
+                t->out.buf = n;
+                t->out.cap = cap;
             }
-            g->data = tout;
+            g->data = t->out.buf;
         } else {
             if ((g->own = piece_alloc(p->size, &g->cap)) == NULL)
                 return ENOMEM;
@@ -436,7 +459,7 @@ static int piece_get(struct qjob *qj, const struct fanfs_job *j, int k,
         return 0;
     }
     cache.misses++;
-    found = slot_room(p->size);
+    found = slot_room(piece_charge(p));
     if (found >= 0) {
         struct slot *s = &cache.slot[found];
         s->fd = j->fd;
@@ -450,7 +473,8 @@ static int piece_get(struct qjob *qj, const struct fanfs_job *j, int k,
         s->unpushed = 0;
         s->refs = 1; /* ours */
         s->waiters = NULL;
-        cache.bytes += p->size; /* counted now: the room is taken */
+        s->charge = piece_charge(p);
+        cache.bytes += s->charge; /* counted now: the room is taken */
     }
     pthread_mutex_unlock(&cache.lock);
     err = load_piece(j, p, dicts, &buf, &cap, &data);
@@ -682,7 +706,7 @@ static int remote_reserve(const struct fanfs_job *j, const struct fanfs_piece *p
     struct slot *s;
     if (!__atomic_load_n(&fast.on, __ATOMIC_ACQUIRE)) /* a stop gave up what was pending */
         return -1;
-    if ((i = slot_room(p->size)) < 0)
+    if ((i = slot_room(piece_charge(p))) < 0)
         return -1;
     s = &cache.slot[i];
     s->fd = j->fd;
@@ -697,7 +721,8 @@ static int remote_reserve(const struct fanfs_job *j, const struct fanfs_piece *p
     s->ahead = ahead;
     s->refs = 0;
     s->waiters = NULL;
-    cache.bytes += p->size;
+    s->charge = piece_charge(p);
+    cache.bytes += s->charge;
     cache.ahead += ahead;
     if (rq_push(i, j, p, ahead) != 0) {
         slot_fill_locked(i, NULL, 0, NULL); /* nobody could hang on it meanwhile */
@@ -1009,7 +1034,7 @@ static void run_ahead(struct qjob *qj) {
         held = 0;
         for (i = 0; i < SLOTS; i++)
             held |= slot_is(&cache.slot[i], j->fd, p);
-        slot = held ? -1 : slot_room(p->size);
+        slot = held ? -1 : slot_room(piece_charge(p));
         if (slot >= 0) {
             struct slot *s = &cache.slot[slot];
             s->fd = j->fd;
@@ -1023,7 +1048,8 @@ static void run_ahead(struct qjob *qj) {
             s->unpushed = !(j->flags & FANFS_JOB_PUSH) || j->ino == 0;
             s->refs = 1;
             s->waiters = NULL;
-            cache.bytes += p->size;
+            s->charge = piece_charge(p);
+            cache.bytes += s->charge;
         }
         pthread_mutex_unlock(&cache.lock);
         if (slot >= 0) {
@@ -1131,11 +1157,7 @@ static void *thread_main(void *arg) {
             run_ahead(qj);
         thread_buffers_trim();
     }
-    free(tstored);
-    free(tout);
-    tstored = tout = NULL;
-    tstored_cap = tout_cap = 0;
-    return NULL;
+    return NULL; /* (its own buffers are freed as it ends: fanfs_tls) */
 }
 
 int fanfs_pool_start(int nthreads, int errfd) {
@@ -1235,7 +1257,8 @@ void fanfs_pool_drop(void) {
     for (i = 0; i < SLOTS; i++) {
         struct slot *s = &cache.slot[i];
         if (s->buf != NULL && s->refs == 0 && !s->pending) {
-            cache.bytes -= s->size;
+            cache.bytes -= s->charge;
+            s->charge = 0;
             piece_free_locked(s->buf, s->cap);
             s->buf = NULL;
             s->data = NULL;
@@ -1298,7 +1321,7 @@ void fanfs_pool_stop(void) {
         free(cache.spare[i].buf);
         cache.spare[i].buf = NULL;
     }
-    cache.bytes = 0;
+    cache.bytes = cache.spare_bytes = 0;
     pthread_mutex_unlock(&cache.lock);
 }
 
