@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import gc
 import os
 import random
 import re
@@ -12,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -510,3 +512,101 @@ def wait_gone(mountpoint: Path, timeout: float = 20) -> bool:
             return False
         time.sleep(0.05)
     return True
+
+
+# -- the MPI thread's receives, with a fake MPI ------------------------------------------------
+
+
+class _FakeMPI:
+    """What Inbox uses of mpi4py's MPI: a receive that MPI completes only `after` tests past
+    its cancel (a transfer under way), or never."""
+
+    BYTE = 1
+
+    class Exception(Exception):  # (mpi4py's name)
+        pass
+
+    class Request:
+        def __init__(self, after: int | None) -> None:
+            self.after, self.cancelled = after, False
+
+        def Test(self) -> bool:
+            if not self.cancelled or self.after is None:
+                return False
+            self.after -= 1
+            return self.after < 0
+
+        def Cancel(self) -> None:
+            self.cancelled = True
+
+        @staticmethod
+        def Testall(reqs: list[_FakeMPI.Request]) -> bool:
+            return all([r.Test() for r in reqs])
+
+
+class _FakeComm:
+    def __init__(self, size: int, after: int | None) -> None:
+        self.size, self.after, self.sent = size, after, False
+        self.requests: list[weakref.ref[_FakeMPI.Request]] = []
+
+    def Improbe(self, source: int, tag: int, status: _FakeStatus) -> object | None:
+        if self.sent:
+            return None
+        self.sent = True
+        status.count = self.size
+        comm = self
+
+        class Message:
+            def Irecv(self, buf: memoryview) -> _FakeMPI.Request:
+                req = _FakeMPI.Request(comm.after)
+                comm.requests.append(weakref.ref(req))
+                return req
+
+        return Message()
+
+
+class _Buffer(bytearray):
+    """A fetch's buffer that a weak reference can watch."""
+
+
+class _FakeStatus:
+    count = 0
+
+    def Get_count(self, datatype: int) -> int:
+        return self.count
+
+
+@pytest.mark.parametrize("after", [3, None])
+def test_a_receive_given_up_is_cancelled_and_kept_until_mpi_is_done(after: int | None) -> None:
+    """A fetch given up for good (its quarantine over) or a stop with a receive still active:
+    the receive is cancelled, and it and its buffer stay referenced while MPI may still write
+    into it (at the stop, a receive MPI never completes is kept for good)."""
+    from fanfs.node.transport import inbox as ib
+
+    released: list[int] = []
+    comm = _FakeComm(1000, after)
+    box = ib.Inbox(comm, _FakeMPI, 0.0, lambda job, n: None, released.append, lambda: None)
+    job = ib.Fetch(peer=1, length=1000, buf=_Buffer(1000))
+    buf = weakref.ref(job.buf)
+    box.expect(16, job)
+    status = _FakeStatus()
+    assert box.take_all(status)  # the reply is matched, its receive under way
+    box.forget(16)  # the fetch gives up (quarantined); its peer timeout is 0
+    del job
+    time.sleep(0.01)
+    box.take_all(status)  # the quarantine is over: the tag is free again
+    assert released == [16]
+    gc.collect()
+    req = comm.requests[0]()
+    assert req is not None and req.cancelled, "an active receive was let go, not cancelled"
+    assert buf() is not None, "the buffer of an active receive was freed"
+    del req
+    box.take_all(status)
+    box.close()  # the stop: a transfer that ends completes, one that never does is kept
+    gc.collect()
+    if after is None:
+        assert comm.requests[0]() is not None and buf() is not None
+        assert any(r is comm.requests[0]() for r, _ in ib._ABANDONED)
+        ib._ABANDONED.clear()
+    else:
+        assert comm.requests[0]() is None and buf() is None

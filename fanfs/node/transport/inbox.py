@@ -26,6 +26,12 @@ never allocated for). A fetch that gave up (a timeout) keeps its reply tag quara
 its late reply is drained (or QUARANTINE_TIMEOUTS peer timeouts pass), so a late reply can
 never be taken for a later fetch's.
 
+A receive that is still active when its fetch is given up for good (QUARANTINE_TIMEOUTS
+passed) or the transport stops is cancelled (MPI_Cancel), and it and its buffer stay
+referenced until MPI says it is complete (tested each turn; at the stop for at most
+SETTLE_S, then kept for the life of the process): an mpi4py request let go while active
+frees a buffer MPI may still write into.
+
 Concurrency: the MPI thread only, except `Fetch`, which a trio task or a thread waits on.
 """
 
@@ -34,7 +40,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +65,10 @@ DISCARD_MAX = MAX_REQUEST
 # A quarantined reply tag is released after this many peer timeouts even if its reply never
 # came (a dead peer): tags cycle through millions, so this only bounds the bookkeeping.
 QUARANTINE_TIMEOUTS = 10
+# How long the stop waits for cancelled receives to complete (a dead peer's may never): then
+# they are kept in _ABANDONED, never freed, rather than freed under MPI.
+SETTLE_S = 1.0
+_ABANDONED: list[tuple[Any, Any]] = []
 # Files one batch request names at most; its header is always BATCH_HEADER int64s.
 BATCH_MAX = 32
 BATCH_HEADER = 2 + BATCH_MAX
@@ -141,14 +151,17 @@ class _Incoming:
     got: int = 0
     replied: bool = False  # an empty reply came (a refusal, a ping's answer)
     reqs: list[Any] = field(default_factory=list)
+    bufs: list[Any] = field(default_factory=list)  # what each receive writes into, held
     until: float = 0.0  # quarantine: release the tag after this (monotonic)
 
-    def matched(self, size: int, req: Any | None = None) -> None:
-        """`size` more bytes of the reply were matched (`req`: their receive, if taken)."""
+    def matched(self, size: int, req: Any | None = None, buf: Any = None) -> None:
+        """`size` more bytes of the reply were matched (`req`: their receive into `buf`, if
+        taken)."""
         self.got += size
         self.replied |= size == 0
         if req is not None:
             self.reqs.append(req)
+            self.bufs.append(buf)
 
     def quarantine(self, until: float) -> None:
         """The fetch gave up: drain what comes until `until`."""
@@ -172,6 +185,8 @@ class Inbox:
         self.peer_timeout = peer_timeout
         self._deliver, self._release, self._malformed = deliver, release, malformed
         self.receiving: dict[int, _Incoming] = {}  # reply tag -> the reply being taken
+        # Cancelled receives MPI has not completed yet, with their buffers: kept until it has.
+        self._cancelled: list[tuple[Any, Any]] = []
 
     def expect(self, tag: int, job: Fetch) -> None:
         """A request with reply tag `tag` has been sent: take its reply as it comes."""
@@ -199,7 +214,50 @@ class Inbox:
         busy = False
         for tag, rec in list(self.receiving.items()):
             busy |= self._take(tag, rec, status)
+        if self._cancelled:
+            self._cancelled = [(r, b) for r, b in self._cancelled if not self._complete_now(r)]
         return busy
+
+    def close(self, sends: Sequence[tuple[Any, Any]] = ()) -> None:
+        """The transport stops: cancel every receive still active, wait at most SETTLE_S for
+        them and for `sends` (request, buffer) to complete, and keep what MPI still holds
+        for the life of the process."""
+        pending = list(self._cancelled) + list(sends)
+        for rec in self.receiving.values():
+            pending += self._cancel(rec)
+        self.receiving.clear()
+        self._cancelled = []
+        deadline = time.monotonic() + SETTLE_S
+        while pending and time.monotonic() < deadline:
+            pending = [(r, b) for r, b in pending if not self._complete_now(r)]
+            if pending:
+                time.sleep(0.001)
+        if pending:
+            log.warning("%d MPI transfers still active at the stop: their buffers are kept",
+                        len(pending))  # fmt: skip
+            _ABANDONED.extend(pending)
+
+    def _complete_now(self, req: Any) -> bool:
+        try:
+            return bool(req.Test())
+        except self.MPI.Exception:
+            return True  # (an error completes it too)
+
+    def _cancel(self, rec: _Incoming) -> list[tuple[Any, Any]]:
+        """Cancel `rec`'s receives that are still active; those MPI has not completed yet,
+        with their buffers."""
+        active = []
+        for req, buf in zip(rec.reqs, rec.bufs, strict=True):
+            if self._complete_now(req):
+                continue
+            try:
+                req.Cancel()
+            except self.MPI.Exception as e:
+                log.warning("a receive from rank %d could not be cancelled: %s", rec.peer, e)
+            if not self._complete_now(req):
+                active.append((req, buf))
+        rec.reqs, rec.bufs = [], []
+        return active
 
     def probe(self, source: int, tag: int, status: Any, buf: np.ndarray) -> int | None:
         """The size of the next message from `source` with `tag`, taken into `buf` if it is
@@ -252,7 +310,8 @@ class Inbox:
                     self._quarantine(rec)
                     self._deliver(job, -2)
                     return True
-                rec.matched(size, msg.Irecv(memoryview(job.buf)[rec.got : rec.got + size]))
+                view = memoryview(job.buf)[rec.got : rec.got + size]
+                rec.matched(size, msg.Irecv(view), view)
             done = bool(MPI.Request.Testall(rec.reqs)) if rec.reqs else True
         except MPI.Exception as e:
             log.warning("bad reply from rank %d: %s", rec.peer, e)
@@ -262,6 +321,9 @@ class Inbox:
             return True
         if job is None:  # drained, or its peer is quiet too long: the tag is free again
             if (done and (rec.replied or rec.got >= rec.expect)) or time.monotonic() > rec.until:
+                # (Receives of matched messages still active are cancelled and kept until
+                # MPI completes them: the tag is free, their messages are theirs already.)
+                self._cancelled += self._cancel(rec)
                 del self.receiving[tag]
                 self._release(tag)
             return moved

@@ -417,6 +417,7 @@ class MpiTransport(PeerTransport):
                 busy = True
                 cmd = self._cmds.get_nowait()
                 if isinstance(cmd, _Stop):
+                    inbox.close([(req, buf) for req, buf, _ in sending])
                     return
                 self._command(cmd, inbox, sending)
             asked = self._take_asked
