@@ -333,7 +333,7 @@ def stress_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
         pieces.append((plain.compress(encoded), lib.KIND_FILTER + filters.SHUFFLE4, data))
     big = rng.bytes(6 << 20)
     pieces.append((big, lib.KIND_RAW, big))
-    lines, part, dec, off, doff = [], bytearray(), bytearray(), 0, 0
+    lines, part, dec = [], bytearray(), bytearray()
     for stored, kind, data in pieces:
         part += bytes(int(rng.integers(0, 5000)))  # pieces at any offset
         off = len(part)
