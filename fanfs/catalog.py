@@ -11,10 +11,12 @@ Invariants (checked by `Catalog.from_bytes`, documented in docs/format.md):
   size; a file compressed whole is at most WHOLE_DECODE_MAX bytes decoded, and framed files use
   the one frame size prepare writes (FRAME_SIZE): what one decode may cost in memory is bounded
   by what prepare writes, not by what a hostile catalog claims.
+- `blocks` (st_blocks of the source, 512-byte units) is at most BLOCKS_MAX, so that stat's users
+  can turn it into bytes; a version-2 image has none and reads as the size rounded up.
 - Regular files point into a partition (`part`, `data_off`, `stored_len`) that lies within the
   partition's recorded size; symlinks keep their target in the string table.
 The catalog is immutable after load: it needs no locks and is shared by every task and thread.
-Memory: 69 bytes per entry in the columns plus the names, no Python object per entry.
+Memory: 77 bytes per entry in the columns plus the names, no Python object per entry.
 """
 
 from __future__ import annotations
@@ -41,6 +43,12 @@ from fanfs.format import (
 )
 from fanfs.format import (  # the format's names, re-exported: cat.CODEC_RAW and the rest
     ALIGN as ALIGN,
+)
+from fanfs.format import (
+    BLOCK_UNIT as BLOCK_UNIT,
+)
+from fanfs.format import (
+    BLOCKS_MAX as BLOCKS_MAX,
 )
 from fanfs.format import (
     CATALOG_NAME as CATALOG_NAME,
@@ -103,6 +111,9 @@ from fanfs.format import (
     PARTITION_COLUMNS as PARTITION_COLUMNS,
 )
 from fanfs.format import (
+    READ_VERSIONS as READ_VERSIONS,
+)
+from fanfs.format import (
     S_IFMT as S_IFMT,
 )
 from fanfs.format import (
@@ -116,6 +127,9 @@ from fanfs.format import (
 )
 from fanfs.format import (
     _padded as _padded,
+)
+from fanfs.format import (
+    blocks_of_size as blocks_of_size,
 )
 from fanfs.format import (
     n_frames as n_frames,
@@ -154,7 +168,9 @@ class Catalog:
         strings: bytes,
         meta: dict[str, Any],
         frame_size: int = 0,
+        version: int = VERSION,
     ):
+        self.version = version
         self.parent = columns["parent"]
         self.mode = columns["mode"]
         self.mtime_ns = columns["mtime_ns"]
@@ -168,6 +184,7 @@ class Catalog:
         self.stored_len = columns["stored_len"]
         self.crc = columns["crc"]
         self.codec = columns["codec"]
+        self.blocks = columns["blocks"]
         self.part_size = columns["part_size"]
         self.part_files = columns["part_files"]
         self.part_flags = columns["part_flags"]
@@ -221,15 +238,16 @@ class Catalog:
         strings_len, meta_len, body_len, body_sha, n_dicts, frame_size = fields[6:]
         if magic != MAGIC:
             raise CorruptCatalog(f"{where}: not a fanfs catalog (bad magic)")
-        if version != VERSION:
-            hint = " (prepare the image again)" if version < VERSION else ""
+        if version not in READ_VERSIONS:
+            known = " and ".join(map(str, READ_VERSIONS))
+            hint = " (prepare the image again)" if version < min(READ_VERSIONS) else ""
             raise ImageVersionError(
-                f"{where}: image format version {version}, this fanfs reads version {VERSION}{hint}"
+                f"{where}: image format version {version}, this fanfs reads versions {known}{hint}"
             )
         zeroed = HEADER.pack(*fields[:2], 0, *fields[3:])
         if crc32(zeroed) != header_crc:
             raise CorruptCatalog(f"{where}: corrupt catalog header (checksum mismatch)")
-        layout = _body_layout(n_entries, n_partitions, n_dicts)
+        layout = _body_layout(n_entries, n_partitions, n_dicts, version)
         strings_at = layout[-1][2]
         if body_len != strings_at + strings_len + meta_len:
             raise CorruptCatalog(f"{where}: corrupt catalog header (inconsistent sizes)")
@@ -244,6 +262,8 @@ class Catalog:
             name: np.frombuffer(body, dtype=dtype, count=count, offset=off)
             for name, dtype, off, count in layout[:-1]
         }
+        if "blocks" not in columns:  # version 2: what fanfs reported before images had it
+            columns["blocks"] = blocks_of_size(columns["size"]).astype("<u8")
         strings = bytes(body[strings_at : strings_at + strings_len])
         try:
             meta = json.loads(bytes(body[strings_at + strings_len :]))
@@ -255,7 +275,7 @@ class Catalog:
         # Checked before the constructor, which counts subdirectories by parent.
         if np.any(columns["parent"] >= n_entries):
             raise CorruptCatalog(f"{where}: corrupt catalog (parent out of range)")
-        catalog = cls(columns, strings, meta, frame_size)
+        catalog = cls(columns, strings, meta, frame_size, version)
         catalog_check.check(catalog, where)
         return catalog
 
@@ -334,21 +354,26 @@ def encode(
     meta: dict[str, Any],
     flags: int = 0,
     frame_size: int = 0,
+    version: int = VERSION,
 ) -> bytes:
-    """Serialise a catalog (the inverse of `Catalog.from_bytes`). Without `dict_off` and
-    `dict_len` columns the catalog has no dictionaries."""
+    """Serialise a catalog (the inverse of `Catalog.from_bytes`) in `version`'s layout (version
+    2 has no `blocks`: for tests of old images). Without `dict_off` and `dict_len` columns the
+    catalog has no dictionaries; without `blocks`, each entry's size rounded up to blocks."""
+    assert version in READ_VERSIONS, version
     n_entries = len(columns["parent"])
     n_partitions = len(columns["part_size"])
-    columns = {"dict_off": np.zeros(0, np.uint64), "dict_len": np.zeros(0, np.uint64)} | columns
+    defaults = {"dict_off": np.zeros(0, np.uint64), "dict_len": np.zeros(0, np.uint64),
+                "blocks": blocks_of_size(np.asarray(columns["size"], dtype=np.uint64))}  # fmt: skip
+    columns = defaults | columns
     n_dicts = len(columns["dict_off"])
     meta_bytes = json.dumps(meta, sort_keys=True).encode()
     body = bytearray()
-    for name, dtype, off, _count in _body_layout(n_entries, n_partitions, n_dicts)[:-1]:
+    for name, dtype, off, _count in _body_layout(n_entries, n_partitions, n_dicts, version)[:-1]:
         assert len(body) == off
         raw = np.ascontiguousarray(columns[name], dtype=dtype).tobytes()
         body += raw + bytes(_padded(len(raw)) - len(raw))
     body += strings + meta_bytes
-    fields = (MAGIC, VERSION, 0, n_entries, n_partitions, flags, len(strings), len(meta_bytes),
+    fields = (MAGIC, version, 0, n_entries, n_partitions, flags, len(strings), len(meta_bytes),
               len(body), hashlib.sha256(body).digest(), n_dicts, frame_size)  # fmt: skip
     header_crc = crc32(HEADER.pack(*fields))
     return HEADER.pack(*fields[:2], header_crc, *fields[3:]) + bytes(body)

@@ -14,6 +14,7 @@ from fanfs.errors import CorruptCatalog
 from fanfs.format import (
     _CHUNK,
     _WORD,
+    BLOCKS_MAX,
     CODEC_FRAMED,
     CODEC_NAMES,
     CODEC_RAW,
@@ -79,6 +80,10 @@ def check(c: Catalog, where: str) -> None:
     whole = files & ~raw & ~framed
     if np.any(c.size[whole] > WHOLE_DECODE_MAX) or np.any(c.stored_len[whole] == 0):
         raise bad("compressed file of an impossible size")
+    # stat's users multiply st_blocks by 512 into a signed 64-bit count (du; pyfuse3's blkcnt_t
+    # refuses more, which would turn every stat of the entry into EIO).
+    if np.any(c.blocks > BLOCKS_MAX):
+        raise bad("allocated blocks beyond 2**63 bytes")
     links = c.is_link
     ends = c.data_off[links] + c.size[links]
     if np.any(c.data_off[links] > len(c.strings)) or np.any(ends > len(c.strings)):

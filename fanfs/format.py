@@ -12,7 +12,11 @@ from typing import Any
 import numpy as np
 
 MAGIC = b"FANFSCAT"
-VERSION = 2
+VERSION = 3  # what prepare writes
+# What a reader accepts: version 2 lacks the `blocks` column (V2_MISSING), which a reader
+# derives from the size as fanfs did before: the image reads as it always did.
+READ_VERSIONS = (2, 3)
+V2_MISSING = ("blocks",)
 CATALOG_NAME = "catalog.fanfs"
 NO_PARTITION = 0xFFFFFFFF
 
@@ -41,6 +45,13 @@ WHOLE_DECODE_MAX = 4 << 20
 # The decoded bytes per frame of a framed file: prepare writes this one size. Another (up to
 # 256 MiB would fit the table's 28 bits) could make every decode cost a GiB: refused.
 FRAME_SIZE = 1 << 20
+# st_blocks counts 512-byte units whatever the file system's block size (stat(2)).
+BLOCK_UNIT = 512
+# The most `blocks` may say: 512 times it still fits a signed 64-bit byte count, which is what
+# stat's users (du, cp, pyfuse3's blkcnt_t) turn it into. Real sources stay far below; not tied
+# to the size, because a source may hold blocks past its end (fallocate --keep-size) and
+# prepare reports what the source had.
+BLOCKS_MAX = (1 << 63) // BLOCK_UNIT - 1
 _WORD = 8  # bytes of a name compared at a time when checking the order of names
 _CHUNK = 1 << 18  # name pairs compared per numpy pass (bounds the check's memory)
 
@@ -66,6 +77,7 @@ ENTRY_COLUMNS: tuple[tuple[str, str], ...] = (
     ("stored_len", "<u8"),
     ("crc", "<u4"),  # CRC-32 of the stored bytes
     ("codec", "<u1"),
+    ("blocks", "<u8"),  # st_blocks of the source: 512-byte units allocated (version 3)
 )
 PARTITION_COLUMNS: tuple[tuple[str, str], ...] = (
     ("part_size", "<u8"),
@@ -93,13 +105,23 @@ def n_frames(size: Any, frame_size: int) -> Any:
     return size // frame_size + (size % frame_size != 0)
 
 
+def blocks_of_size(size: Any) -> Any:
+    """st_blocks as fanfs reported it before images carried it (version 2): the size rounded
+    up to 512-byte units (works on numpy columns too; never wraps around near 2**64)."""
+    return size // BLOCK_UNIT + (size % BLOCK_UNIT != 0)
+
+
 def _body_layout(
-    n_entries: int, n_partitions: int, n_dicts: int
+    n_entries: int, n_partitions: int, n_dicts: int, version: int = VERSION
 ) -> list[tuple[str, str, int, int]]:
-    """(name, dtype, offset, count) of each column within the body."""
+    """(name, dtype, offset, count) of each column within the body of a catalog of `version`
+    (one of READ_VERSIONS)."""
     layout = []
     pos = 0
-    sections = ((ENTRY_COLUMNS, n_entries), (PARTITION_COLUMNS, n_partitions),
+    entry_columns = ENTRY_COLUMNS
+    if version == 2:
+        entry_columns = tuple(c for c in ENTRY_COLUMNS if c[0] not in V2_MISSING)
+    sections = ((entry_columns, n_entries), (PARTITION_COLUMNS, n_partitions),
                 (DICT_COLUMNS, n_dicts))  # fmt: skip
     for columns, count in sections:
         for name, dtype in columns:

@@ -79,7 +79,7 @@ def info(image: Path, local_capacity: int | None = None, replicas: int = 1) -> d
     codecs = {name: int((c.codec[files] == cid).sum()) for cid, name in cat.CODEC_NAMES.items()}
     out: dict[str, Any] = {
         "image": str(image),
-        "format_version": cat.VERSION,
+        "format_version": c.version,
         "created": c.meta.get("created"),
         "source": c.meta.get("source"),
         "compress": c.meta.get("compress"),

@@ -14,10 +14,10 @@ from fanfs import catalog as cat
 def columns_of(raw: bytes) -> tuple[dict[str, np.ndarray], bytes, dict[str, Any], int]:
     """(writable columns, strings, meta, frame size) of a serialised catalog."""
     fields = cat.HEADER.unpack_from(raw)
-    n_entries, n_partitions = fields[3], fields[4]
+    version, n_entries, n_partitions = fields[1], fields[3], fields[4]
     strings_len, meta_len, n_dicts, frame_size = fields[6], fields[7], fields[10], fields[11]
     body = raw[cat.HEADER.size :]
-    layout = cat._body_layout(n_entries, n_partitions, n_dicts)
+    layout = cat._body_layout(n_entries, n_partitions, n_dicts, version)
     columns = {
         name: np.frombuffer(body, dtype=dtype, count=count, offset=off).copy()
         for name, dtype, off, count in layout[:-1]
@@ -40,6 +40,13 @@ def rewrite(image: Path, change: Any) -> None:
     columns, strings, meta, frame_size = columns_of(path.read_bytes())
     new = change(columns, strings)
     path.write_bytes(encode(columns, strings if new is None else new, meta, frame_size))
+
+
+def as_version_2(image: Path) -> None:
+    """Rewrite IMAGE's catalog as fanfs wrote it before `blocks` (format 2), in place."""
+    path = image / cat.CATALOG_NAME
+    columns, strings, meta, frame_size = columns_of(path.read_bytes())
+    path.write_bytes(cat.encode(columns, strings, meta, frame_size=frame_size, version=2))
 
 
 def flip_stored_byte(

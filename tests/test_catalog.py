@@ -6,9 +6,13 @@ import os
 from pathlib import Path
 
 import numpy as np
+import pytest
+from catalogs import columns_of
 from conftest import prepare
 
 from fanfs import catalog as cat
+from fanfs.checksum import crc32
+from fanfs.errors import CorruptCatalog, ImageVersionError
 from fanfs.prepare.source import default_partitions
 
 
@@ -36,9 +40,55 @@ def test_catalog_is_compact(awkward_image: Path) -> None:
     c, raw = cat.Catalog.load(awkward_image)
     names = sum(len(c.name(e)) for e in range(c.n_entries))
     dicts = sum(len(d) for d in c.dicts)  # zstd dictionaries: per image, not per entry
-    assert (c.memory_bytes() - len(c.strings) - dicts) / c.n_entries < 80
+    assert (c.memory_bytes() - len(c.strings) - dicts) / c.n_entries < 82  # 77 + nlink's 4
     assert len(c.strings) >= names
     assert cat.Catalog.from_bytes(raw).n_entries == c.n_entries
+
+
+def test_blocks_are_what_the_source_allocated(awkward_image: Path, awkward_src: Path) -> None:
+    """st_blocks of every entry is its source's lstat, symlinks and directories included: what
+    du and cp's sparse test read (the size rounded up overstated every sparse file)."""
+    c, _ = cat.Catalog.load(awkward_image)
+    assert c.version == cat.VERSION == 3
+    assert int(c.blocks[0]) == os.stat(awkward_src).st_blocks
+    for entry, path in c.walk():
+        st = os.lstat(os.path.join(os.fsencode(awkward_src), path))
+        assert int(c.blocks[entry]) == st.st_blocks, path
+
+
+def test_a_version_2_catalog_reads_as_before(awkward_image: Path) -> None:
+    """Images prepared before `blocks` (format 2) load unchanged, their blocks the size rounded
+    up to 512 bytes as fanfs answered then; versions it does not know are refused by number."""
+    raw = (awkward_image / cat.CATALOG_NAME).read_bytes()
+    columns, strings, meta, frame_size = columns_of(raw)
+    old = cat.encode(columns, strings, meta, frame_size=frame_size, version=2)
+    assert len(old) == len(raw) - cat._padded(8 * len(columns["blocks"]))
+    c2, c3 = cat.Catalog.from_bytes(old), cat.Catalog.from_bytes(raw)
+    assert c2.version == 2
+    for name, _ in cat.ENTRY_COLUMNS + cat.PARTITION_COLUMNS:
+        if name != "blocks":
+            assert np.array_equal(getattr(c2, name), getattr(c3, name)), name
+    assert c2.blocks.tolist() == [(int(s) + 511) // 512 for s in c2.size]
+    assert c2.dicts == c3.dicts and c2.strings == c3.strings
+    for version, hint in ((1, "prepare the image again"), (4, "reads versions 2 and 3")):
+        fields = list(cat.HEADER.unpack_from(raw))
+        fields[1], fields[2] = version, 0
+        fields[2] = crc32(cat.HEADER.pack(*fields))
+        with pytest.raises(ImageVersionError, match=hint):
+            cat.Catalog.from_bytes(cat.HEADER.pack(*fields) + raw[cat.HEADER.size :])
+
+
+def test_blocks_past_what_stat_can_carry_are_refused(awkward_image: Path) -> None:
+    """du and pyfuse3 (blkcnt_t) turn st_blocks into a signed 64-bit byte count: a hostile
+    image may claim anything up to that (a source may hold blocks past its end), not more."""
+    raw = (awkward_image / cat.CATALOG_NAME).read_bytes()
+    columns, strings, meta, frame_size = columns_of(raw)
+    columns["blocks"][-1] = cat.BLOCKS_MAX
+    c = cat.Catalog.from_bytes(cat.encode(columns, strings, meta, frame_size=frame_size))
+    assert int(c.blocks[-1]) * 512 <= 2**63 - 1
+    columns["blocks"][-1] = cat.BLOCKS_MAX + 1
+    with pytest.raises(CorruptCatalog, match="allocated blocks"):
+        cat.Catalog.from_bytes(cat.encode(columns, strings, meta, frame_size=frame_size))
 
 
 def test_partitions_are_balanced_and_spread(tmp_path: Path) -> None:

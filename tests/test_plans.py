@@ -205,7 +205,8 @@ def tree_catalog(names: list[bytes]) -> cat.Catalog:
                      (stat.S_IFREG | 0o644)), ("mtime_ns", 0), ("size", 0),
                      ("name_off", len(strings)), ("name_len", len(leaf)),
                      ("child_start", start), ("child_count", count), ("part", 0),
-                     ("data_off", 0), ("stored_len", 0), ("crc", 0), ("codec", 0)):  # fmt: skip
+                     ("data_off", 0), ("stored_len", 0), ("crc", 0), ("codec", 0),
+                     ("blocks", 0)):  # fmt: skip
             cols[k].append(v)
         strings += leaf
     columns = {k: np.array(v, dtype=dt) for (k, dt), v in

@@ -37,6 +37,7 @@ class Tree:
     mode: list[int] = field(default_factory=list)
     mtime_ns: list[int] = field(default_factory=list)
     size: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)  # st_blocks as the source reports it
     child_start: list[int] = field(default_factory=list)
     child_count: list[int] = field(default_factory=list)
     links: dict[int, bytes] = field(default_factory=dict)
@@ -53,6 +54,9 @@ class Tree:
         self.mode.append(st.st_mode)
         self.mtime_ns.append(st.st_mtime_ns)
         self.size.append(st.st_size)
+        # From lstat, for symlinks and directories too: what the source allocated, holes left
+        # out, so that du and cp --sparse=auto see through the mount what they saw in SRC.
+        self.blocks.append(st.st_blocks)
         self.child_start.append(0)
         self.child_count.append(0)
         return len(self.names) - 1
