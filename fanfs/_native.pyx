@@ -130,6 +130,7 @@ cdef extern from "fanfs_native.h" nogil:
         const char *mode
         const char *mtime
         const char *size
+        const char *blocks
         const char *name_off
         const char *name_len
         const char *child_start
@@ -554,9 +555,9 @@ def pool_fast_count():
 # -- the front: requests taken from the FUSE device by C threads ------------------------------
 
 _meta_columns = None  # the arrays the front reads (kept alive here)
-META_COLUMNS = {"mode": "<u4", "mtime_ns": "<i8", "size": "<u8", "name_off": "<u8",
-                "name_len": "<u4", "child_start": "<u4", "child_count": "<u4", "part": "<u4",
-                "nlink": "=u4"}
+META_COLUMNS = {"mode": "<u4", "mtime_ns": "<i8", "size": "<u8", "blocks": "<u8",
+                "name_off": "<u8", "name_len": "<u4", "child_start": "<u4",
+                "child_count": "<u4", "part": "<u4", "nlink": "=u4"}
 ATTR_FIELDS = ("ino", "size", "blocks", "mtime", "mtimensec", "mode", "nlink", "uid", "gid",
                "blksize", "atime", "ctime")
 
@@ -580,6 +581,7 @@ def meta_set(columns, strings, part_local, unsigned int uid, unsigned int gid,
     m.mode = <const char *><uintptr_t>columns["mode"].ctypes.data
     m.mtime = <const char *><uintptr_t>columns["mtime_ns"].ctypes.data
     m.size = <const char *><uintptr_t>columns["size"].ctypes.data
+    m.blocks = <const char *><uintptr_t>columns["blocks"].ctypes.data
     m.name_off = <const char *><uintptr_t>columns["name_off"].ctypes.data
     m.name_len = <const char *><uintptr_t>columns["name_len"].ctypes.data
     m.child_start = <const char *><uintptr_t>columns["child_start"].ctypes.data

@@ -118,6 +118,10 @@ async def test_the_front_looks_up_and_answers_attributes_as_the_adapter_does(
             with open(path, "wb") as f:
                 f.write(n * 3)
     os.symlink("a", src / "link")
+    with open(src / "sparse", "wb") as f:  # 8 MiB holding 4 KiB: a few blocks, not 16,384
+        f.truncate(8 << 20)
+        f.seek(4 << 20)
+        f.write(b"x" * 4096)
     c, _ = cat.Catalog.load(prepare(src, tmp_path / "img", "--partitions", "2"))
     _front_for(c)
     store = PartitionStore(tmp_path / "img", c, tmp_path / "local", range(c.n_partitions))
@@ -132,6 +136,8 @@ async def test_the_front_looks_up_and_answers_attributes_as_the_adapter_does(
                            "gid": a.st_gid, "blksize": a.st_blksize,
                            "atime": a.st_atime_ns // 10**9,
                            "ctime": a.st_ctime_ns // 10**9}, entry  # fmt: skip
+            path = os.path.join(os.fsencode(src), c.path(entry))
+            assert a.st_blocks == os.lstat(path).st_blocks, path  # the source's allocation
             if entry:
                 parent, name = int(c.parent[entry]), c.name(entry)
                 assert lib.meta_lookup(parent, name) == entry
@@ -142,5 +148,7 @@ async def test_the_front_looks_up_and_answers_attributes_as_the_adapter_does(
                 if not c.is_dir[entry]:
                     assert lib.meta_lookup(entry, b"a") == -1  # not a directory
         assert lib.meta_attr(c.n_entries) is None
+        sparse = c.resolve(b"sparse")
+        assert sparse is not None and lib.meta_attr(sparse)["blocks"] < (8 << 20) // 512 // 100
     finally:
         store.close()

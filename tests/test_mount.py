@@ -13,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import Mount, fanfs
+from catalogs import as_version_2
+from conftest import Mount, fanfs, mounted, prepare
 from PIL import Image
 
 from fanfs.compare import assert_same_tree
@@ -74,6 +75,48 @@ def test_ls_find_du_stat_agree(awkward_src: Path, awkward_mount: Mount) -> None:
     assert _run("stat", "-c", fmt, *names, cwd=mnt) == _run(
         "stat", "-c", fmt, *names, cwd=awkward_src
     )
+
+
+def test_sparse_files_stay_sparse_and_old_images_still_mount(tmp_path: Path) -> None:
+    """st_blocks through the mount is the source's: a 50 MiB file holding 4 KiB of data shows
+    its few blocks to stat and du, and cp --sparse=auto (which looks for holes only where
+    st_blocks * 512 < st_size) copies it out sparse. An image of format 2 (no blocks) still
+    mounts and reads, its blocks the size rounded up as before."""
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    sparse = src / "d" / "sparse.bin"
+    with open(sparse, "wb") as f:
+        f.truncate(50 << 20)
+        f.seek(25 << 20)
+        f.write(b"\x01" * 4096)
+    (src / "dense.bin").write_bytes(os.urandom(10_000))
+    os.symlink("d/sparse.bin", src / "link")
+    for name in ("d/sparse.bin", "dense.bin"):  # ext4 counts delayed allocations until written
+        fd = os.open(src / name, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+    st = os.stat(sparse)
+    assert st.st_blocks * 512 < st.st_size // 100, "the test's file system keeps no holes"
+    image = prepare(src, tmp_path / "img", "--compress", "none")
+    names = ["d/sparse.bin", "dense.bin", "link", "d", "."]
+    with mounted(image, tmp_path / "mnt", tmp_path / "local") as m:
+        mnt = m.mountpoint
+        for name in names:
+            assert os.lstat(mnt / name).st_blocks == os.lstat(src / name).st_blocks, name
+        assert _run("du", "-s", ".", cwd=mnt) == _run("du", "-s", ".", cwd=src)
+        copy = tmp_path / "copy.bin"
+        _run("cp", "--sparse=auto", str(mnt / "d/sparse.bin"), str(copy))
+        assert os.stat(copy).st_blocks * 512 < st.st_size // 100
+        assert copy.read_bytes() == sparse.read_bytes()
+    as_version_2(image)
+    with mounted(image, tmp_path / "mnt", tmp_path / "local") as m:
+        mnt = m.mountpoint
+        for name in names:
+            got, want = os.lstat(mnt / name), os.lstat(src / name)
+            assert got.st_blocks == (want.st_size + 511) // 512, name
+        assert (mnt / "d/sparse.bin").read_bytes() == sparse.read_bytes()
+        assert (mnt / "dense.bin").read_bytes() == (src / "dense.bin").read_bytes()
+        assert os.readlink(mnt / "link") == "d/sparse.bin"
 
 
 def test_cat_cp_tar_diff(awkward_src: Path, awkward_mount: Mount, tmp_path: Path) -> None:

@@ -284,6 +284,7 @@ struct fanfs_meta {
     const char *mode;    /* u32 */
     const char *mtime;   /* i64, nanoseconds */
     const char *size;    /* u64 */
+    const char *blocks;  /* u64: st_blocks, 512-byte units (the source's, or size rounded up) */
     const char *name_off, *name_len;        /* u64, u32: into strings */
     const char *child_start, *child_count;  /* u32: a directory's children, sorted by name */
     const char *part;    /* u32 */

@@ -201,7 +201,7 @@ static void fill_attr(uint64_t e, struct fuse_attr *a) {
     memset(a, 0, sizeof *a);
     a->ino = e + 1;
     a->size = size;
-    a->blocks = (size + 511) / 512;
+    a->blocks = col64(m->blocks, e);
     a->atime = a->mtime = a->ctime = (uint64_t)sec;
     a->atimensec = a->mtimensec = a->ctimensec = (uint32_t)nsec;
     a->mode = col32(m->mode, e);

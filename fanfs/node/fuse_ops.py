@@ -106,7 +106,7 @@ class FanfsOperations(pyfuse3.Operations):
         size = int(c.size[entry])
         a.st_size = size
         a.st_blksize = BLKSIZE
-        a.st_blocks = (size + 511) // 512
+        a.st_blocks = int(c.blocks[entry])  # the source's allocation: sparse files stay sparse
         mtime = int(c.mtime_ns[entry])
         a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = mtime
         a.entry_timeout = CACHE_TIMEOUT_S

@@ -145,7 +145,7 @@ class Front:
 
     def give_catalog(self, c: cat.Catalog) -> None:
         """Hand the C the catalog it answers from (also without threads: the unit tests)."""
-        columns = {"mode": c.mode, "mtime_ns": c.mtime_ns, "size": c.size,
+        columns = {"mode": c.mode, "mtime_ns": c.mtime_ns, "size": c.size, "blocks": c.blocks,
                    "name_off": c.name_off, "name_len": c.name_len, "child_start": c.child_start,
                    "child_count": c.child_count, "part": c.part, "nlink": c.nlink}  # fmt: skip
         arrays = {k: np.ascontiguousarray(v) for k, v in columns.items()}
