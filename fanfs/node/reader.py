@@ -9,8 +9,10 @@ bounded LRU when a part was asked), framed files frame by frame (their table fir
 checked against its own CRC), large raw files checked once as a whole, then by range.
 `sources.py` says where stored bytes come from (store, peer, image); `cache.py` holds decoded
 bytes and makes concurrent requests for one file share one fetch; `bad.py` keeps the files
-found bad (any failure, from the disk, a peer, a codec or a hostile catalog, is EIO for that
-file alone, logged once with its path).
+found bad: bytes that fail their check or decode, or a hostile catalog's entry, are EIO for
+that file alone from then on, logged once with its path. A read that could not be done now
+(the disk's EIO, memory, every source of a peer's file gone) fails that READ alone, logged: the
+next READ tries again, since a disk or a peer may recover.
 
 At a LOOKUP of a small file held by a peer the whole-file fetch starts at once, so its READ
 joins a fetch under way. A LOOKUP is not always followed by a READ (`ls -l`, `find -size` and
@@ -86,6 +88,17 @@ class BadFiles:
 
     def describe(self, entry: int) -> str:
         return os.fsdecode(b"/" + self.catalog.path(entry))
+
+    def failed(self, entry: int, error: BaseException) -> CorruptFile:
+        """The error a failed read of `entry` raises (EIO at the FUSE edge). Only bytes proved
+        bad (a check, a decode, a hostile catalog) mark the file bad; the disk, memory or a
+        peer failing now fail this READ alone (the native pool draws the same line)."""
+        if isinstance(error, (OSError, MemoryError)):
+            log.warning("EIO for %s (this read only): %s", self.describe(entry),
+                        error or type(error).__name__)  # fmt: skip
+            return CorruptFile(self.describe(entry))
+        self.mark(entry, error)
+        return self.refuse(entry)
 
 
 # -- fetches started at LOOKUP ---------------------------------------------------------------
@@ -172,8 +185,7 @@ class Reader:
         except CorruptFile:
             raise
         except Exception as e:
-            self.bad.mark(entry, e)
-            raise self.bad.refuse(entry) from None
+            raise self.bad.failed(entry, e) from None
 
     async def _read(self, entry: int, offset: int, size: int) -> Answer:
         length = int(self.catalog.size[entry])
@@ -294,7 +306,8 @@ class Reader:
     async def _once(self, key: Hashable, entry: int, lookup: Callable[[], Any],
                     produce: Callable[[], Awaitable[Any]]) -> Any:  # fmt: skip
         """`lookup()` if it has the answer, else `produce()` run by one task however many ask
-        at once (cache.SingleFlight). A failure marks `entry` bad, for the waiters too."""
+        at once (cache.SingleFlight). A failure fails the waiters too (and marks `entry` bad
+        if its bytes were bad)."""
 
         def look() -> Any:
             found = lookup()
@@ -306,8 +319,7 @@ class Reader:
             try:
                 return await produce()
             except Exception as e:  # the disk, a codec, a hostile catalog: this file only
-                self.bad.mark(entry, e)
-                raise self.bad.refuse(entry) from None
+                raise self.bad.failed(entry, e) from None
 
         return await self._flights.run(key, look, guarded)
 
