@@ -67,7 +67,7 @@ class Output:
     """`fanfs output DEST MNT --local LOCAL EXTRA...` as the user (or `mpirun -np N` of it)."""
 
     def __init__(self, user: User, work: Path, *extra: str, ranks: int = 1,
-                 local: Path | None = None):  # fmt: skip
+                 local: Path | None = None, env: dict[str, str] | None = None):  # fmt: skip
         self.user, self.work, self.ranks = user, work, ranks
         self.dest = work / "dest"
         self.mnts = [work / (f"mnt-{r}" if ranks > 1 else "mnt") for r in range(ranks)]
@@ -80,7 +80,7 @@ class Output:
         if ranks > 1:
             cmd = ["mpirun", "--oversubscribe", "--enable-recovery", "-np", str(ranks), *cmd]
         self.log = work / "output.log"
-        self.proc = user.popen(*cmd, log=self.log)
+        self.proc = user.popen(*cmd, log=self.log, **(env or {}))
         for m in self.mnts:
             done = user.run(*FANFS, "wait", m, "--timeout", "60")
             if done.returncode != 0:
@@ -212,6 +212,24 @@ os.rename(os.path.join(mnt, "d", "x"), os.path.join(mnt, "y"))
 os.rmdir(os.path.join(mnt, "d"))
 print("ok")
 """
+
+
+def test_an_old_kernels_init_still_gets_the_writes_front(user: User, work: Path) -> None:
+    """With the INIT rewritten to RHEL 8's (FANFS_PRETEND_PROTOCOL=7.27: no max_pages, so
+    WRITEs of at most 128 KiB), the front answers every WRITE in C and the file lands exact."""
+    out = Output(user, work, env={"FANFS_PRETEND_PROTOCOL": "7.27"})
+    data = os.urandom(3 << 20)
+    src = work / "src.bin"
+    src.write_bytes(data)
+    try:
+        dd = user.run("dd", f"if={src}", f"of={out.mnt / 'ckpt.bin'}", "bs=1M", "status=none")
+        assert dd.returncode == 0, dd.stderr
+        front = out.status()["front"]
+        assert front == {"running": True, "protocol": "7.27", "off": "", "written": len(data)}
+        assert out.fanfs("sync", out.mnt).returncode == 0
+    finally:
+        out.stop()
+    assert (out.dest / "ckpt.bin").read_bytes() == data
 
 
 def test_posix_for_one_writer_and_fsync_means_at_dest(user: User, work: Path) -> None:

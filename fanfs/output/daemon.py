@@ -156,7 +156,8 @@ class OutputDaemon:
             why = "pyfuse3 is not fanfs's patched build (run `make setup`)"
         elif not self._front and not why:
             why = "its threads could not start"
-        return {"running": self._front, "protocol": protocol, "off": why}
+        return {"running": self._front, "protocol": protocol, "off": why,
+                "written": _front_written()}  # fmt: skip
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if not self.stop_signal:
