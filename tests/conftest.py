@@ -4,8 +4,8 @@ Tiers (markers, by what a test needs; `pytest -m "not slurm"`, `-m "unit or adap
 unit (pure code), adapter (handlers, reader and transports called directly under trio),
 mount (real FUSE mounts), memory (a real daemon's peak memory against its budgets), mpi (real
 ranks under mpirun), slurm (the local Slurm cluster), clients (real clients and the benchmark
-through a mount). Each test file has one tier below;
-a test that also needs mpirun carries `@pytest.mark.mpi` itself.
+through a mount), sanitizers (the C built with sanitizers: once, not under every Python). Each
+test file has one tier below; a test that also needs mpirun carries `@pytest.mark.mpi` itself.
 
 A mount is a real `fanfs mount` daemon in a subprocess. Teardown escalates: `fanfs umount`,
 then SIGTERM, then SIGKILL, then a lazy unmount, so a failing test never leaves a mount behind.
@@ -47,6 +47,7 @@ TIERS = {
     "test_hostile": "adapter",
     "test_fuse_ops": "adapter",
     "test_kernels": "adapter",
+    "test_sanitizers": "sanitizers",
     "test_remote": "adapter",
     "test_mount": "mount",
     "test_errors": "mount",
