@@ -420,7 +420,7 @@ def pool_start(int threads, int errfd):
         raise OSError(-ret, "native read pool: " + os.strerror(-ret))
 
 
-def pool_dicts(Dictionaries d):
+def pool_dicts(Dictionaries d not None):
     """The dictionaries the pool decodes with (it takes its own reference: jobs decoding with
     the previous set keep it until they are done)."""
     fanfs_pool_set_dicts(d.d)

@@ -52,11 +52,11 @@ def front_kernel() -> tuple[str, str]:
     """(the kernel's FUSE protocol, "7.N", "" before its INIT; why the front does not answer
     requests, in one line, "" when it does)."""
     k = lib.front_kernel()
-    protocol = f"{k['major']}.{k['minor']}" if k["minor"] else ""
+    protocol = f"{k['major']}.{k['minor']}" if k["major"] else ""
     why = {
         "": "",
-        "protocol": f"the kernel's FUSE protocol {protocol} is older than 7.12: pyfuse3 answers "
-        "every request",
+        "protocol": f"the kernel's FUSE protocol {protocol} is not 7.12 or later: pyfuse3 "
+        "answers every request",
         "buffer": f"the kernel refused {k['bufsize']}-byte reads of the FUSE device (a max_write "
         "above libfuse's 256 pages): the session ended",
     }[k["why"]]

@@ -191,26 +191,52 @@ def _set_acl(path: str, entries: list[tuple[int, int, int]]) -> None:
 
 
 @contextlib.contextmanager
-def _fuse_for(uid: int) -> Iterator[None]:
-    """/dev/fuse readable and writable by `uid` (an ACL entry) while the context lasts."""
+def _acl_lock() -> Iterator[None]:
+    """Two runs never rewrite /dev/fuse's ACL at once."""
     with open(os.path.join(tempfile.gettempdir(), ".fanfs-tests-dev-fuse.lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # two runs never rewrite the ACL at once
-        _set_acl("/dev/fuse", [e for e in _acl_entries("/dev/fuse") if e[2] != uid]
-                 + [(_USER, 6, uid)])  # fmt: skip
-        fcntl.flock(lock, fcntl.LOCK_UN)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _drop_acl_entry(uid: int) -> None:
+    with _acl_lock():
+        _set_acl("/dev/fuse", [e for e in _acl_entries("/dev/fuse")
+                               if not (e[0] == _USER and e[2] == uid)])  # fmt: skip
+
+
+@contextlib.contextmanager
+def _fuse_for(uid: int) -> Iterator[None]:
+    """/dev/fuse readable and writable by `uid` while the context lasts: an ACL entry, or,
+    where /dev has no ACLs (a container's tmpfs), the mode 0666 distributions ship."""
+    mode = os.stat("/dev/fuse").st_mode & 0o777
+    try:
+        with _acl_lock():
+            _set_acl("/dev/fuse", [e for e in _acl_entries("/dev/fuse") if e[2] != uid]
+                     + [(_USER, 6, uid)])  # fmt: skip
+    except OSError as e:
+        print(f"conftest: no ACL on /dev/fuse ({e}): mode 0666 for the run", file=sys.stderr)
+        os.chmod("/dev/fuse", mode | 0o666)
         try:
             yield
         finally:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            _set_acl("/dev/fuse", [e for e in _acl_entries("/dev/fuse")
-                                   if not (e[0] == _USER and e[2] == uid)])  # fmt: skip
+            os.chmod("/dev/fuse", mode)
+        return
+    try:
+        yield
+    finally:
+        _drop_acl_entry(uid)
 
 
 def _forget_dead_runs_users() -> None:
-    """Users of earlier runs that were killed before their clean-up (their pid is gone)."""
+    """Users of earlier runs that were killed before their clean-up (their pid is gone, or it
+    is ours: a pid reused after a restart), and their entries in /dev/fuse's ACL."""
     for pw in pwd.getpwall():
         pid = pw.pw_name.removeprefix("fanfs-t")
-        if pw.pw_name.startswith("fanfs-t") and pid.isdigit() and not Path(f"/proc/{pid}").exists():
+        if not (pw.pw_name.startswith("fanfs-t") and pid.isdigit()):
+            continue
+        if int(pid) == os.getpid() or not Path(f"/proc/{pid}").exists():
+            with contextlib.suppress(OSError):
+                _drop_acl_entry(pw.pw_uid)
             subprocess.run(["userdel", pw.pw_name], check=False, timeout=30, capture_output=True)
 
 
@@ -265,9 +291,9 @@ def user() -> Iterator[User]:
         os.chown(d, pw.pw_uid, pw.pw_gid)
     home.chmod(0o755)
     u = User(TEST_USER, pw.pw_uid, pw.pw_gid, home)
-    fuse = _fuse_for(pw.pw_uid)
-    fuse.__enter__()
+    stack = contextlib.ExitStack()
     try:
+        stack.enter_context(_fuse_for(pw.pw_uid))
         probe = u.run(sys.executable, "-c", "import fanfs, pyfuse3")
         assert probe.returncode == 0, (
             f"{TEST_USER} cannot run this checkout's fanfs (the checkout and its .venv must be "
@@ -275,7 +301,7 @@ def user() -> Iterator[User]:
         )
         yield u
     finally:
-        fuse.__exit__(None, None, None)
+        stack.close()
         subprocess.run(["pkill", "-KILL", "-u", TEST_USER], check=False, timeout=30)  # ours only
         for line in Path("/proc/mounts").read_text().splitlines():
             if str(home) in line.split()[1]:

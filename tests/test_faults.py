@@ -131,6 +131,8 @@ def test_disk_errors_fail_only_that_read_and_the_daemon_serves_on(
             assert status()["reader"]["bad_files"] == 0 and status()["serving"]
             log = m.log_text()
             assert "EIO for /big.bin (this read only)" in log
+            # Each file failed several READs: one warning each (at most one a minute).
+            assert all(log.count(f"of /{n} failed") == 1 for n in ("r3.bin", "t4.txt")), log
             assert "Traceback" not in log
     finally:
         disk.stop()

@@ -58,9 +58,11 @@ class Kernel:
         return body
 
 
-# The protocol minor each INIT flag bit first came in (linux/fuse.h's changelog).
-FLAG_SINCE = [0] * 12 + [20, 21, 21, 22, 23, 23, 25, 26, 26, 27, 28, 28, 29, 30, 31, 32, 33, 33,
-                         36, 36, 36, 36, 38, 38, 39, 40, 40, 40, 40, 42]  # fmt: skip
+# The protocol minor each INIT flag bit first came in (linux/fuse.h's changelog; 0: 7.12 or
+# older).
+FLAG_SINCE = [0] * 7 + [14, 14, 14, 17, 18] + [20, 21, 21, 22, 23, 23, 25, 26, 26, 27, 28, 28, 29,
+                                              30, 31, 32, 33, 33, 36, 36, 36, 36, 38, 38, 39, 40,
+                                              40, 40, 40, 42]  # fmt: skip
 
 KERNELS = [
     Kernel("RHEL 8 (4.18)", 27, 4096),
@@ -242,19 +244,22 @@ def test_a_kernel_older_than_7_12_is_left_to_libfuse(image: tuple[Path, Path]) -
         assert struct.unpack_from("<IIQ", forwarded())[2] == sent  # forwarded, not answered
 
 
-def test_an_init_rewritten_to_an_older_protocol(image: tuple[Path, Path]) -> None:
-    """FANFS_PRETEND_PROTOCOL's rewrite: libfuse sees the INIT of 7.27 (16 bytes, only the
-    flags 7.27 has), and the front serves as for such a kernel."""
+@pytest.mark.parametrize("minor", [13, 27, 34, 39])
+def test_an_init_rewritten_to_an_older_protocol(image: tuple[Path, Path], minor: int) -> None:
+    """FANFS_PRETEND_PROTOCOL's rewrite: libfuse sees the INIT that protocol's kernel sends
+    (16 bytes before 7.36, only the flags that protocol has), and the front serves as for
+    such a kernel."""
     _, img = image
     c, _ = cat.Catalog.load(img)
     kernel_end, daemon_end = pair()
-    with kernel_end, daemon_end, front(daemon_end, pretend=27, c=c, image=img):
+    with kernel_end, daemon_end, front(daemon_end, pretend=minor, c=c, image=img):
         kern = ScriptedKernel(kernel_end)
         unique = kern.send(INIT, 0, Kernel("new", 45, 4096).init())
-        old = Kernel("old", 27, 4096).init()
-        assert forwarded() == IN_HEADER.pack(IN_HEADER.size + 16, INIT, unique, 0, os.getuid(),
-                                             os.getgid(), os.getpid(), 0) + old  # fmt: skip
-        assert lib.front_kernel()["minor"] == 27
+        old = Kernel("old", minor, 4096).init()
+        header = IN_HEADER.pack(IN_HEADER.size + len(old), INIT, unique, 0, os.getuid(),
+                                os.getgid(), os.getpid(), 0)  # fmt: skip
+        assert forwarded() == header + old
+        assert lib.front_kernel()["minor"] == minor
         error, _ = kern.reply(kern.send(GETATTR, 1, struct.pack("<IIQ", 0, 0, 0)))
         assert error == 0
 

@@ -1,4 +1,5 @@
-"""Sanitizers tier: fanfs's C under AddressSanitizer and UndefinedBehaviorSanitizer.
+"""Sanitizers tier: fanfs's C under AddressSanitizer and UndefinedBehaviorSanitizer, and
+built as on RHEL 8.
 
 The extension itself (fanfs/_native.c, Cython's output, and fanfs/csrc/) is built again with
 `-fsanitize=address,undefined` at -O0 (a build in seconds, where -O2 takes a minute), into a
@@ -7,6 +8,9 @@ preloaded. The native unit and adapter tests (the pool without FUSE, the C's ans
 scripted kernel, pieces read and checked, the codec) then run against it in a subprocess; any
 report ends that process with exit code 66 and fails this test. Leaks are not looked for here
 (Python keeps memory to its exit by design); tests/native/pool_stress.c does, in test_native.
+
+Every C file also compiles with the names linux/fuse.h gained after protocol 7.27 poisoned
+(tests/native/fuse_7_27.h): the build machines of RHEL 8 have no newer header.
 """
 
 from __future__ import annotations
@@ -76,3 +80,15 @@ def test_the_native_tests_pass_with_the_extension_under_address_sanitizer(
     out = ran.stdout[-6000:] + ran.stderr[-6000:]
     assert ran.returncode == 0, out
     assert "Sanitizer" not in ran.stderr and "runtime error" not in ran.stderr, out
+
+
+@pytest.mark.parametrize("source", ["front.c", "pool.c", "writes.c", "codec.c"])
+def test_the_c_builds_with_rhel_8s_kernel_headers(source: str, tmp_path: Path) -> None:
+    csrc, native = ROOT / "fanfs" / "csrc", ROOT / "tests" / "native"
+    unit = tmp_path / "unit.c"
+    poisoned = native / "fuse_7_27.h"
+    unit.write_text(f'#define _GNU_SOURCE\n#include <linux/fuse.h>\n#include "{poisoned}"\n'
+                    f'#include "{csrc / source}"\n')  # fmt: skip
+    built = subprocess.run(["gcc", "-fsyntax-only", "-Wall", f"-I{csrc}", *_fuse3("--cflags"),
+                            str(unit)], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert built.returncode == 0 and "poisoned" not in built.stderr, built.stderr[-4000:]

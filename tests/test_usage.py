@@ -83,6 +83,7 @@ def test_a_bad_variable_is_one_line_for_its_command_only(
         ("FANFS_NATIVE_DECODE", "2"),
         ("FANFS_NATIVE_REMOTE", "yes"),
         ("FANFS_SPIN_US", "-5"),
+        ("FANFS_SPIN_US", "²"),
         ("FANFS_PRETEND_PROTOCOL", "27"),
         ("FANFS_PRETEND_PROTOCOL", "7.11"),
     ],

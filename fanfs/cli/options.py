@@ -10,6 +10,7 @@ code that uses them otherwise.
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 from collections.abc import Callable
@@ -160,7 +161,10 @@ def resolve_env(args: argparse.Namespace) -> None:
 # comparison, the log level, a test's pretend kernel): checked here, once, before any work, so
 # a bad value is one line and exit 2, never a traceback or a silent default.
 _SWITCH = ("0", "1")
-_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _level(raw: str) -> bool:
+    return isinstance(logging.getLevelName(raw.upper()), int)  # DEBUG ... CRITICAL, WARN, ...
 
 
 def _pretend(raw: str) -> bool:
@@ -173,8 +177,8 @@ CHECKED_ENV: dict[str, tuple[Callable[[str], bool], str]] = {
     "NATIVE_DECODE": (lambda v: v in _SWITCH, "0 (off) or 1 (on)"),
     "NATIVE_REMOTE": (lambda v: v in _SWITCH, "0 (off) or 1 (on)"),
     "PUSH": (lambda v: v in _SWITCH, "0 (off) or 1 (on)"),
-    "SPIN_US": (str.isdigit, "a whole number of microseconds"),
-    "LOG_LEVEL": (lambda v: v.upper() in _LEVELS, "one of " + ", ".join(_LEVELS)),
+    "SPIN_US": (lambda v: v.isascii() and v.isdecimal(), "a whole number of microseconds"),
+    "LOG_LEVEL": (_level, "a log level: DEBUG, INFO, WARNING, ERROR or CRITICAL"),
     "PRETEND_PROTOCOL": (_pretend, "7.N, a FUSE protocol from 7.12 (tests only)"),
 }
 

@@ -304,14 +304,15 @@ struct fanfs_meta {
  * runs. */
 size_t fanfs_front_bufsize(void);
 /* What the kernel's INIT said, for `fanfs status` and the mount's log: out[0] major, out[1]
- * minor (0: no INIT yet), out[2] its flags (flags2 in the high half), out[3] why the front
+ * minor (both 0: no INIT yet), out[2] its flags (flags2 in the high half), out[3] why the front
  * does not answer (FANFS_FRONT_WHY_*), out[4] the buffer size. */
 enum { FANFS_FRONT_SERVES, FANFS_FRONT_WHY_PROTOCOL, FANFS_FRONT_WHY_BUFFER };
 void fanfs_front_kernel(uint64_t out[5]);
 /* For tests that play an older or other kernel, before fanfs_front_start (-EBUSY while it
  * runs): the page size the buffer is sized from (0: the machine's), and `minor` > 0 rewrites
  * the kernel's INIT to protocol 7.minor's layout and flags before anyone reads it, so that
- * libfuse answers, and the real kernel then talks to this daemon, as with that protocol
+ * libfuse negotiates as with such a kernel and the real kernel gets only what that protocol
+ * offers (no max_pages before 7.28, ...), though it keeps its own protocol otherwise
  * (FANFS_PRETEND_PROTOCOL; tests/test_kernels.py). */
 int fanfs_front_pretend(int minor, long page);
 

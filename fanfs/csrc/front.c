@@ -77,8 +77,8 @@ static struct {
     int readyfd;  /* eventfd: readable while forwarded requests wait (or the session ended) */
     int ep;       /* the epoll the leader waits in: the FUSE fd and stopfd */
     int nthreads, running, ended;
-    int minor;            /* the kernel's protocol minor, 0 until its INIT */
-    uint32_t major;
+    int minor;            /* the kernel's protocol minor, 0 until its INIT (-1: not major 7) */
+    uint32_t major, kminor; /* as its INIT said them */
     uint64_t kflags;      /* the flags the kernel offered at INIT (flags2 in the high half) */
     int why;              /* FANFS_FRONT_WHY_*: why the front forwards everything */
     size_t bufsize;       /* fanfs_front_bufsize(), fixed while running */
@@ -583,20 +583,28 @@ static ssize_t take(char *buf, int ep) {
  * no_open, ...) is negotiated by libfuse, which answers the INIT. RHEL 8 (4.18) speaks 7.27,
  * RHEL 9 and SLES 15 (5.14) 7.33, Ubuntu 22.04 (5.15) 7.34, 6.8 7.39. */
 
-#define INIT_OLD_SIZE 16 /* the INIT of 7.6 to 7.35: major, minor, max_readahead, flags */
+/* The INIT's layout, declared here: a build machine's linux/fuse.h is as old as its kernel
+ * (RHEL 8's has neither flags2 nor FUSE_INIT_EXT), and the wire layout never changes. */
+struct init_in {
+    uint32_t major, minor, max_readahead, flags; /* 7.6 to 7.35: these 16 bytes */
+    uint32_t flags_hi, unused[11];               /* 7.36 and later: flags2 */
+};
+#define INIT_OLD_SIZE 16
+#define INIT_EXT (1u << 30) /* FUSE_INIT_EXT: flags2 is there */
 
-/* The protocol minor each INIT flag bit first appeared in (linux/fuse.h's changelog; bits
- * 0-11 are older than 7.12; 0xff: unknown, dropped by a rewrite). */
+/* The protocol minor each INIT flag bit first appeared in (linux/fuse.h's changelog; 0: 7.12
+ * or older; 0xff: unknown, dropped by a rewrite). */
 static const uint8_t flag_since[64] = {
+    [7] = 14, [8] = 14, [9] = 14, [10] = 17, [11] = 18,
     [12] = 20, [13] = 21, [14] = 21, [15] = 22, [16] = 23, [17] = 23, [18] = 25, [19] = 26,
     [20] = 26, [21] = 27, [22] = 28, [23] = 28, [24] = 29, [25] = 30, [26] = 31, [27] = 32,
     [28] = 33, [29] = 33, [30] = 36, [31] = 36, [32] = 36, [33] = 36, [34] = 38, [35] = 38,
     [36] = 39, [37] = 40, [38] = 40, [39] = 40, [40] = 40, [41] = 42, [42 ... 63] = 0xff};
 
-static uint64_t init_flags(const struct fuse_init_in *init, size_t len) {
+static uint64_t init_flags(const struct init_in *init, size_t len) {
     uint64_t f = init->flags;
-    if (init->minor >= 36 && len >= sizeof *init && (f & FUSE_INIT_EXT))
-        f |= (uint64_t)init->flags2 << 32;
+    if (init->minor >= 36 && len >= sizeof *init && (f & INIT_EXT))
+        f |= (uint64_t)init->flags_hi << 32;
     return f;
 }
 
@@ -604,7 +612,7 @@ static uint64_t init_flags(const struct fuse_init_in *init, size_t len) {
  * it: its minor, only the flags that protocol has, its layout. The new length. */
 static ssize_t pretend_init(char *buf, ssize_t n) {
     struct fuse_in_header *in = (void *)buf;
-    struct fuse_init_in *init = (void *)(buf + sizeof *in);
+    struct init_in *init = (void *)(buf + sizeof *in);
     uint64_t flags, keep = 0;
     int bit, minor = front.pretend;
     if ((size_t)n < sizeof *in + INIT_OLD_SIZE || init->major != 7 || init->minor <= minor)
@@ -617,7 +625,7 @@ static ssize_t pretend_init(char *buf, ssize_t n) {
     init->minor = (uint32_t)minor;
     init->flags = (uint32_t)flags;
     if (minor >= 36 && (size_t)n >= sizeof *in + sizeof *init) {
-        init->flags2 = (uint32_t)(flags >> 32);
+        init->flags_hi = (uint32_t)(flags >> 32);
         return n;
     }
     in->len = sizeof *in + INIT_OLD_SIZE;
@@ -625,11 +633,12 @@ static ssize_t pretend_init(char *buf, ssize_t n) {
 }
 
 static void saw_init(const char *buf, ssize_t n) {
-    const struct fuse_init_in *init = (const void *)(buf + sizeof(struct fuse_in_header));
+    const struct init_in *init = (const void *)(buf + sizeof(struct fuse_in_header));
     size_t len = (size_t)n - sizeof(struct fuse_in_header);
     if (len < INIT_OLD_SIZE)
         return; /* no kernel sends this: forwarded, libfuse answers it */
     front.major = init->major;
+    front.kminor = init->minor;
     front.kflags = init_flags(init, len);
     /* Replies here are laid out for 7.12 and later (every kernel since 2.6.29); an older
      * one, or another major, is answered by libfuse alone for the life of the mount. */
@@ -641,15 +650,18 @@ static void saw_init(const char *buf, ssize_t n) {
 void fanfs_front_kernel(uint64_t out[5]) {
     int minor = __atomic_load_n(&front.minor, __ATOMIC_ACQUIRE);
     out[0] = minor ? front.major : 0;
-    out[1] = minor > 0 ? (uint64_t)minor : 0;
+    out[1] = minor ? front.kminor : 0;
     out[2] = minor ? front.kflags : 0;
     out[3] = (uint64_t)__atomic_load_n(&front.why, __ATOMIC_RELAXED);
     out[4] = fanfs_front_bufsize();
 }
 
+static size_t bufsize_for(long page) { return (size_t)(page > 0 ? page : 4096) * 256 + 4096; }
+
+static size_t libfuse_bufsize(void) { return bufsize_for(sysconf(_SC_PAGESIZE)); }
+
 size_t fanfs_front_bufsize(void) {
-    long page = front.page > 0 ? front.page : sysconf(_SC_PAGESIZE);
-    return (size_t)(page > 0 ? page : 4096) * 256 + 4096;
+    return front.page > 0 ? bufsize_for(front.page) : libfuse_bufsize();
 }
 
 int fanfs_front_pretend(int minor, long page) {
@@ -741,7 +753,7 @@ int fanfs_front_start(int fd, int nthreads, int spin_us) {
         return -errno;
     front.fd = fd;
     front.ended = front.minor = front.stopping = front.led = front.draining = front.why = 0;
-    front.major = 0;
+    front.major = front.kminor = 0;
     front.kflags = 0;
     front.bufsize = fanfs_front_bufsize();
     front.spin_ns = (int64_t)spin_us * 1000;
@@ -810,7 +822,11 @@ int fanfs_front_receive(void *session, struct fuse_buf *buf) {
     if (front.head == NULL)
         front.tail = NULL;
     pthread_mutex_unlock(&front.lock);
-    if (buf->mem == NULL && (buf->mem = malloc(front.bufsize)) == NULL) {
+    /* libfuse may read into this buffer itself later (once the front is gone): its size, at
+     * least, which for the machine's page is fanfs_front_bufsize's too */
+    if (buf->mem == NULL && (buf->mem = malloc(front.bufsize > libfuse_bufsize()
+                                                   ? front.bufsize
+                                                   : libfuse_bufsize())) == NULL) {
         free(f);
         return -ENOMEM;
     }

@@ -107,6 +107,8 @@ def log_front(f: FrontStatus) -> None:
     if f.off:
         log.warning("kernel FUSE %s; the front is off, every request goes through Python: %s",
                     f.protocol or "(no INIT yet)", f.off)  # fmt: skip
+    elif not f.protocol:
+        log.info("no FUSE INIT within a second: the front answers requests in C once it comes")
     else:
         log.info("kernel FUSE %s; the front answers requests in C", f.protocol)
 

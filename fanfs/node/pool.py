@@ -38,6 +38,7 @@ import trio
 from fanfs import catalog as cat
 from fanfs import codec, filters, native
 from fanfs.errors import CorruptFile
+from fanfs.logs import Throttle
 from fanfs.native import lib
 from fanfs.node.cache import percentiles_ms
 from fanfs.status import NO_FRONT, FrontStatus
@@ -213,6 +214,7 @@ class NativePool:
         self._decode = decode
         self.front = front
         self.front_off = front_off
+        self._throttle = Throttle()  # failed READs of one file: a warning a minute
         self.fast = False  # READs of staged files answered by the front (pool_fast)
         self._fast_parts: set[int] = set()
         self.flags = lib.JOB_PUSH if push else 0
@@ -330,9 +332,12 @@ class NativePool:
                 if 0 <= entry < self.catalog.n_entries and err in BAD_DATA:
                     self.failed(entry, CorruptFile(lib.failure_reason(err)))
                 elif 0 <= entry < self.catalog.n_entries:
-                    log.warning("native read pool: a READ of %s failed (%s), answered EIO",
-                                os.fsdecode(b"/" + self.catalog.path(entry)),
-                                lib.failure_reason(err))  # fmt: skip
+                    held = self._throttle.due(entry)
+                    more = f" ({held} more since the last warning)" if held else ""
+                    if held is not None:
+                        log.warning("native read pool: a READ of %s failed (%s), answered EIO%s",
+                                    os.fsdecode(b"/" + self.catalog.path(entry)),
+                                    lib.failure_reason(err), more)  # fmt: skip
                 else:  # a record the pool would never write: not worth ending the daemon
                     log.error("native read pool reported entry %d, errno %d", entry, err)
 

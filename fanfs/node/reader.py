@@ -45,6 +45,7 @@ from fanfs import catalog as cat
 from fanfs import codec
 from fanfs.checksum import crc32
 from fanfs.errors import CorruptFile
+from fanfs.logs import Throttle
 from fanfs.node import pool as native
 from fanfs.node.cache import ByteLRU, SingleFlight
 from fanfs.node.plans import Plans
@@ -66,6 +67,7 @@ class BadFiles:
     def __init__(self, catalog: cat.Catalog):
         self.catalog = catalog
         self._bad: set[int] = set()
+        self._throttle = Throttle()  # a failing disk under every READ: a line a minute a file
 
     def __contains__(self, entry: int) -> bool:
         return entry in self._bad
@@ -94,8 +96,11 @@ class BadFiles:
         bad (a check, a decode, a hostile catalog) mark the file bad; the disk, memory or a
         peer failing now fail this READ alone (the native pool draws the same line)."""
         if isinstance(error, (OSError, MemoryError)):
-            log.warning("EIO for %s (this read only): %s", self.describe(entry),
-                        error or type(error).__name__)  # fmt: skip
+            held = self._throttle.due(entry)
+            if held is not None:
+                log.warning("EIO for %s (this read only): %s%s", self.describe(entry),
+                            error or type(error).__name__,
+                            f" ({held} more since the last warning)" if held else "")  # fmt: skip
             return CorruptFile(self.describe(entry))
         self.mark(entry, error)
         return self.refuse(entry)

@@ -384,7 +384,7 @@ class OutputDaemon:
         if f["off"]:
             log.warning("kernel FUSE %s; the front is off, every WRITE goes through Python: %s",
                         f["protocol"] or "(no INIT yet)", f["off"])  # fmt: skip
-        else:
+        elif f["protocol"]:
             log.info("kernel FUSE %s; the front answers WRITEs in C", f["protocol"])
 
     async def _serve(self) -> None:

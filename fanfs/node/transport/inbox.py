@@ -27,10 +27,11 @@ its late reply is drained (or QUARANTINE_TIMEOUTS peer timeouts pass), so a late
 never be taken for a later fetch's.
 
 A receive that is still active when its fetch is given up for good (QUARANTINE_TIMEOUTS
-passed) or the transport stops is cancelled (MPI_Cancel), and it and its buffer stay
-referenced until MPI says it is complete (tested each turn; at the stop for at most
-SETTLE_S, then kept for the life of the process): an mpi4py request let go while active
-frees a buffer MPI may still write into.
+passed) or the transport stops stays referenced, with its buffer, until MPI says it is
+complete (tested each turn; at the stop for at most SETTLE_S, then kept for the life of the
+process): an mpi4py request let go while active frees a buffer MPI may still write into. It is
+not cancelled: its message is matched already, and a cancelled matched receive may put the
+message back to be matched again, by a later fetch that reuses the tag.
 
 Concurrency: the MPI thread only, except `Fetch`, which a trio task or a thread waits on.
 """
@@ -65,7 +66,7 @@ DISCARD_MAX = MAX_REQUEST
 # A quarantined reply tag is released after this many peer timeouts even if its reply never
 # came (a dead peer): tags cycle through millions, so this only bounds the bookkeeping.
 QUARANTINE_TIMEOUTS = 10
-# How long the stop waits for cancelled receives to complete (a dead peer's may never): then
+# How long the stop waits for active receives to complete (a dead peer's may never): then
 # they are kept in _ABANDONED, never freed, rather than freed under MPI.
 SETTLE_S = 1.0
 _ABANDONED: list[tuple[Any, Any]] = []
@@ -163,6 +164,13 @@ class _Incoming:
             self.reqs.append(req)
             self.bufs.append(buf)
 
+    def unfinished(self, done: Callable[[Any], bool]) -> list[tuple[Any, Any]]:
+        """Hand over the receives `done` says MPI has not completed, with their buffers, and
+        forget them all here."""
+        left = [(r, b) for r, b in zip(self.reqs, self.bufs, strict=True) if not done(r)]
+        self.reqs, self.bufs = [], []
+        return left
+
     def quarantine(self, until: float) -> None:
         """The fetch gave up: drain what comes until `until`."""
         self.job = None
@@ -185,8 +193,11 @@ class Inbox:
         self.peer_timeout = peer_timeout
         self._deliver, self._release, self._malformed = deliver, release, malformed
         self.receiving: dict[int, _Incoming] = {}  # reply tag -> the reply being taken
-        # Cancelled receives MPI has not completed yet, with their buffers: kept until it has.
-        self._cancelled: list[tuple[Any, Any]] = []
+        # Receives of matched messages that a fetch gave up and MPI has not completed yet,
+        # with their buffers: kept until it has (MPI writes into them until then). They are
+        # never cancelled: a cancelled matched receive may hand its message back to be matched
+        # again, where a later fetch with the same tag would take it for its reply.
+        self._unfinished: list[tuple[Any, Any]] = []
 
     def expect(self, tag: int, job: Fetch) -> None:
         """A request with reply tag `tag` has been sent: take its reply as it comes."""
@@ -214,19 +225,19 @@ class Inbox:
         busy = False
         for tag, rec in list(self.receiving.items()):
             busy |= self._take(tag, rec, status)
-        if self._cancelled:
-            self._cancelled = [(r, b) for r, b in self._cancelled if not self._complete_now(r)]
+        if self._unfinished:
+            self._unfinished = [(r, b) for r, b in self._unfinished if not self._complete_now(r)]
         return busy
 
     def close(self, sends: Sequence[tuple[Any, Any]] = ()) -> None:
-        """The transport stops: cancel every receive still active, wait at most SETTLE_S for
-        them and for `sends` (request, buffer) to complete, and keep what MPI still holds
-        for the life of the process."""
-        pending = list(self._cancelled) + list(sends)
+        """The transport stops: wait at most SETTLE_S for every receive still active and for
+        `sends` (request, buffer) to complete, and keep what MPI still holds for the life of
+        the process."""
+        pending = list(self._unfinished) + list(sends)
         for rec in self.receiving.values():
-            pending += self._cancel(rec)
+            pending += rec.unfinished(self._complete_now)
         self.receiving.clear()
-        self._cancelled = []
+        self._unfinished = []
         deadline = time.monotonic() + SETTLE_S
         while pending and time.monotonic() < deadline:
             pending = [(r, b) for r, b in pending if not self._complete_now(r)]
@@ -242,22 +253,6 @@ class Inbox:
             return bool(req.Test())
         except self.MPI.Exception:
             return True  # (an error completes it too)
-
-    def _cancel(self, rec: _Incoming) -> list[tuple[Any, Any]]:
-        """Cancel `rec`'s receives that are still active; those MPI has not completed yet,
-        with their buffers."""
-        active = []
-        for req, buf in zip(rec.reqs, rec.bufs, strict=True):
-            if self._complete_now(req):
-                continue
-            try:
-                req.Cancel()
-            except self.MPI.Exception as e:
-                log.warning("a receive from rank %d could not be cancelled: %s", rec.peer, e)
-            if not self._complete_now(req):
-                active.append((req, buf))
-        rec.reqs, rec.bufs = [], []
-        return active
 
     def probe(self, source: int, tag: int, status: Any, buf: np.ndarray) -> int | None:
         """The size of the next message from `source` with `tag`, taken into `buf` if it is
@@ -321,9 +316,9 @@ class Inbox:
             return True
         if job is None:  # drained, or its peer is quiet too long: the tag is free again
             if (done and (rec.replied or rec.got >= rec.expect)) or time.monotonic() > rec.until:
-                # (Receives of matched messages still active are cancelled and kept until
-                # MPI completes them: the tag is free, their messages are theirs already.)
-                self._cancelled += self._cancel(rec)
+                # (Receives of matched messages still active are kept until MPI completes
+                # them: the tag is free, their messages are theirs already.)
+                self._unfinished += rec.unfinished(self._complete_now)
                 del self.receiving[tag]
                 self._release(tag)
             return moved
