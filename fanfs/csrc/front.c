@@ -63,11 +63,12 @@
 
 #define FRONT_MAX_THREADS 32
 
-/* A forwarded request: its bytes, as read. */
+/* A forwarded request: its bytes, as read, aligned as the buffer they were read into (the
+ * drain reads their fuse_in_header in place). */
 struct fwd {
     struct fwd *next;
     uint32_t len;
-    char data[];
+    _Alignas(struct fuse_in_header) char data[];
 };
 
 static struct {
