@@ -355,7 +355,7 @@ def stress_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # The harness's checks this test runs (all of them once each finding is fixed).
-STRESS_PARTS = "remote swap transient cache ended"
+STRESS_PARTS = "remote swap transient cache ended front writes"
 STRESS_LEAKS = True
 
 
@@ -367,13 +367,17 @@ def _fuse3(flag: str) -> list[str]:
 @pytest.mark.parametrize("sanitizer", sorted(SANITIZERS))
 def test_the_pool_under_sanitizers(stress_data: Path, tmp_path: Path, sanitizer: str) -> None:
     """tests/native/pool_stress.c (READs meeting on pieces, evictions, drops, dictionaries
-    replaced while jobs decode, transient failures, threads that end, the pool's stop) built
-    with AddressSanitizer and UndefinedBehaviorSanitizer, then ThreadSanitizer: any report, a
-    lost or wrong reply, a leak, fails it."""
+    replaced while jobs decode, transient failures, threads that end, the pool's stop) and
+    tests/native/front_stress.c (the front's threads under concurrent LOOKUP, GETATTR, READ and
+    forwarded requests, stopped while they come, a session ended under them; the output
+    front's writes behind, held fds, its stop under WRITEs) built with AddressSanitizer and
+    UndefinedBehaviorSanitizer, then ThreadSanitizer: any report, a lost, doubled or wrong
+    reply, a leak, fails it."""
     if shutil.which("gcc") is None:
         pytest.skip("no gcc")
     exe = tmp_path / f"pool_stress_{sanitizer}"
-    sources = [NATIVE / "pool_stress.c", CSRC / "codec.c", CSRC / "front.c", CSRC / "writes.c"]
+    harness = [NATIVE / "pool_stress.c", NATIVE / "front_stress.c"]
+    sources = [*harness, CSRC / "codec.c", CSRC / "front.c", CSRC / "writes.c"]
     cmd = ["gcc", "-g", "-O1", "-fno-omit-frame-pointer", *SANITIZERS[sanitizer],
            f"-I{CSRC}", *_fuse3("--cflags"), *map(str, sources), "-o", str(exe),
            *_fuse3("--libs"), "-ldl", "-lpthread"]  # fmt: skip

@@ -11,7 +11,9 @@
  *
  * PARTS (to look at one finding alone): the checks to run, by name, of swap (dictionaries
  * replaced), cache (its memory), remote (a peer's piece), transient (failures), ended
- * (threads that end); all of them by default.
+ * (threads that end), and the front's (tests/native/front_stress.c, after the pool's): front
+ * (the front's threads answering from the catalog and the pool, stopped under requests, and
+ * a session ended under them) and writes (its writes behind); all of them by default.
  *
  * DIR (written by the test): part.bin (the stored pieces back to back), decoded.bin (their
  * decoded bytes back to back), dict.bin (a zstd dictionary, id 1) and pieces.txt (one line a
@@ -28,6 +30,7 @@
  * - threads that decoded and ended leave nothing behind (LeakSanitizer).
  */
 #include "pool.c"
+#include "stress.h"
 
 #include <fcntl.h>
 #include <linux/fuse.h>
@@ -382,6 +385,17 @@ static void *decoder_main(void *arg) {
     return NULL;
 }
 
+/* The front's checks (front_stress.c), with the small raw pieces as the files of its catalog. */
+static void front_checks(const char *dir, const int errpipe[2]) {
+    struct stress_file files[MAXP];
+    int i, n = 0;
+    for (i = 0; i < npieces; i++)
+        if (pieces[i].p.kind == FANFS_KIND_RAW && pieces[i].p.size <= (64u << 10))
+            files[n++] = (struct stress_file){pieces[i].p.off, pieces[i].p.len, pieces[i].p.crc,
+                                              decoded + pieces[i].doff};
+    failures += front_stress(dir, part_fd, errpipe[0], errpipe[1], files, n, parts);
+}
+
 int main(int argc, char **argv) {
     size_t len;
     char *manifest, *line, *save;
@@ -455,6 +469,8 @@ int main(int argc, char **argv) {
     wait_replies();
     send(sock[1], &end, sizeof end, 0);
     pthread_join(replier, NULL);
+    if (on("front") || on("writes"))
+        front_checks(argv[1], errpipe);
     fanfs_pool_set_dicts(NULL);
     fanfs_dicts_free(first);
     free(expects);
