@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
-import subprocess
 import time
 import zlib
 from collections.abc import Iterator
@@ -302,91 +300,3 @@ def test_the_pool_runs_without_fuse(
         os.close(wfd)
         assert os.read(rfd, 4096) == b""  # no failure was posted
         os.close(rfd)
-
-
-# -- the C under sanitizers -------------------------------------------------------------------
-
-NATIVE = Path(__file__).parent / "native"
-CSRC = Path(__file__).parent.parent / "fanfs" / "csrc"
-SANITIZERS = {
-    "address": ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"],
-    "thread": ["-fsanitize=thread"],
-}
-
-
-@pytest.fixture(scope="module")
-def stress_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Pieces of every kind for tests/native/pool_stress.c: many small raw ones (so that READs
-    meet on them and the cache evicts), zstd with and without the dictionary, filtered, and one
-    large raw piece."""
-    rng = np.random.default_rng(11)
-    out = tmp_path_factory.mktemp("stress")
-    samples = [f"row {i},{i * 7 % 13},label-{i % 5}\n".encode() * 20 for i in range(400)]
-    d = zstandard.train_dictionary(4096, samples, dict_id=1)
-    with_dict = zstandard.ZstdCompressor(dict_data=d, write_dict_id=True)
-    plain = zstandard.ZstdCompressor()
-    pieces: list[tuple[bytes, int, bytes]] = []  # (stored, kind, decoded)
-    for _ in range(48):
-        data = rng.bytes(int(rng.integers(4 << 10, 60 << 10)))
-        pieces.append((data, lib.KIND_RAW, data))
-    for i in range(8):
-        data = b"".join(samples[i * 40 : i * 40 + 40])
-        pieces.append((with_dict.compress(data), lib.KIND_ZSTD, data))
-        pieces.append((plain.compress(data), lib.KIND_ZSTD, data))
-    for i in range(4):
-        data = np.cumsum(rng.normal(size=(64 << 10) + i)).astype("f4").tobytes()
-        encoded = filters.encode(filters.SHUFFLE4, data)
-        assert encoded is not None
-        pieces.append((plain.compress(encoded), lib.KIND_FILTER + filters.SHUFFLE4, data))
-    big = rng.bytes(6 << 20)
-    pieces.append((big, lib.KIND_RAW, big))
-    lines, part, dec = [], bytearray(), bytearray()
-    for stored, kind, data in pieces:
-        part += bytes(int(rng.integers(0, 5000)))  # pieces at any offset
-        off = len(part)
-        part += stored
-        lines.append(f"{off} {len(stored)} {zlib.crc32(stored)} {len(data)} {kind} {len(dec)}\n")
-        dec += data
-    (out / "part.bin").write_bytes(part)
-    (out / "decoded.bin").write_bytes(dec)
-    (out / "dict.bin").write_bytes(d.as_bytes())
-    (out / "pieces.txt").write_text("".join(lines))
-    return out
-
-
-# The harness's checks this test runs (all of them once each finding is fixed).
-STRESS_PARTS = "remote swap transient cache ended front writes"
-STRESS_LEAKS = True
-
-
-def _fuse3(flag: str) -> list[str]:
-    return subprocess.run(["pkg-config", flag, "fuse3"], capture_output=True, text=True,
-                          check=True).stdout.split()  # fmt: skip
-
-
-@pytest.mark.parametrize("sanitizer", sorted(SANITIZERS))
-def test_the_pool_under_sanitizers(stress_data: Path, tmp_path: Path, sanitizer: str) -> None:
-    """tests/native/pool_stress.c (READs meeting on pieces, evictions, drops, dictionaries
-    replaced while jobs decode, transient failures, threads that end, the pool's stop) and
-    tests/native/front_stress.c (the front's threads under concurrent LOOKUP, GETATTR, READ and
-    forwarded requests, stopped while they come, a session ended under them; the output
-    front's writes behind, held fds, its stop under WRITEs) built with AddressSanitizer and
-    UndefinedBehaviorSanitizer, then ThreadSanitizer: any report, a lost, doubled or wrong
-    reply, a leak, fails it."""
-    if shutil.which("gcc") is None:
-        pytest.skip("no gcc")
-    exe = tmp_path / f"pool_stress_{sanitizer}"
-    harness = [NATIVE / "pool_stress.c", NATIVE / "front_stress.c"]
-    sources = [*harness, CSRC / "codec.c", CSRC / "front.c", CSRC / "writes.c"]
-    cmd = ["gcc", "-g", "-O1", "-fno-omit-frame-pointer", *SANITIZERS[sanitizer],
-           f"-I{CSRC}", *_fuse3("--cflags"), *map(str, sources), "-o", str(exe),
-           *_fuse3("--libs"), "-ldl", "-lpthread"]  # fmt: skip
-    built = subprocess.run(cmd, capture_output=True, text=True)
-    assert built.returncode == 0, built.stderr
-    env = {**os.environ, "ASAN_OPTIONS": f"detect_leaks={int(STRESS_LEAKS)}:exitcode=66",
-           "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1",
-           "TSAN_OPTIONS": "halt_on_error=1:exitcode=66:second_deadlock_stack=1"}  # fmt: skip
-    ran = subprocess.run([str(exe), str(stress_data), STRESS_PARTS], capture_output=True, text=True,
-                         timeout=120, env=env)  # fmt: skip
-    assert ran.returncode == 0 and "pool_stress: ok" in ran.stdout, ran.stderr[-6000:]
-    assert "Sanitizer" not in ran.stderr and "runtime error" not in ran.stderr, ran.stderr[-6000:]

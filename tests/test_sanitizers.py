@@ -1,5 +1,11 @@
-"""Sanitizers tier: fanfs's C under AddressSanitizer and UndefinedBehaviorSanitizer, and
-built as on RHEL 8.
+"""Sanitizers tier: fanfs's C under AddressSanitizer, UndefinedBehaviorSanitizer and
+ThreadSanitizer, and built as on RHEL 8. Run once, not again under every Python.
+
+tests/native/pool_stress.c (with front_stress.c) stresses the pool, its cache, peers' pieces,
+the front and its writes behind from many threads at once (READs meeting on pieces, evictions,
+dictionaries replaced while jobs decode, transient failures, threads that end, a scripted
+kernel's requests, stops with requests in flight, a kernel that goes away), built with ASan,
+UBSan and LeakSanitizer, then with TSan: any report, a lost or wrong reply, a leak, fails it.
 
 The extension itself (fanfs/_native.c, Cython's output, and fanfs/csrc/) is built again with
 `-fsanitize=address,undefined` at -O0 (a build in seconds, where -O2 takes a minute), into a
@@ -7,7 +13,7 @@ copy of the package, and this machine's Python loads it with the sanitizers' run
 preloaded. The native unit and adapter tests (the pool without FUSE, the C's answers to a
 scripted kernel, pieces read and checked, the codec) then run against it in a subprocess; any
 report ends that process with exit code 66 and fails this test. Leaks are not looked for here
-(Python keeps memory to its exit by design); tests/native/pool_stress.c does, in test_native.
+(Python keeps memory to its exit by design); pool_stress.c does.
 
 Every C file also compiles with the names linux/fuse.h gained after protocol 7.27 poisoned
 (tests/native/fuse_7_27.h): the build machines of RHEL 8 have no newer header.
@@ -20,9 +26,15 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import zlib
 from pathlib import Path
 
+import numpy as np
 import pytest
+import zstandard
+
+from fanfs import filters
+from fanfs.native import lib
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = [ROOT / "tests" / f for f in ("test_native.py", "test_kernels.py",
@@ -92,3 +104,86 @@ def test_the_c_builds_with_rhel_8s_kernel_headers(source: str, tmp_path: Path) -
     built = subprocess.run(["gcc", "-fsyntax-only", "-Wall", f"-I{csrc}", *_fuse3("--cflags"),
                             str(unit)], capture_output=True, text=True, timeout=120)  # fmt: skip
     assert built.returncode == 0 and "poisoned" not in built.stderr, built.stderr[-4000:]
+
+
+# -- the C under sanitizers -------------------------------------------------------------------
+
+NATIVE = ROOT / "tests" / "native"
+CSRC = ROOT / "fanfs" / "csrc"
+SANITIZERS = {
+    "address": ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"],
+    "thread": ["-fsanitize=thread"],
+}
+
+
+@pytest.fixture(scope="module")
+def stress_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Pieces of every kind for tests/native/pool_stress.c: many small raw ones (so that READs
+    meet on them and the cache evicts), zstd with and without the dictionary, filtered, and one
+    large raw piece."""
+    rng = np.random.default_rng(11)
+    out = tmp_path_factory.mktemp("stress")
+    samples = [f"row {i},{i * 7 % 13},label-{i % 5}\n".encode() * 20 for i in range(400)]
+    d = zstandard.train_dictionary(4096, samples, dict_id=1)
+    with_dict = zstandard.ZstdCompressor(dict_data=d, write_dict_id=True)
+    plain = zstandard.ZstdCompressor()
+    pieces: list[tuple[bytes, int, bytes]] = []  # (stored, kind, decoded)
+    for _ in range(48):
+        data = rng.bytes(int(rng.integers(4 << 10, 60 << 10)))
+        pieces.append((data, lib.KIND_RAW, data))
+    for i in range(8):
+        data = b"".join(samples[i * 40 : i * 40 + 40])
+        pieces.append((with_dict.compress(data), lib.KIND_ZSTD, data))
+        pieces.append((plain.compress(data), lib.KIND_ZSTD, data))
+    for i in range(4):
+        data = np.cumsum(rng.normal(size=(64 << 10) + i)).astype("f4").tobytes()
+        encoded = filters.encode(filters.SHUFFLE4, data)
+        assert encoded is not None
+        pieces.append((plain.compress(encoded), lib.KIND_FILTER + filters.SHUFFLE4, data))
+    big = rng.bytes(6 << 20)
+    pieces.append((big, lib.KIND_RAW, big))
+    lines, part, dec = [], bytearray(), bytearray()
+    for stored, kind, data in pieces:
+        part += bytes(int(rng.integers(0, 5000)))  # pieces at any offset
+        off = len(part)
+        part += stored
+        lines.append(f"{off} {len(stored)} {zlib.crc32(stored)} {len(data)} {kind} {len(dec)}\n")
+        dec += data
+    (out / "part.bin").write_bytes(part)
+    (out / "decoded.bin").write_bytes(dec)
+    (out / "dict.bin").write_bytes(d.as_bytes())
+    (out / "pieces.txt").write_text("".join(lines))
+    return out
+
+
+# The harness's checks this test runs (all of them once each finding is fixed).
+STRESS_PARTS = "remote swap transient cache ended front writes"
+STRESS_LEAKS = True
+
+
+@pytest.mark.parametrize("sanitizer", sorted(SANITIZERS))
+def test_the_pool_under_sanitizers(stress_data: Path, tmp_path: Path, sanitizer: str) -> None:
+    """tests/native/pool_stress.c (READs meeting on pieces, evictions, drops, dictionaries
+    replaced while jobs decode, transient failures, threads that end, the pool's stop) and
+    tests/native/front_stress.c (the front's threads under concurrent LOOKUP, GETATTR, READ and
+    forwarded requests, stopped while they come, a session ended under them; the output
+    front's writes behind, held fds, its stop under WRITEs) built with AddressSanitizer and
+    UndefinedBehaviorSanitizer, then ThreadSanitizer: any report, a lost, doubled or wrong
+    reply, a leak, fails it."""
+    if shutil.which("gcc") is None:
+        pytest.skip("no gcc")
+    exe = tmp_path / f"pool_stress_{sanitizer}"
+    harness = [NATIVE / "pool_stress.c", NATIVE / "front_stress.c"]
+    sources = [*harness, CSRC / "codec.c", CSRC / "front.c", CSRC / "writes.c"]
+    cmd = ["gcc", "-g", "-O1", "-fno-omit-frame-pointer", *SANITIZERS[sanitizer],
+           f"-I{CSRC}", *_fuse3("--cflags"), *map(str, sources), "-o", str(exe),
+           *_fuse3("--libs"), "-ldl", "-lpthread"]  # fmt: skip
+    built = subprocess.run(cmd, capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    env = {**os.environ, "ASAN_OPTIONS": f"detect_leaks={int(STRESS_LEAKS)}:exitcode=66",
+           "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1",
+           "TSAN_OPTIONS": "halt_on_error=1:exitcode=66:second_deadlock_stack=1"}  # fmt: skip
+    ran = subprocess.run([str(exe), str(stress_data), STRESS_PARTS], capture_output=True, text=True,
+                         timeout=120, env=env)  # fmt: skip
+    assert ran.returncode == 0 and "pool_stress: ok" in ran.stdout, ran.stderr[-6000:]
+    assert "Sanitizer" not in ran.stderr and "runtime error" not in ran.stderr, ran.stderr[-6000:]
