@@ -1,4 +1,5 @@
-"""`fanfs bench` runs end to end and writes its report (speed itself is not asserted here)."""
+"""Clients tier: `fanfs bench` runs end to end and writes its report (speed itself is not asserted
+here)."""
 
 from __future__ import annotations
 
@@ -61,7 +62,9 @@ def test_bench_global_epoch_over_three_daemons(tmp_path: Path) -> None:
     for r in epoch:
         assert r["nodes"] == 3 and 0.5 < r["remote_share"] < 0.85, r
         assert r["native_files_per_s"] > 0 and r["fanfs_files_per_s"] > 0
-        assert r["daemon_cpu_us_per_file"] >= 0 and r["daemon_idle_cpu_pct"] >= 0
+        if r["temp"] == "cold":  # its remote files cost the daemons CPU (a warm one may not)
+            assert r["daemon_cpu_us_per_file"] > 0, r
+        assert 0 <= r["daemon_idle_cpu_pct"] < 100, r
     assert "remote" in done.stderr and "idle" in done.stderr
     bad = fanfs("bench", "--epoch", "global", "--workdir", tmp_path / "w2")
     assert bad.returncode == ExitCode.USAGE and "--ranks 2 or more" in bad.stderr
@@ -156,7 +159,7 @@ def test_calibrate_then_validate_the_projection(tmp_path: Path) -> None:
     # CI), but a warm 64 KiB file costs time.
     assert got["warm_s"] >= 0 and got["warm_s"] + got["warm_s_per_byte"] * (64 << 10) > 0
     # A local file costs the event loop nothing when the front answers it (fanfs/csrc/front.c).
-    assert got["local_daemon_s"] >= 0
+    assert 0 <= got["local_daemon_s"] < 0.01
     assert got["local_s"] < 0.05 and got["request_s"] < 0.01 and got["disk_bytes_per_s"] > 1e7
     assert "calibration of" in done.stdout and "daemon loop" in done.stdout
     out = tmp_path / "val.json"

@@ -1,4 +1,4 @@
-"""Pure tier: the catalog and prepare's packing, no mount."""
+"""Unit tier: the catalog and prepare's packing, no mount."""
 
 from __future__ import annotations
 

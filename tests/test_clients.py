@@ -1,4 +1,4 @@
-"""Real clients read through fanfs unmodified: PyTorch, fio, and everyday tools."""
+"""Clients tier: real clients read through fanfs unmodified: PyTorch, fio, and everyday tools."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Unit tier: the pieces of the read path built alone, without a mount.
+"""Adapter tier: the pieces of the read path built alone, without a mount.
 
 Every array filter and every codec round-trips (decode of encode is the input, for any input
 hypothesis finds); the native pool's jobs are what its C side takes (fanfs/node/pool.py builds

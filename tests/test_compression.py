@@ -1,5 +1,6 @@
-"""Compression that pays: every codec path is really taken, reads back byte for byte (also at
-random offsets inside framed files), corrupt frames are caught, and `info` plans capacity."""
+"""Mount tier: compression that pays: every codec path is really taken, reads back byte for byte
+(also at random offsets inside framed files), corrupt frames are caught, and `info` plans
+capacity."""
 
 from __future__ import annotations
 

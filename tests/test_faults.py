@@ -1,5 +1,5 @@
-"""Fault injection: an error at the disk, the codec, a peer or the catalog is EIO (or a clean
-refusal) for that one file or image, logged once, and the daemon keeps serving the rest.
+"""Mount tier: fault injection: an error at the disk, the codec, a peer or the catalog is EIO (or a
+clean refusal) for that one file or image, logged once, and the daemon keeps serving the rest.
 
 The disk is real: the image lives on tests/faultfs.py, a FUSE passthrough that fails reads of
 a chosen byte range with a real errno, and staging goes to a tmpfs too small for it, so every

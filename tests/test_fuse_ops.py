@@ -1,4 +1,4 @@
-"""Adapter tier: FanfsOperations called directly under trio, no kernel in between."""
+"""Adapter tier: fanfsOperations called directly under trio, no kernel in between."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""Property-based tests of every parser of untrusted input: the catalog loader, the peer
-request parser, the serving side of peer requests and the FUSE adapter (including the status
-interface). Random and mutated inputs get a clean error or a correct result: never another
-exception, a hang or a dead daemon."""
+"""Adapter tier: property-based tests of every parser of untrusted input: the catalog loader, the
+peer request parser, the serving side of peer requests and the FUSE adapter (including the
+status interface). Random and mutated inputs get a clean error or a correct result: never
+another exception, a hang or a dead daemon."""
 
 from __future__ import annotations
 

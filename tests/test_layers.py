@@ -181,3 +181,17 @@ def test_no_object_is_wired_from_outside() -> None:
         if found:
             wired[name] = found
     assert wired == {}
+
+
+def test_every_test_file_says_its_tier_first() -> None:
+    """Each test module's docstring begins with the tier conftest.TIERS gives it ("Mount tier:
+    ..."), so a reader of the file and the marker selection agree."""
+    import conftest
+
+    here = Path(__file__).parent
+    wrong = {}
+    for module, tier in conftest.TIERS.items():
+        doc = ast.get_docstring(ast.parse((here / f"{module}.py").read_text())) or ""
+        if not doc.lower().startswith(f"{tier} tier:"):
+            wrong[module] = (tier, doc[:40])
+    assert wrong == {}

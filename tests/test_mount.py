@@ -1,4 +1,4 @@
-"""Real mounts of the awkward tree, raw and zstd: what users and their tools see."""
+"""Mount tier: real mounts of the awkward tree, raw and zstd: what users and their tools see."""
 
 from __future__ import annotations
 

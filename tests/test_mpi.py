@@ -1,5 +1,5 @@
-"""Real MPI ranks on this machine: `mpirun -np N fanfs mount`, each rank with its own mount point
-and local directory ({rank} expansion), every byte compared with the source."""
+"""MPI tier: real MPI ranks on this machine: `mpirun -np N fanfs mount`, each rank with its own
+mount point and local directory ({rank} expansion), every byte compared with the source."""
 
 from __future__ import annotations
 

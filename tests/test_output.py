@@ -1,4 +1,4 @@
-"""`fanfs output`: a training job's writes, kept on the node and landed on DEST.
+"""Mount tier: `fanfs output`: a training job's writes, kept on the node and landed on DEST.
 
 Real mounts as the unprivileged user (tests/conftest.py, `user`), a real DEST directory made
 to fail with real permissions, real MPI ranks for --replicas 2. The oracle is what the test

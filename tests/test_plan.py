@@ -1,4 +1,5 @@
-"""Planned epochs on real mounts: the job's order in, files read ahead, every byte checked.
+"""Mount tier: planned epochs on real mounts: the job's order in, files read ahead, every byte
+checked.
 
 One daemon per test (a fresh mount: nothing of it is in the page cache), files compared byte
 for byte with the source. The two ways bytes read ahead reach the job: into the kernel's page

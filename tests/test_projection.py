@@ -1,5 +1,5 @@
-"""The projection model (fanfs/projection.py): the arithmetic, and `fanfs project` on a saved
-calibration. The measured side (`fanfs bench --calibrate`, `--validate`) is in test_bench."""
+"""Unit tier: the projection model (fanfs/projection.py): the arithmetic, and `fanfs project` on a
+saved calibration. The measured side (`fanfs bench --calibrate`, `--validate`) is in test_bench."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Unit and adapter tier: the read path's pieces alone (cache.py, sources.py), with a fake store
-and the in-process transport, no kernel and no mpirun."""
+"""Adapter tier: the read path's pieces alone (cache.py, sources.py), with a fake store and the
+in-process transport, no kernel and no mpirun."""
 
 from __future__ import annotations
 

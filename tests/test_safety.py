@@ -1,5 +1,6 @@
-"""Safe by default: nothing fanfs does can be turned by another local user, or a mistake, into
-data loss or a leak. Each test is one case of docs/security.md; the attacker is `nobody`."""
+"""Mount tier: safe by default: nothing fanfs does can be turned by another local user, or a
+mistake, into data loss or a leak. Each test is one case of docs/security.md; the attacker is
+`nobody`."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Stop signals at every moment of a daemon's life: a defined exit code, and nothing left.
+"""Mount tier: stop signals at every moment of a daemon's life: a defined exit code, and nothing
+left.
 
 SIGTERM, SIGINT and SIGHUP mean "stop" whenever they come (fanfs/node/daemon.py): during start-up
 the daemon fails with exit 130 after cleaning up; while serving it unmounts and exits 0; after

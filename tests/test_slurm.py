@@ -1,4 +1,5 @@
-"""deploy/slurm/fanfs-job.sbatch on a real Slurm: a 4-virtual-node cluster on this machine.
+"""Slurm tier: deploy/slurm/fanfs-job.sbatch on a real Slurm: a 4-virtual-node cluster on this
+machine.
 
 Every job reads every file through the node's own mount and compares it with the source; after
 each job nothing of fanfs is left: no mount, no daemon, no staged directory.

@@ -1,4 +1,4 @@
-"""The product as a cluster user runs it: no root anywhere in fanfs's own processes.
+"""Mount tier: the product as a cluster user runs it: no root anywhere in fanfs's own processes.
 
 Everything here runs as `fanfs-tester` (tests/conftest.py, `user`): prepare, mount with the
 default staging directory, read every byte, status, umount, a killed daemon cleaned up, two

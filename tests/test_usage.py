@@ -1,5 +1,6 @@
-"""Bad values and wrong ways, as a new user meets them: one line `fanfs: error: ...` with the
-documented exit code, no traceback, no wait for ever, nothing removed that fanfs did not make.
+"""Mount tier: bad values and wrong ways, as a new user meets them: one line `fanfs: error: ...`
+with the documented exit code, no traceback, no wait for ever, nothing removed that fanfs did
+not make.
 
 Every option takes its value through one converter (fanfs/cli/options.py), the same for the
 command line and for FANFS_* variables, checked inside main's error handling: a bad variable
