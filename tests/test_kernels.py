@@ -293,3 +293,37 @@ def test_the_output_front_takes_a_write_of_the_largest_max_write(page: int, tmp_
         assert (error, body) == (0, struct.pack("<II", size, 0))
         lib.front_settle()
     assert target.read_bytes() == payload
+
+
+def test_a_stop_ends_the_taking_at_once_under_a_backlog(tmp_path: Path) -> None:
+    """A stop while the device holds a backlog (a SIGTERM while a job still writes or reads)
+    ends the front's taking at once instead of after the backlog: what is left in the device
+    is pyfuse3's again (the output wing) or the unmount's. Here 300 WRITEs of 256 KiB wait
+    before the front starts; it is stopped once it has written one, and takes a few more."""
+    n, size = 300, 256 << 10
+    kernel_end, daemon_end = pair()
+    try:  # a backlog this large needs a send buffer only root may force (CI runs as root)
+        kernel_end.setsockopt(socket.SOL_SOCKET, 32, 2 * n * (size + 4096))  # SO_SNDBUFFORCE
+    except PermissionError:
+        pytest.skip("a socket buffer for a 75 MiB backlog needs root (CAP_NET_ADMIN)")
+    daemon_end.setsockopt(socket.SOL_SOCKET, 33, 2 * n * (size + 4096))  # SO_RCVBUFFORCE
+    payload = bytes(size)
+    with kernel_end, daemon_end, open(tmp_path / "out", "wb") as out:
+        kern = ScriptedKernel(kernel_end)
+        kern.send(INIT, 0, Kernel("this machine", 45, 4096).init())
+        write_in = struct.pack("<QQIIQII", out.fileno(), 0, size, 0, 0, os.O_WRONLY, 0)
+        for _ in range(n):
+            kern.send(WRITE, 2, write_in + payload)
+        written = lib.front_written()
+        lib.front_writes(True)
+        try:
+            lib.front_start(daemon_end.fileno(), 1, 0)
+            deadline = time.monotonic() + 10
+            while lib.front_written() == written:  # taking: then the stop
+                assert time.monotonic() < deadline, "the front took nothing"
+            lib.front_stop()
+            lib.front_close()
+        finally:
+            lib.front_writes(False)
+        taken = (lib.front_written() - written) // size
+    assert taken < n // 3, f"{taken} of {n} WRITEs taken after the stop began"

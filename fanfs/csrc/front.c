@@ -550,8 +550,14 @@ static ssize_t take(char *buf, int ep) {
     int64_t until = front.last_ns + front.spin_ns;
     int spin = front.spin_ns > 0 && !fanfs_cpu_pressed();
     for (;;) {
-        ssize_t n = read(front.fd, buf, front.bufsize);
+        ssize_t n;
         int i, got;
+        /* A stop ends the taking at once, not at the next pause of a steady stream: what is
+         * still in the device is pyfuse3's again (the output wing's loop runs on), or the
+         * unmount's, which fails it (the dataset wing, whose loop has ended). */
+        if (__atomic_load_n(&front.stopping, __ATOMIC_ACQUIRE))
+            return 0;
+        n = read(front.fd, buf, front.bufsize);
         if (n > 0) {
             front.last_ns = now_ns();
             return n;
