@@ -10,8 +10,8 @@ UBSan and LeakSanitizer, then with TSan: any report, a lost or wrong reply, a le
 The extension itself (fanfs/_native.c, Cython's output, and fanfs/csrc/) is built again with
 `-fsanitize=address,undefined` at -O0 (a build in seconds, where -O2 takes a minute), into a
 copy of the package, and this machine's Python loads it with the sanitizers' runtimes
-preloaded. The native unit and adapter tests (the pool without FUSE, the C's answers to a
-scripted kernel, pieces read and checked, the codec) then run against it in a subprocess; any
+preloaded. The native unit tests and the scripted kernels' (the pool without FUSE, the
+decoders, the front's answers and writes) then run against it in a subprocess; any
 report ends that process with exit code 66 and fails this test. Leaks are not looked for here
 (Python keeps memory to its exit by design); pool_stress.c does.
 
@@ -37,8 +37,9 @@ from fanfs import filters
 from fanfs.native import lib
 
 ROOT = Path(__file__).resolve().parent.parent
-TESTS = [ROOT / "tests" / f for f in ("test_native.py", "test_kernels.py",
-                                      "test_read_pieces.py", "test_codec.py")]  # fmt: skip
+# The tests that drive the C (the pool without FUSE, the decoders, the front and its writes
+# under a scripted kernel); those of Python's read path add preparing images, not C.
+TESTS = [ROOT / "tests" / f for f in ("test_native.py", "test_kernels.py")]
 
 
 def _fuse3(flag: str) -> list[str]:
