@@ -50,6 +50,12 @@ class StoreStatus:
     staging_seconds: float
     image_reads: int
     staging_stopped: str = ""  # why staging stopped early ("" if it did not): reads go to the image
+    keep_dir: str = ""  # --keep DIR, "" without
+    partitions_adopted: int = 0  # found in DIR, checked, served from there
+    partitions_kept: int = 0  # staged by this mount and left in DIR
+    partitions_evicted: int = 0  # removed from DIR by this mount (--keep-size)
+    kept_replaced: int = 0  # entries of DIR refused (changed, planted, truncated) and staged again
+    bytes_from_image: int = 0  # staged from the image, and read from it before staging
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,7 +254,14 @@ def render(s: Status) -> str:
         f"catalog:  {s.catalog.files} files, {human_bytes(s.catalog.memory_bytes)} in memory",
         f"staging:  {st.partitions_staged}/{st.partitions_owned} partitions, "
         f"{human_bytes(st.bytes_staged)}/{human_bytes(st.bytes_to_stage)} "
-        f"to {st.local_dir}{' (done)' if st.staging_done else ''}"
+        f"to {st.keep_dir or st.local_dir}{' (done)' if st.staging_done else ''}"
+        + (
+            f"; kept: {st.partitions_adopted} adopted, {st.partitions_kept} kept, "
+            f"{st.partitions_evicted} evicted, {st.kept_replaced} replaced"
+            if st.keep_dir
+            else ""
+        )
+        + f"; {human_bytes(st.bytes_from_image)} read from the image"
         + (
             f"; stopped: {st.staging_stopped} (the rest is read from the image)"
             if st.staging_stopped

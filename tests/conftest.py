@@ -60,6 +60,7 @@ TIERS = {
     "test_pyfuse3_patch": "mount",
     "test_front": "mount",
     "test_output": "mount",
+    "test_keep": "mount",
     "test_memory": "memory",
     "test_mpi": "mpi",
     "test_slurm": "slurm",

@@ -22,7 +22,7 @@ LAYERS = {
     "prepare.fanout": 4, "prepare.publish": 4, "prepare": 5,
     # the daemon's wing: everything that runs inside `fanfs mount`
     "node": 2, "node.cache": 2,
-    "node.staging": 2, "node.order": 2, "node.pool": 3, "node.store": 3, "node.plans": 3,
+    "node.staging": 2, "node.keep": 2, "node.order": 2, "node.pool": 3, "node.store": 3, "node.plans": 3,
     "node.transport": 3, "node.transport.inbox": 3, "node.transport.mpi": 4,
     "node.transport.inproc": 4, "node.sources": 4, "node.plansocket": 4,
     "node.reader": 5, "node.planner": 5, "node.fuse_ops": 6, "node.assemble": 7,
@@ -36,7 +36,7 @@ LAYERS = {
     "bench.launch": 8, "bench.epoch": 8, "bench.passes": 8, "bench.report": 8,
     "bench.runs": 9, "bench": 10, "bench.calibrate": 10,
     "cli": 11, "cli.__main__": 12, "cli.options": 9, "cli.image": 11, "cli.mount": 11,
-    "cli.bench": 11, "cli.report": 9, "cli.output": 11, "cli.reach": 10,
+    "cli.bench": 11, "cli.report": 9, "cli.output": 11, "cli.reach": 10, "cli.keep": 11,
 }  # fmt: skip
 # The C extension (fanfs/_native.pyx) counts as a package of its own: only fanfs/native.py,
 # which checks its API version, may import it. Each daemon (a process of its own: pyfuse3 holds

@@ -130,6 +130,30 @@ def test_job_reads_every_file_on_every_node(slurm: dict[str, str], dataset: tupl
     assert job.nothing_left() == []
 
 
+def test_a_job_that_comes_back_adopts_what_the_last_one_kept(
+    slurm: dict[str, str], dataset: tuple[Path, Path], tmp_path: Path
+) -> None:
+    src, image = dataset
+    report = ("import json, os, sys; s = json.load(sys.stdin)['store']; "
+              "print(os.environ['SLURMD_NODENAME'] + ': adopted', s['partitions_adopted'], "
+              "'kept', s['partitions_kept'])")  # fmt: skip
+    script = (f"{sys.executable} {REPO / 'tools' / 'read_check.py'} {src} && "
+              f"{Path(sys.executable).with_name('fanfs')} status --json \"$FANFS_MOUNTPOINT\" | "
+              f"{sys.executable} -c \"{report}\"")  # fmt: skip
+    keep = str(tmp_path / "keep-{node}")
+    counts = []
+    for run in range(2):
+        job = Job(slurm, image, tmp_path / f"job{run}.out", "bash", "-c", script, FANFS_KEEP=keep)
+        assert job.done.returncode == 0, job.output
+        assert job.nothing_left() == []
+        assert len(re.findall(r"^n\d: OK 160 files$", job.output, re.M)) == NODES, job.output
+        found = re.findall(r"^n\d: adopted (\d+) kept (\d+)$", job.output, re.M)
+        counts.append([sum(int(f[i]) for f in found) for i in (0, 1)])
+    n_parts = len(list(image.glob("part-*.pack")))
+    assert counts == [[0, n_parts], [n_parts, 0]], counts
+    assert len(list(tmp_path.glob("keep-n*/*.pack"))) == n_parts
+
+
 def test_job_outputs_land_on_the_shared_destination(
     slurm: dict[str, str], dataset: tuple[Path, Path], tmp_path: Path
 ) -> None:

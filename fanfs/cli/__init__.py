@@ -1,9 +1,10 @@
 """`fanfs <subcommand>`: the parser, logging set-up and the error-to-exit-code edge.
 
 One module per command family builds its subcommands (image: prepare, info, verify; mount:
-mount, plan, wait, umount, status; output: output, sync; bench: bench, project); `options`
-holds the value checks they share. Options come from the command line, then `FANFS_*`
-environment variables, then defaults, all checked inside `main`'s error handling. A
+mount, plan, wait, umount, status; output: output, sync; keep: keep ls, keep prune; bench:
+bench, project); `options` holds the value checks they share. Options come from the command
+line, then `FANFS_*` environment variables, then defaults, all checked inside `main`'s error
+handling. A
 `FanfsError`, a bad option value or a bad variable prints one line (`fanfs: error: ...`) and
 exits with its documented code; anything else is a bug and keeps its traceback.
 """
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from fanfs import logs
-from fanfs.cli import bench, image, mount, output
+from fanfs.cli import bench, image, keep, mount, output
 from fanfs.cli.options import check_environment, resolve_env
 from fanfs.errors import ExitCode, FanfsError, UsageError
 
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     image.add_parsers(sub)
     mount.add_parsers(sub)
     output.add_parsers(sub)
+    keep.add_parsers(sub)
     bench.add_parsers(sub)
     return parser
 

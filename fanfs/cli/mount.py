@@ -26,10 +26,18 @@ from fanfs.cli.options import (
     positive_int,
     seconds,
     share,
+    size,
     staging_options,
 )
 from fanfs.cli.reach import PROBE_TIMEOUT_S, ask
-from fanfs.errors import ExitCode, FanfsError, MountpointError, NotLanded, WaitTimeout
+from fanfs.errors import (
+    ExitCode,
+    FanfsError,
+    MountpointError,
+    NotLanded,
+    UsageError,
+    WaitTimeout,
+)
 
 log = logging.getLogger("fanfs")
 
@@ -39,11 +47,15 @@ POLL_S = 0.1  # wait/umount poll interval: fast enough for tests, idle enough fo
 def cmd_mount(args: argparse.Namespace) -> int:
     from fanfs.node.daemon import Daemon, MountConfig
 
+    if args.keep_size is not None and not args.keep:
+        raise UsageError("--keep-size (FANFS_KEEP_SIZE) needs --keep DIR (FANFS_KEEP)")
     cfg = MountConfig(
         image=Path(args.image).absolute(),
         mountpoint=args.mountpoint,
         local=args.local,
         keep_local=args.keep_local,
+        keep=args.keep,
+        keep_size=args.keep_size,
         nonempty=args.nonempty,
         cache_bytes=args.cache_mb << 20,
         prefetch_bytes=None if args.prefetch_mb is None else args.prefetch_mb << 20,
@@ -248,8 +260,23 @@ def add_parsers(sub: Subparsers) -> None:
     p.add_argument("image", metavar="IMAGE")
     p.add_argument("mountpoint", metavar="MOUNTPOINT")
     staging_options(p)
-    p.add_argument(
+    kept = p.add_mutually_exclusive_group()
+    kept.add_argument(
         "--keep-local", action="store_true", help="keep the staged copies after unmounting"
+    )
+    kept.add_argument(
+        "--keep",
+        metavar="DIR",
+        help="stage into DIR, a directory of yours on the node's local disk that outlives the "
+        "job, and leave the copies there: the next mount with DIR adopts those its image still "
+        "has ({rank}, {node} expand; env FANFS_KEEP)",
+    )
+    p.add_argument(
+        "--keep-size",
+        type=size,
+        metavar="SIZE",
+        help="at most this much in --keep DIR, least recently used partitions evicted first "
+        "(default: no limit but the disk's; env FANFS_KEEP_SIZE)",
     )
     p.add_argument(
         "--replicas",
@@ -276,6 +303,8 @@ def add_parsers(sub: Subparsers) -> None:
         help="how far planned epochs read ahead of the job (default: a tenth of the "
         "memory available at mount, 64 MiB to 4 GiB; env FANFS_PREFETCH_MB)",
     )
+    env_default(p, "keep", "KEEP", str, None)
+    env_default(p, "keep_size", "KEEP_SIZE", size, None)
     env_default(p, "replicas", "REPLICAS", positive_int, 1)
     env_default(p, "peer_timeout", "PEER_TIMEOUT", positive_float, 5.0)
     env_default(p, "linger", "LINGER", seconds, 60.0)

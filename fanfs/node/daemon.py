@@ -57,6 +57,8 @@ class MountConfig:
     mountpoint: str  # may contain {rank} and {node}
     local: str | None = None  # likewise; the parent of the private staging directory
     keep_local: bool = False
+    keep: str | None = None  # --keep DIR (may contain {rank} and {node}): copies outlive the job
+    keep_size: int | None = None  # its budget in bytes
     nonempty: bool = False  # mount over a directory that holds something (hiding it)
     cache_bytes: int = 512 << 20
     prefetch_bytes: int | None = None  # planned epochs' read-ahead budget; None: from memory
@@ -249,7 +251,9 @@ class Daemon:
             error = None
             try:
                 check_mountpoint(self.mountpoint, cfg.nonempty, cfg.image)
-                store = PartitionStore(cfg.image, catalog, local, owned, cfg.keep_local)
+                keep = Path(expand(cfg.keep, self.rank, node)) if cfg.keep else None
+                store = PartitionStore(cfg.image, catalog, local, owned, cfg.keep_local, keep,
+                                       cfg.keep_size)  # fmt: skip
                 stack.callback(store.close)
             except FanfsError as e:
                 error = e

@@ -242,8 +242,7 @@ class Reader:
                 if crc32(cached) != int(c.crc[entry]):
                     self.bad.mark(entry, CorruptFile("checksum mismatch"))
                     raise self.bad.refuse(entry)
-                self.local.store.count_read(part)
-                self.local.record(began, length)
+                self.local.record(began, length)  # the store counted it (pread_cached)
                 return memoryview(cached)
         self.local.native(part, int(c.stored_len[entry]))
         return self.pool.whole(self.local.fd(part), self.local.dfd(part), entry, offset, size)

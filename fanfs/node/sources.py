@@ -174,7 +174,7 @@ class Local:
     def native(self, part: int, nbytes: int) -> None:
         """A read handed to the native pool: counted as a local fetch (of the image, if the
         partition is not staged yet); its time is the pool's."""
-        self.store.count_read(part)
+        self.store.count_read(part, nbytes)
         with self._count:
             self.native_reads += 1
             self.bytes_fetched += nbytes

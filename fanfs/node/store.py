@@ -23,6 +23,7 @@ from pathlib import Path
 from fanfs import catalog as cat
 from fanfs import native
 from fanfs.errors import MissingPartition, StagingError
+from fanfs.node.keep import KeepDir, partition_keys
 from fanfs.node.staging import StagingDir
 from fanfs.progress import human_bytes
 from fanfs.status import StoreStatus
@@ -84,13 +85,24 @@ class PartitionStore:
         local: Path,
         owned: Sequence[int],
         keep_local: bool = False,
+        keep: Path | None = None,
+        keep_size: int | None = None,
     ):
         self.image = image
         self.catalog = catalog
         self.owned = list(owned)
         if local.resolve() == image.resolve() or image.resolve() in local.resolve().parents:
             raise StagingError(f"{local}: --local must not be inside the image directory")
+        if keep is not None and (keep.resolve() == image.resolve()
+                                 or image.resolve() in keep.resolve().parents):  # fmt: skip
+            raise StagingError(f"{keep}: --keep must not be inside the image directory")
         self.staging = StagingDir(local, keep_local)
+        try:
+            self.keep = KeepDir(keep, keep_size) if keep is not None else None
+        except BaseException:
+            self.staging.close()
+            raise
+        self._keys: dict[int, str] = {}  # content key of each owned partition, with --keep
         # Image fds open on first use: a daemon that owns 8 of 1024 partitions should not
         # open the other 1016 on the shared file system unless it has to fall back to them.
         self._fds: list[int] = [-1] * catalog.n_partitions
@@ -100,10 +112,13 @@ class PartitionStore:
         self._dfds: list[int] = [-1] * catalog.n_partitions
         self._open_lock = threading.Lock()
         self.image_reads = 0
+        self.image_read_bytes = 0
         self._old_fds: list[int] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.staged_parts = 0
+        self.staged_parts = 0  # copied from the image by this mount
+        self.adopted_parts = 0  # found in --keep DIR
+        self.kept_parts = 0  # copied and left in --keep DIR for the next mount
         self.staged_bytes = 0
         self.stage_total = sum(int(catalog.part_size[p]) for p in self.owned)
         self.stage_seconds = 0.0
@@ -151,8 +166,7 @@ class PartitionStore:
             raise
         if n != length:
             return None  # partly cached: the thread reads it all
-        if not self._staged_set[part]:
-            self.image_reads += 1
+        self.count_read(part, length)
         return buf
 
     def drop_pages(self) -> int:
@@ -169,13 +183,14 @@ class PartitionStore:
                     n += 1
         return n
 
-    def count_read(self, part: int) -> None:
+    def count_read(self, part: int, nbytes: int) -> None:
         """A read of `part` done elsewhere (the native pool): counted as the store's own."""
         if not self._staged_set[part]:
             self.image_reads += 1
+            self.image_read_bytes += nbytes
 
     def pread(self, part: int, offset: int, length: int) -> bytes:
-        self.count_read(part)
+        self.count_read(part, length)
         return pread_exact(self.fd(part), length, offset, f"partition {part}")
 
     # -- staging ---------------------------------------------------------------------------
@@ -188,12 +203,16 @@ class PartitionStore:
         start = time.monotonic()
         last_log = start
         try:
-            for p in self.owned:
+            todo = self.owned if self.keep is None else self._adopt_all()
+            for p in todo:
                 if self._stop.is_set():
                     return
                 self._check_room(p)
                 try:
-                    self._stage_one(p)
+                    if self.keep is None:
+                        self._stage_one(p)
+                    else:
+                        self._stage_kept(p)
                 except OSError as e:
                     if e.errno in (errno.ENOSPC, errno.EDQUOT):
                         raise  # the next partition would not fit either
@@ -215,9 +234,30 @@ class PartitionStore:
             self.stage_stopped = f"{type(e).__name__}: {e}"
             log.exception("staging failed, reading the rest from the image")
 
+    def _adopt_all(self) -> list[int]:
+        """Adopt each owned partition that --keep DIR holds, before any is staged (a few
+        system calls each); the partitions left to stage."""
+        assert self.keep is not None
+        self._keys = partition_keys(self.catalog, self.owned)
+        rest = []
+        for p in self.owned:
+            if self._stop.is_set():
+                break
+            with self.keep.claim(self._keys[p]) as got:  # busy: another mount stages it
+                fd = self.keep.adopt(self._keys[p], int(self.catalog.part_size[p])) if got else None
+            if fd is None:
+                rest.append(p)
+            else:
+                self._swap(p, fd)
+                self.adopted_parts += 1
+        if self.adopted_parts:
+            log.info("adopted %d of %d partitions from %s", self.adopted_parts, len(self.owned),
+                     self.keep.path)  # fmt: skip
+        return rest
+
     def _check_room(self, p: int) -> None:
         """ENOSPC if staging partition `p` would leave less than the reserve free."""
-        st = os.fstatvfs(self.staging.fd)
+        st = os.fstatvfs(self.staging.fd if self.keep is None else self.keep.fd)
         free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
         reserve = min(RESERVE_MAX, total // RESERVE_SHARE)
         size = int(self.catalog.part_size[p])
@@ -231,40 +271,83 @@ class PartitionStore:
         return (
             f"{self.staged_parts}/{len(self.owned)} partitions, "
             f"{human_bytes(self.staged_bytes)}/{human_bytes(self.stage_total)} "
-            f"in {seconds:.1f} s ({rate:.0f} MB/s) to {self.staging.path}"
+            f"in {seconds:.1f} s ({rate:.0f} MB/s) to "
+            f"{self.staging.path if self.keep is None else self.keep.path}"
         )
 
-    def _stage_one(self, p: int) -> None:
+    def _copy(self, p: int, out: int) -> bool:
+        """Partition `p` from the image into `out`; False if stopped first."""
         size = int(self.catalog.part_size[p])
+        done = 0
+        while done < size and not self._stop.is_set():
+            sent = os.sendfile(out, self.fd(p), done, min(COPY_CHUNK, size - done))
+            if sent == 0:
+                raise OSError(errno.EIO, f"partition {p} ended early while staging")
+            done += sent
+            self.staged_bytes += sent
+        return done == size
+
+    def _stage_one(self, p: int) -> None:
         name = cat.partition_name(p)
         out = self.staging.create(name)
         try:
-            done = 0
-            while done < size and not self._stop.is_set():
-                sent = os.sendfile(out, self.fd(p), done, min(COPY_CHUNK, size - done))
-                if sent == 0:
-                    raise OSError(errno.EIO, f"partition {p} ended early while staging")
-                done += sent
-                self.staged_bytes += sent
-            if done == size:
+            complete = self._copy(p, out)
+            if complete:
                 self.staging.publish(out, name)
         except BaseException:
             os.close(out)  # an anonymous file: closing it frees its space
             self.staging.discard(name)
             raise
-        if done < size:
+        if not complete:
             os.close(out)
             self.staging.discard(name)
             return
+        self._swap(p, out)
+        self.staged_parts += 1
+
+    def _stage_kept(self, p: int) -> None:
+        """Partition `p` adopted from --keep DIR if another mount kept it meanwhile, else
+        staged into DIR and kept there."""
+        assert self.keep is not None
+        key, size = self._keys[p], int(self.catalog.part_size[p])
+        with self.keep.claim(key, self._stop) as got:
+            if not got:
+                return  # stopping
+            fd = self.keep.adopt(key, size)
+            if fd is not None:
+                self._swap(p, fd)
+                self.adopted_parts += 1
+                return
+            out = self.keep.create()
+            try:
+                complete = self._copy(p, out)
+            except BaseException:
+                os.close(out)
+                raise
+            if not complete:
+                os.close(out)
+                return
+            try:
+                wanted = set(self._keys.values())
+                kept = self.keep.publish(out, key, size, str(self.image), p, wanted)
+            except OSError as e:
+                log.warning("partition %d staged but not kept in %s: %s", p, self.keep.path, e)
+                kept = False
+        self._swap(p, out)
+        self.staged_parts += 1
+        self.kept_parts += kept
+
+    def _swap(self, p: int, out: int) -> None:
+        """From now on partition `p` is read from local copy `out`."""
         self._old_fds.append(self._fds[p])
         self._dfds[p] = open_direct(out)
         self._fds[p] = out  # atomic swap: later reads of this partition are local
         self._staged_set[p] = True
-        self.staged_parts += 1
 
     # -- lifecycle -------------------------------------------------------------------------
 
     def statistics(self) -> StoreStatus:
+        keep = self.keep
         return StoreStatus(
             local_dir=str(self.staging.path),
             partitions_owned=len(self.owned),
@@ -275,6 +358,12 @@ class PartitionStore:
             staging_seconds=round(self.stage_seconds, 3),
             image_reads=self.image_reads,
             staging_stopped=self.stage_stopped,
+            keep_dir=str(keep.path) if keep is not None else "",
+            partitions_adopted=self.adopted_parts,
+            partitions_kept=self.kept_parts,
+            partitions_evicted=keep.evicted if keep is not None else 0,
+            kept_replaced=keep.replaced if keep is not None else 0,
+            bytes_from_image=self.staged_bytes + self.image_read_bytes,
         )
 
     def close(self) -> None:
@@ -287,4 +376,6 @@ class PartitionStore:
         self._fds = []
         self._dfds = []
         self._old_fds = []
+        if self.keep is not None:
+            self.keep.close()
         self.staging.close()
