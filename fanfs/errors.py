@@ -17,7 +17,8 @@ class ExitCode(enum.IntEnum):
     USAGE = 2  # bad command line (argparse)
     SOURCE = 3  # dataset directory missing or unreadable, or IMAGE exists without --force
     IMAGE = 4  # image missing, corrupt, truncated, of an unknown version, or a partition missing
-    MOUNTPOINT = 5  # mount point missing, not a directory, not empty, mounted or not; bad --local
+    # mount point missing, not a directory, not empty, mounted or not; bad --local or --keep
+    MOUNTPOINT = 5
     TIMEOUT = 6  # `wait` or `umount` gave up after --timeout
     MOUNT = 7  # the mount itself failed (FUSE unavailable, daemon died at start)
     NOT_LANDED = 8  # output mounts: closed files not at DEST (kept; `sync` or `umount` again)

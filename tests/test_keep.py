@@ -110,9 +110,11 @@ def test_changed_entries_are_never_served_and_are_replaced(
     linked.symlink_to(target)
     os.replace(renamed, entries[6])  # one entry moved over another's name
     os.chown(foreign, user.uid, user.gid)  # another user's file: never used, never touched
+    entries[7].with_suffix(".seal").write_text("[" * 5000)  # a seal json cannot even parse
     second = kept_once(image, src, tmp_path / "b", keep)
-    assert second["kept_replaced"] == 5, second  # truncated, corrupted, planted, linked, renamed
-    assert second["partitions_adopted"] == 1, second  # only entries[7] was left as kept
+    # truncated, corrupted, planted, linked, renamed over, unreadable seal
+    assert second["kept_replaced"] == 6, second
+    assert second["partitions_adopted"] == 0, second
     assert target.exists() and foreign.stat().st_uid == user.uid
     assert not linked.is_symlink() and linked.exists()  # replaced by a real copy
     third = kept_once(image, src, tmp_path / "c", keep)
@@ -139,6 +141,10 @@ def test_two_mounts_share_a_keep_dir_and_prune_spares_what_is_in_use(
     image: Path, src: Path, tmp_path: Path
 ) -> None:
     keep = tmp_path / "keep"
+    keep.mkdir(mode=0o700)
+    users = {keep / "notes.pack": b"mine", keep / "run.lock": b"", keep / "a.seal": b"{}"}
+    for path, data in users.items():  # the user's own files in DIR: never listed or removed
+        path.write_bytes(data)
     extra = ("--keep", str(keep))
     with mounted(image, tmp_path / "m1", tmp_path / "l1", *extra) as one, \
             mounted(image, tmp_path / "m2", tmp_path / "l2", *extra) as two:  # fmt: skip
@@ -148,15 +154,15 @@ def test_two_mounts_share_a_keep_dir_and_prune_spares_what_is_in_use(
         assert_same_tree(src, two.mountpoint)
         a, b = store(one), store(two)
         assert int(a["partitions_kept"]) + int(b["partitions_kept"]) == 8, (a, b)  # type: ignore[call-overload]
-        assert len(packs(keep)) == 8
+        assert len(packs(keep)) == 8 + 1
         listed = json.loads(fanfs("keep", "ls", keep, "--json").stdout)
         assert len(listed) == 8 and all(e["in_use"] for e in listed)
         pruned = fanfs("keep", "prune", keep)
         assert pruned.returncode == 0 and "8 in use" in pruned.stdout, pruned.stdout
-        assert len(packs(keep)) == 8
+        assert len(packs(keep)) == 8 + 1
     pruned = fanfs("keep", "prune", keep)
     assert pruned.returncode == 0, pruned.stderr
-    assert not any(keep.iterdir()), list(keep.iterdir())
+    assert set(keep.iterdir()) == set(users), list(keep.iterdir())
 
 
 def test_a_user_keeps_and_adopts_and_is_refused_a_dir_not_theirs(

@@ -41,8 +41,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
     now = time.time()
     for e in entries:
         age = f"{(now - e.last_used) / 3600:.1f} h ago" if e.last_used else "never sealed"
+        image = e.image.encode("utf-8", "backslashreplace").decode()
         print(f"{e.key[:16]}  {human_bytes(e.size):>10}  {age:>14}  "
-              f"{'in use' if e.in_use else 'free':6}  {e.image} partition {e.part}")  # fmt: skip
+              f"{'in use' if e.in_use else 'free':6}  {image} partition {e.part}")  # fmt: skip
     total = sum(e.size for e in entries)
     print(f"{len(entries)} kept partitions, {human_bytes(total)} in {keep.path}")
     return ExitCode.OK

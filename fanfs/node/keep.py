@@ -37,6 +37,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import stat
 import struct
 import threading
@@ -56,6 +57,8 @@ log = logging.getLogger(__name__)
 KEY_VERSION = b"fanfs-keep 1\0"  # changes whenever what a key covers changes
 SEAL_MAX = 4096  # bytes of a seal read at most (a planted huge one is refused)
 LOCK_POLL_S = 0.05
+# A daemon's files in DIR: nothing else there (a user's own files) is ever listed or removed.
+NAME = re.compile(r"([0-9a-f]{64})\.(pack|seal|lock|seal\.tmp)")
 _TMPFILE = getattr(os, "O_TMPFILE", 0)
 
 
@@ -120,10 +123,20 @@ class KeepDir:
             self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as e:
             raise StagingError(f"{self.path}: cannot use as --keep: {e.strerror}") from None
+        try:  # fail now, not at the first partition, where locks do not work
+            fcntl.flock(self.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+        except OSError as e:
+            os.close(self.fd)
+            raise StagingError(
+                f"{self.path}: --keep needs a file system that can lock files "
+                f"({e.strerror}): use one on the node's local disk"
+            ) from None
         self._me = os.geteuid()
         self._tmpfile = bool(_TMPFILE)
         self._held: list[int] = []  # entries in use by this mount (their shared flocks)
         self._foreign: set[str] = set()  # keys whose K.pack is another user's (said once)
+        self._unlockable: set[str] = set()  # keys whose K.lock cannot be opened (said once)
         self._lock = threading.Lock()
         self.evicted = 0
         self.replaced = 0
@@ -131,14 +144,24 @@ class KeepDir:
     # -- one key at a time -----------------------------------------------------------------
 
     @contextlib.contextmanager
-    def claim(self, key: str, stop: threading.Event | None = None) -> Iterator[bool]:
-        """Hold K.lock while the body runs; with `stop`, wait for a daemon that holds it (False
-        if `stop` is set first), else give up at once (False)."""
+    def claim(self, key: str, stop: threading.Event | None = None,
+              wait_s: float = 0.0) -> Iterator[bool]:  # fmt: skip
+        """Hold K.lock while the body runs (True); False if another daemon holds it for
+        `wait_s` seconds, or until `stop` is set, or if K.lock cannot be opened (not a file of
+        the user's: said once, and that partition is not kept)."""
         while True:
-            fd = os.open(f"{key}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         0o600, dir_fd=self.fd)  # fmt: skip
             try:
-                got = _flock(fd, fcntl.LOCK_EX, stop)
+                fd = os.open(f"{key}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+                             | os.O_NONBLOCK, 0o600, dir_fd=self.fd)  # fmt: skip
+            except OSError as e:
+                if key not in self._unlockable:
+                    self._unlockable.add(key)
+                    log.warning("%s.lock in %s cannot be opened (%s): partition not kept",
+                                key[:16], self.path, e.strerror)  # fmt: skip
+                yield False
+                return
+            try:
+                got = _flock(fd, fcntl.LOCK_EX, stop, wait_s)
                 if got and not _same(fd, f"{key}.lock", self.fd):
                     continue  # pruned while we waited: lock the name's new file
                 yield got
@@ -151,13 +174,20 @@ class KeepDir:
         otherwise (a bad entry of the user's is removed, and why is logged). Call under
         `claim(key)`."""
         try:
+            st = os.lstat(f"{key}.pack", dir_fd=self.fd)
+        except FileNotFoundError:
+            return None
+        if st.st_uid == self._me and not stat.S_ISREG(st.st_mode):  # never opened
+            self._drop(key, "a symlink" if stat.S_ISLNK(st.st_mode) else "not a regular file")
+            return None
+        try:
             fd = os.open(f"{key}.pack", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
                          dir_fd=self.fd)  # fmt: skip
         except FileNotFoundError:
             return None
         except OSError as e:
-            why = "a symlink" if e.errno == errno.ELOOP else f"unreadable ({e.strerror})"
-            self._drop(key, why)
+            if st.st_uid == self._me:
+                self._drop(key, f"unreadable ({e.strerror})")
             return None
         st = os.fstat(fd)
         if st.st_uid != self._me:
@@ -184,6 +214,8 @@ class KeepDir:
         """Why the user's K.pack (whose fstat is `st`) must not be served, or None."""
         if not stat.S_ISREG(st.st_mode):
             return "not a regular file"
+        if st.st_mode & 0o222:
+            return f"writable (mode {stat.S_IMODE(st.st_mode):04o})"
         if st.st_size != size:
             return f"{st.st_size} bytes, the partition has {size}"
         if st.st_nlink != 1:
@@ -207,7 +239,7 @@ class KeepDir:
                 return None
             seal = json.loads(os.read(fd, SEAL_MAX + 1)[: SEAL_MAX + 1])
             return seal if isinstance(seal, dict) else None
-        except (OSError, ValueError):
+        except Exception:  # anything in it (a RecursionError too): no seal
             return None
         finally:
             os.close(fd)
@@ -241,7 +273,8 @@ class KeepDir:
                 if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
                     raise
                 self._tmpfile = False
-        # Without O_TMPFILE: a unique name, gone at once; publish links the open file again.
+        # Without O_TMPFILE: a unique name, gone at once; such a copy cannot be linked again,
+        # so it serves this mount and is not kept (every local Linux file system has O_TMPFILE).
         name = f".staging-{os.getpid()}-{threading.get_ident()}-{time.monotonic_ns()}"
         fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                      0o600, dir_fd=self.fd)  # fmt: skip
@@ -259,6 +292,7 @@ class KeepDir:
                      part, human_bytes(self.budget or 0))  # fmt: skip
             return False
         os.fdatasync(fd)  # a seal never vouches for bytes still in the page cache only
+        os.fchmod(fd, 0o400)  # read-only: a stray write of the user's fails instead of landing
         _flock(fd, fcntl.LOCK_SH)
         try:
             if not self._tmpfile:
@@ -296,7 +330,7 @@ class KeepDir:
         """Bytes of the user's kept partitions in DIR."""
         total = 0
         for name in os.listdir(self.fd):
-            if name.endswith(".pack"):
+            if _kind(name) == "pack":
                 with contextlib.suppress(OSError):
                     st = os.lstat(name, dir_fd=self.fd)
                     if st.st_uid == self._me and stat.S_ISREG(st.st_mode):
@@ -307,7 +341,7 @@ class KeepDir:
         """Every kept partition of the user's in DIR, least recently used first."""
         out = []
         for name in os.listdir(self.fd):
-            if not name.endswith(".pack"):
+            if _kind(name) != "pack":
                 continue
             key = name[: -len(".pack")]
             try:
@@ -362,8 +396,10 @@ class KeepDir:
             try:
                 fd = os.open(f"{key}.pack", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
                              | os.O_CLOEXEC, dir_fd=self.fd)  # fmt: skip
-            except OSError:
+            except FileNotFoundError:
                 fd = -1
+            except OSError:
+                return False  # it cannot be checked for readers: left alone
             try:
                 if fd >= 0 and not _flock(fd, fcntl.LOCK_EX):
                     return False  # in use by a mount
@@ -381,14 +417,21 @@ class KeepDir:
         """Remove the seals and lock files of entries that are gone (none a daemon holds)."""
         n = 0
         for name in os.listdir(self.fd):
-            key, _, suffix = name.partition(".")
-            gone = not os.path.lexists(self.path / f"{key}.pack")
-            if suffix not in ("lock", "seal", "seal.tmp") or not gone:
+            kind = _kind(name)
+            key = name.partition(".")[0]
+            if kind in (None, "pack") or self._exists(f"{key}.pack"):
                 continue
             with self.claim(key) as got:
-                if got and not os.path.lexists(self.path / f"{key}.pack"):
+                if got and not self._exists(f"{key}.pack"):
                     n += self._unlink_own(name)
         return n
+
+    def _exists(self, name: str) -> bool:
+        try:
+            os.lstat(name, dir_fd=self.fd)
+        except FileNotFoundError:
+            return False
+        return True
 
     def close(self) -> None:
         with self._lock:
@@ -399,24 +442,27 @@ class KeepDir:
 
 
 def _flock(fd: int, how: int, stop: threading.Event | None = None, wait_s: float = 0.0) -> bool:
-    """flock `fd`: False if it is held elsewhere for `wait_s` seconds, or, with `stop`, until
-    `stop` is set (then it waits as long as it takes)."""
+    """flock `fd`; False if it is held elsewhere for `wait_s` seconds or until `stop` is set,
+    or if the file system refuses (KeepDir checked it can lock when it opened DIR)."""
     deadline = time.monotonic() + wait_s
     while True:
         try:
             fcntl.flock(fd, how | fcntl.LOCK_NB)
             return True
         except BlockingIOError:
-            if stop is not None:
-                if stop.wait(LOCK_POLL_S):
-                    return False
-            elif time.monotonic() >= deadline:
+            left = deadline - time.monotonic()
+            if left <= 0 or (stop is not None and stop.wait(min(LOCK_POLL_S, left))):
                 return False
-            else:
-                time.sleep(LOCK_POLL_S)
-        except OSError as e:
-            raise StagingError(f"--keep: the file system cannot lock files ({e.strerror}): "
-                               "keep on a local disk") from None  # fmt: skip
+            if stop is None:
+                time.sleep(min(LOCK_POLL_S, left))
+        except OSError:
+            return False
+
+
+def _kind(name: str) -> str | None:
+    """The kind of a name of fanfs's in DIR ("pack", "seal", "lock", "seal.tmp"), else None."""
+    m = NAME.fullmatch(name)
+    return m.group(2) if m else None
 
 
 def _same(fd: int, name: str, dir_fd: int) -> bool:

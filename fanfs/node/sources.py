@@ -74,6 +74,9 @@ class Local:
         self._mine = mine
         self._limiter = trio.CapacityLimiter(WORKER_THREADS)
         self._verified: set[int] = set()  # large raw files checked whole (only grows)
+        # ... checked on the image before their partition was local: checked again once it is
+        # (a staged or adopted copy is other bytes than the ones checked)
+        self._verified_image: set[int] = set()
         self._checking = SingleFlight()
         self.latency = Latencies()  # of local fetches in Python
         self._count = threading.Lock()
@@ -142,8 +145,11 @@ class Local:
                                  os.POSIX_FADV_WILLNEED)  # fmt: skip
 
     def is_verified(self, entry: int) -> bool:
-        """Whether a large raw file passed its check (safe from any thread: only grows)."""
-        return entry in self._verified
+        """Whether a large raw file passed its check in the copy it is read from now (safe
+        from any thread: the sets only grow)."""
+        if entry in self._verified:
+            return True
+        return entry in self._verified_image and not self.store.staged(self.where(entry)[0])
 
     async def verify(self, entry: int) -> None:
         """Check a large raw file's CRC once, as a whole (streamed in a thread); CorruptFile
@@ -151,12 +157,13 @@ class Local:
 
         async def check() -> bool:
             began = time.perf_counter()
+            local = self.store.staged(self.where(entry)[0])
             await self.in_thread(self._check_large, entry)
             self.record(began, int(self.catalog.stored_len[entry]))
-            self._verified.add(entry)
+            (self._verified if local else self._verified_image).add(entry)
             return True
 
-        await self._checking.run(entry, lambda: entry in self._verified or None, check)
+        await self._checking.run(entry, lambda: self.is_verified(entry) or None, check)
 
     def _check_large(self, entry: int) -> None:
         part, start = self.where(entry)

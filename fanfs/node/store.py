@@ -36,6 +36,9 @@ COPY_CHUNK = 64 << 20  # per sendfile call: large enough to stream, small enough
 RESERVE_SHARE = 20
 RESERVE_MAX = 4 << 30
 PROGRESS_INTERVAL_S = 10.0
+# With --keep: how long staging waits for another daemon of the user staging the same
+# partition into DIR, before staging it itself for this mount only (a suspended job holds it).
+KEEP_WAIT_S = 300.0
 
 
 def pread_exact(fd: int, length: int, offset: int, what: str) -> bytes:
@@ -258,13 +261,14 @@ class PartitionStore:
     def _check_room(self, p: int) -> None:
         """ENOSPC if staging partition `p` would leave less than the reserve free."""
         st = os.fstatvfs(self.staging.fd if self.keep is None else self.keep.fd)
+        where = self.staging.path if self.keep is None else self.keep.path
         free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
         reserve = min(RESERVE_MAX, total // RESERVE_SHARE)
         size = int(self.catalog.part_size[p])
         if free - size < reserve:
             raise OSError(errno.ENOSPC, f"No space left: partition {p} ({human_bytes(size)}) "
                           f"would leave less than {human_bytes(reserve)} free in "
-                          f"{self.staging.path}")  # fmt: skip
+                          f"{where}")  # fmt: skip
 
     def _stage_text(self, seconds: float) -> str:
         rate = self.staged_bytes / max(seconds, 1e-9) / 1e6
@@ -310,9 +314,13 @@ class PartitionStore:
         staged into DIR and kept there."""
         assert self.keep is not None
         key, size = self._keys[p], int(self.catalog.part_size[p])
-        with self.keep.claim(key, self._stop) as got:
+        with self.keep.claim(key, self._stop, KEEP_WAIT_S) as got:
             if not got:
-                return  # stopping
+                if not self._stop.is_set():
+                    log.info("partition %d: not kept (its entry in %s is busy or unusable)",
+                             p, self.keep.path)  # fmt: skip
+                    self._stage_one(p)
+                return
             fd = self.keep.adopt(key, size)
             if fd is not None:
                 self._swap(p, fd)
@@ -333,6 +341,9 @@ class PartitionStore:
             except OSError as e:
                 log.warning("partition %d staged but not kept in %s: %s", p, self.keep.path, e)
                 kept = False
+            except BaseException:
+                os.close(out)
+                raise
         self._swap(p, out)
         self.staged_parts += 1
         self.kept_parts += kept
