@@ -246,8 +246,13 @@ class PartitionStore:
         for p in self.owned:
             if self._stop.is_set():
                 break
-            with self.keep.claim(self._keys[p]) as got:  # busy: another mount stages it
-                fd = self.keep.adopt(self._keys[p], int(self.catalog.part_size[p])) if got else None
+            fd = None
+            try:
+                with self.keep.claim(self._keys[p]) as got:  # busy: another mount stages it
+                    if got:
+                        fd = self.keep.adopt(self._keys[p], int(self.catalog.part_size[p]))
+            except OSError as e:  # this entry only: staged again below
+                log.warning("cannot adopt partition %d from %s: %s", p, self.keep.path, e)
             if fd is None:
                 rest.append(p)
             else:
