@@ -188,6 +188,9 @@ class Catalog:
         self.part_size = columns["part_size"]
         self.part_files = columns["part_files"]
         self.part_flags = columns["part_flags"]
+        # SHA-256 of each partition file (version 4 on; None before): what a kept copy of a
+        # partition is keyed by (fanfs/node/keep.py)
+        self.part_sha256: np.ndarray | None = columns.get("part_sha256")
         self.strings = strings
         self.meta = meta
         self.frame_size = frame_size
@@ -239,7 +242,7 @@ class Catalog:
         if magic != MAGIC:
             raise CorruptCatalog(f"{where}: not a fanfs catalog (bad magic)")
         if version not in READ_VERSIONS:
-            known = " and ".join(map(str, READ_VERSIONS))
+            known = ", ".join(map(str, READ_VERSIONS[:-1])) + f" and {READ_VERSIONS[-1]}"
             hint = " (prepare the image again)" if version < min(READ_VERSIONS) else ""
             raise ImageVersionError(
                 f"{where}: image format version {version}, this fanfs reads versions {known}{hint}"
@@ -356,14 +359,16 @@ def encode(
     frame_size: int = 0,
     version: int = VERSION,
 ) -> bytes:
-    """Serialise a catalog (the inverse of `Catalog.from_bytes`) in `version`'s layout (version
-    2 has no `blocks`: for tests of old images). Without `dict_off` and `dict_len` columns the
-    catalog has no dictionaries; without `blocks`, each entry's size rounded up to blocks."""
+    """Serialise a catalog (the inverse of `Catalog.from_bytes`) in `version`'s layout (older
+    ones lack columns, format.MISSING: for tests of old images). Without `dict_off` and
+    `dict_len` columns the catalog has no dictionaries; without `blocks`, each entry's size
+    rounded up to blocks; without `part_sha256`, zeros (no digest: keys from the CRCs)."""
     assert version in READ_VERSIONS, version
     n_entries = len(columns["parent"])
     n_partitions = len(columns["part_size"])
     defaults = {"dict_off": np.zeros(0, np.uint64), "dict_len": np.zeros(0, np.uint64),
-                "blocks": blocks_of_size(np.asarray(columns["size"], dtype=np.uint64))}  # fmt: skip
+                "blocks": blocks_of_size(np.asarray(columns["size"], dtype=np.uint64)),
+                "part_sha256": np.zeros(n_partitions, "V32")}  # fmt: skip
     columns = defaults | columns
     n_dicts = len(columns["dict_off"])
     meta_bytes = json.dumps(meta, sort_keys=True).encode()

@@ -12,11 +12,12 @@ from typing import Any
 import numpy as np
 
 MAGIC = b"FANFSCAT"
-VERSION = 3  # what prepare writes
-# What a reader accepts: version 2 lacks the `blocks` column (V2_MISSING), which a reader
-# derives from the size as fanfs did before: the image reads as it always did.
-READ_VERSIONS = (2, 3)
-V2_MISSING = ("blocks",)
+VERSION = 4  # what prepare writes
+# What a reader accepts, and the columns each older version lacks: a reader derives `blocks`
+# from the size as fanfs did before version 3, and does without `part_sha256` (version 4: a
+# kept partition is then keyed by its files' CRCs, fanfs/node/keep.py).
+READ_VERSIONS = (2, 3, 4)
+MISSING = {2: ("blocks", "part_sha256"), 3: ("part_sha256",), 4: ()}
 CATALOG_NAME = "catalog.fanfs"
 NO_PARTITION = 0xFFFFFFFF
 
@@ -83,6 +84,7 @@ PARTITION_COLUMNS: tuple[tuple[str, str], ...] = (
     ("part_size", "<u8"),
     ("part_files", "<u8"),
     ("part_flags", "<u4"),
+    ("part_sha256", "V32"),  # SHA-256 of the partition file's bytes (version 4)
 )
 DICT_COLUMNS: tuple[tuple[str, str], ...] = (
     ("dict_off", "<u8"),  # offset of dictionary i (zstd dict id i + 1) in the string table
@@ -118,13 +120,12 @@ def _body_layout(
     (one of READ_VERSIONS)."""
     layout = []
     pos = 0
-    entry_columns = ENTRY_COLUMNS
-    if version == 2:
-        entry_columns = tuple(c for c in ENTRY_COLUMNS if c[0] not in V2_MISSING)
-    sections = ((entry_columns, n_entries), (PARTITION_COLUMNS, n_partitions),
+    sections = ((ENTRY_COLUMNS, n_entries), (PARTITION_COLUMNS, n_partitions),
                 (DICT_COLUMNS, n_dicts))  # fmt: skip
     for columns, count in sections:
         for name, dtype in columns:
+            if name in MISSING[version]:
+                continue
             layout.append((name, dtype, pos, count))
             pos += _padded(np.dtype(dtype).itemsize * count)
     layout.append(("strings", "u1", pos, -1))

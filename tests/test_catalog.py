@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -49,11 +50,21 @@ def test_blocks_are_what_the_source_allocated(awkward_image: Path, awkward_src: 
     """st_blocks of every entry is its source's lstat, symlinks and directories included: what
     du and cp's sparse test read (the size rounded up overstated every sparse file)."""
     c, _ = cat.Catalog.load(awkward_image)
-    assert c.version == cat.VERSION == 3
+    assert c.version == cat.VERSION == 4
     assert int(c.blocks[0]) == os.stat(awkward_src).st_blocks
     for entry, path in c.walk():
         st = os.lstat(os.path.join(os.fsencode(awkward_src), path))
         assert int(c.blocks[entry]) == st.st_blocks, path
+
+
+def test_each_partition_has_its_sha256(awkward_image: Path) -> None:
+    """Format 4: the catalog records each partition file's SHA-256 (what a kept copy of it is
+    keyed by), computed by prepare as it wrote the file."""
+    c, _ = cat.Catalog.load(awkward_image)
+    assert c.part_sha256 is not None and len(c.part_sha256) == c.n_partitions
+    for p in range(c.n_partitions):
+        data = (awkward_image / cat.partition_name(p)).read_bytes()
+        assert c.part_sha256[p].tobytes() == hashlib.sha256(data).digest(), p
 
 
 def test_a_version_2_catalog_reads_as_before(awkward_image: Path) -> None:
@@ -62,15 +73,20 @@ def test_a_version_2_catalog_reads_as_before(awkward_image: Path) -> None:
     raw = (awkward_image / cat.CATALOG_NAME).read_bytes()
     columns, strings, meta, frame_size = columns_of(raw)
     old = cat.encode(columns, strings, meta, frame_size=frame_size, version=2)
-    assert len(old) == len(raw) - cat._padded(8 * len(columns["blocks"]))
-    c2, c3 = cat.Catalog.from_bytes(old), cat.Catalog.from_bytes(raw)
-    assert c2.version == 2
+    digests = 32 * len(columns["part_size"])
+    assert len(old) == len(raw) - cat._padded(8 * len(columns["blocks"])) - digests
+    c2, c4 = cat.Catalog.from_bytes(old), cat.Catalog.from_bytes(raw)
+    assert c2.version == 2 and c2.part_sha256 is None
     for name, _ in cat.ENTRY_COLUMNS + cat.PARTITION_COLUMNS:
-        if name != "blocks":
-            assert np.array_equal(getattr(c2, name), getattr(c3, name)), name
+        if name not in ("blocks", "part_sha256"):
+            assert np.array_equal(getattr(c2, name), getattr(c4, name)), name
     assert c2.blocks.tolist() == [(int(s) + 511) // 512 for s in c2.size]
-    assert c2.dicts == c3.dicts and c2.strings == c3.strings
-    for version, hint in ((1, "prepare the image again"), (4, "reads versions 2 and 3")):
+    assert c2.dicts == c4.dicts and c2.strings == c4.strings
+    c3 = cat.Catalog.from_bytes(cat.encode(columns, strings, meta, frame_size=frame_size,
+                                           version=3))  # fmt: skip
+    assert c3.version == 3 and c3.part_sha256 is None
+    assert np.array_equal(c3.blocks, c4.blocks)
+    for version, hint in ((1, "prepare the image again"), (5, "reads versions 2, 3 and 4")):
         fields = list(cat.HEADER.unpack_from(raw))
         fields[1], fields[2] = version, 0
         fields[2] = crc32(cat.HEADER.pack(*fields))

@@ -12,11 +12,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from catalogs import columns_of
 from conftest import FANFS, User, fanfs, mounted, prepare, stopping
 
+from fanfs import catalog as cat
 from fanfs import datagen
 from fanfs.bench import launch
 from fanfs.compare import assert_same_tree
+from fanfs.node.keep import partition_keys
 
 
 @pytest.fixture(scope="module")
@@ -200,3 +203,25 @@ def test_a_user_keeps_and_adopts_and_is_refused_a_dir_not_theirs(
     done = user.run(*FANFS, "mount", img, mnt, "--keep", foreign)
     assert done.returncode != 0 and "not to you" in done.stderr, done.stderr
     assert not any(foreign.iterdir()) and not os.path.ismount(mnt)
+
+
+def test_keys_follow_content_and_older_images_have_their_own(image: Path, tmp_path: Path) -> None:
+    """Format 4 keys a partition by the SHA-256 the catalog records; an image of format 3 by its
+    files' CRCs: both the same for the same content, never equal to each other."""
+    four, _ = cat.Catalog.load(image)
+    old = tmp_path / "old"
+    shutil.copytree(image, old)
+    columns, strings, meta, frame_size = columns_of((old / cat.CATALOG_NAME).read_bytes())
+    (old / cat.CATALOG_NAME).write_bytes(cat.encode(columns, strings, meta,
+                                                    frame_size=frame_size, version=3))  # fmt: skip
+    three, _ = cat.Catalog.load(old)
+    parts = range(four.n_partitions)
+    k4, k3 = partition_keys(four, parts), partition_keys(three, parts)
+    assert len(set(k4.values())) == len(set(k3.values())) == four.n_partitions
+    assert not set(k4.values()) & set(k3.values())
+    assert partition_keys(cat.Catalog.load(image)[0], parts) == k4
+    columns["crc"][int(three.files_in_partition(2)[0])] ^= 1  # one file's CRC-32 changed
+    changed = cat.Catalog.from_bytes(cat.encode(columns, strings, meta, frame_size=frame_size,
+                                                version=3))  # fmt: skip
+    k = partition_keys(changed, parts)
+    assert [p for p in parts if k[p] != k3[p]] == [2]

@@ -6,7 +6,7 @@ only the rest. DIR belongs to the user who runs the job, on the node's local dis
 job's /tmp (which Slurm may wipe); others may not write to it.
 
 An entry of DIR, for a partition whose content key (`partition_keys`) is K:
-- `K.pack`: the partition's bytes, exactly, mode 0600, one name;
+- `K.pack`: the partition's bytes, exactly, mode 0400, one name;
 - `K.seal`: what the daemon that kept it saw once the copy was complete and named (size,
   device, inode and ctime of `K.pack`, the key, the image and partition it came from). Its
   mtime is the entry's last use: eviction takes the least recently used first;
@@ -54,7 +54,10 @@ from fanfs.progress import human_bytes
 
 log = logging.getLogger(__name__)
 
-KEY_VERSION = b"fanfs-keep 1\0"  # changes whenever what a key covers changes
+# Two kinds of key, never equal: from the catalog's SHA-256 of the partition (images of format
+# 4 on), else from its files' CRCs (older images). Each changes when what it covers changes.
+KEY_SHA = b"fanfs-keep sha256 1\0"
+KEY_VERSION = b"fanfs-keep 1\0"
 SEAL_MAX = 4096  # bytes of a seal read at most (a planted huge one is refused)
 LOCK_POLL_S = 0.05
 # A daemon's files in DIR: nothing else there (a user's own files) is ever listed or removed.
@@ -63,11 +66,20 @@ _TMPFILE = getattr(os, "O_TMPFILE", 0)
 
 
 def partition_keys(catalog: cat.Catalog, parts: Sequence[int]) -> dict[int, str]:
-    """The content key of each partition in `parts`: SHA-256 of its size and of the offset,
-    stored length and CRC-32 of every file in it, in on-disk order (prepare packs a partition's
-    files back to back, so these describe every byte of it). An unchanged partition of a
-    re-prepared image has the same key; a changed file changes its partition's."""
+    """The content key of each partition in `parts`, so that an unchanged partition of a
+    re-prepared image has the same key and a changed file changes its partition's: from the
+    SHA-256 of the partition's bytes that the catalog records (format 4), else from its size
+    and the offset, stored length and CRC-32 of every file in it, in on-disk order (prepare
+    packs a partition's files back to back, so these describe every byte of it, but a changed
+    file of the same length and CRC-32 would keep the key)."""
     c = catalog
+    zero = bytes(32)
+    if c.part_sha256 is not None:
+        keys = {p: hashlib.sha256(KEY_SHA + struct.pack("<Q", int(c.part_size[p]))
+                                  + c.part_sha256[p].tobytes()).hexdigest()
+                for p in parts if c.part_sha256[p].tobytes() != zero}  # fmt: skip
+        if len(keys) == len(parts):
+            return keys
     files = np.flatnonzero(c.is_file & (c.part != cat.NO_PARTITION))
     files = files[np.lexsort((c.data_off[files], c.part[files]))]
     in_part = c.part[files]

@@ -2,16 +2,17 @@
 
 Partitions 0..n-1 are normal; the broadcast set's partitions follow. Greedy least-filled
 placement balances partitions to within one file and spreads every directory over all of them.
-Files over STREAM_THRESHOLD are copied chunk by chunk (raw, or framed), never held whole."""
+Files over STREAM_THRESHOLD are copied chunk by chunk (raw, or framed), never held whole. Each
+partition's SHA-256 is computed as it is written, for the catalog (format version 4)."""
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import logging
 import os
 import resource
 from pathlib import Path
-from typing import BinaryIO
 
 import numpy as np
 
@@ -27,7 +28,27 @@ STREAM_THRESHOLD = 256 << 20
 STREAM_CHUNK = 8 << 20
 
 
-def _copy_stream(path: bytes, size: int, out: BinaryIO, encoder: codec.Encoder) -> tuple[int, int]:
+class HashedOut:
+    """A partition file being written, and the SHA-256 of what was written to it."""
+
+    def __init__(self, path: Path):
+        self.file = open(path, "wb")  # noqa: SIM115  # closed by close()
+        self.sha = hashlib.sha256()
+
+    def write(self, data: bytes | memoryview) -> None:
+        self.sha.update(data)
+        self.file.write(data)
+
+    def tell(self) -> int:
+        return self.file.tell()
+
+    def close(self) -> None:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+
+
+def _copy_stream(path: bytes, size: int, out: HashedOut, encoder: codec.Encoder) -> tuple[int, int]:
     """Store a big file chunk by chunk, never whole in memory: raw, or framed when the policy
     frames it. Returns (codec, CRC-32 for the catalog)."""
     framed = encoder.framed(size)
@@ -71,7 +92,7 @@ class Packer:
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         if soft < total + 64 <= hard:
             resource.setrlimit(resource.RLIMIT_NOFILE, (total + 64, hard))
-        self.outs = [open(tmp / cat.partition_name(p), "wb") for p in range(total)]  # noqa: SIM115
+        self.outs = [HashedOut(tmp / cat.partition_name(p)) for p in range(total)]
         # heaps of (stored bytes, partition), one per set
         self.fill = [(0, p) for p in range(n_parts)]
         self.bcast_fill = [(0, p) for p in range(n_parts, total)]
@@ -115,6 +136,8 @@ class Packer:
 
     def close(self) -> None:
         for out in self.outs:
-            out.flush()
-            os.fsync(out.fileno())
             out.close()
+
+    def digests(self) -> np.ndarray:
+        """Each partition's SHA-256 (the `part_sha256` column), once everything is written."""
+        return np.frombuffer(b"".join(out.sha.digest() for out in self.outs), dtype="V32")

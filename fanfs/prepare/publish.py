@@ -50,6 +50,7 @@ def write_catalog(tmp: Path, tree: Tree, packer: Packer, encoder: codec.Encoder,
         "part_size": packer.part_size,
         "part_files": packer.part_files,
         "part_flags": packer.part_flags,
+        "part_sha256": packer.digests(),
         "dict_off": dict_off,
         "dict_len": [len(d) for d in encoder.dicts],
     }
