@@ -225,3 +225,25 @@ def test_keys_follow_content_and_older_images_have_their_own(image: Path, tmp_pa
                                                 version=3))  # fmt: skip
     k = partition_keys(changed, parts)
     assert [p for p in parts if k[p] != k3[p]] == [2]
+
+
+def test_verify_finds_bytes_changed_without_a_write(image: Path, src: Path, tmp_path: Path) -> None:
+    """What no seal can see (a disk that changes bytes without a write: here the seal is made
+    to agree with the changed file) `fanfs keep verify` finds by each copy's SHA-256, removes,
+    and the next mount stages again."""
+    keep = tmp_path / "keep"
+    kept_once(image, src, tmp_path / "a", keep)
+    assert fanfs("keep", "verify", keep).returncode == 0
+    victim = packs(keep)[3]
+    with open(victim, "r+b") as f:
+        f.seek(1000)
+        f.write(b"\0rot")
+    seal_path = victim.with_suffix(".seal")
+    seal = json.loads(seal_path.read_text())
+    seal["ctime_ns"] = victim.stat().st_ctime_ns  # as if it had changed under the seal
+    seal_path.write_text(json.dumps(seal))
+    done = fanfs("keep", "verify", keep)
+    assert done.returncode == 1 and "(SHA-256 mismatch); removed" in done.stdout, done.stdout
+    assert not victim.exists()
+    st = kept_once(image, src, tmp_path / "b", keep)
+    assert (st["partitions_adopted"], st["partitions_kept"]) == (7, 1), st

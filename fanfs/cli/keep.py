@@ -1,6 +1,6 @@
-"""`fanfs keep ls` and `fanfs keep prune`: what a --keep DIR holds, and emptying it.
+"""`fanfs keep ls`, `prune` and `verify`: what a --keep DIR holds, emptying it, checking it.
 
-Both touch only the user's own entries, and prune never removes one that a mount uses.
+They touch only the user's own entries, and never remove one that a mount uses.
 """
 
 from __future__ import annotations
@@ -72,6 +72,27 @@ def cmd_prune(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    keep = _open(args.dir)
+    bad = unchecked = 0
+    try:
+        entries = keep.entries()
+        for e in entries:
+            why = keep.verify(e.key)
+            if why == "":
+                unchecked += 1
+            elif why is not None:
+                bad += 1
+                removed = keep.evict(e.key)
+                print(f"{e.key[:16]}: {why}; "
+                      + ("removed" if removed else "in use by a mount, left"))  # fmt: skip
+    finally:
+        keep.close()
+    old = f", {unchecked} of images older than format 4 not checked" if unchecked else ""
+    print(f"{len(entries) - bad - unchecked} kept partitions intact, {bad} bad{old}")
+    return ExitCode.FAILED if bad else ExitCode.OK
+
+
 def add_parsers(sub: Subparsers) -> None:
     p = sub.add_parser("keep", help="see or empty a --keep DIR of kept partitions")
     ksub = p.add_subparsers(dest="keep_command", required=True, metavar="ACTION")
@@ -85,3 +106,7 @@ def add_parsers(sub: Subparsers) -> None:
     q.add_argument("--to", type=size, default=0, metavar="SIZE",
                    help="stop once DIR holds at most SIZE (default: remove all)")  # fmt: skip
     q.set_defaults(func=cmd_prune)
+    q = ksub.add_parser("verify", help="read every kept partition against its SHA-256 and "
+                        "remove those whose bytes changed (exit 1 if any)")  # fmt: skip
+    q.add_argument("dir", metavar="DIR")
+    q.set_defaults(func=cmd_verify)

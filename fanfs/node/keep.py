@@ -73,13 +73,9 @@ def partition_keys(catalog: cat.Catalog, parts: Sequence[int]) -> dict[int, str]
     packs a partition's files back to back, so these describe every byte of it, but a changed
     file of the same length and CRC-32 would keep the key)."""
     c = catalog
-    zero = bytes(32)
-    if c.part_sha256 is not None:
-        keys = {p: hashlib.sha256(KEY_SHA + struct.pack("<Q", int(c.part_size[p]))
-                                  + c.part_sha256[p].tobytes()).hexdigest()
-                for p in parts if c.part_sha256[p].tobytes() != zero}  # fmt: skip
-        if len(keys) == len(parts):
-            return keys
+    digests = {p: partition_digest(c, p) for p in parts}
+    if all(digests.values()):
+        return {p: key_of_digest(int(c.part_size[p]), digests[p]) for p in parts}
     files = np.flatnonzero(c.is_file & (c.part != cat.NO_PARTITION))
     files = files[np.lexsort((c.data_off[files], c.part[files]))]
     in_part = c.part[files]
@@ -93,6 +89,19 @@ def partition_keys(catalog: cat.Catalog, parts: Sequence[int]) -> dict[int, str]
             h.update(np.ascontiguousarray(column[ids], dtype=dtype).tobytes())
         keys[p] = h.hexdigest()
     return keys
+
+
+def partition_digest(catalog: cat.Catalog, part: int) -> bytes:
+    """The partition's SHA-256 from the catalog; b"" for images older than format 4 (or a
+    catalog that left it zero)."""
+    if catalog.part_sha256 is None:
+        return b""
+    digest: bytes = catalog.part_sha256[part].tobytes()
+    return b"" if digest == bytes(32) else digest
+
+
+def key_of_digest(size: int, digest: bytes) -> str:
+    return hashlib.sha256(KEY_SHA + struct.pack("<Q", size) + digest).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,7 +302,7 @@ class KeepDir:
         os.unlink(name, dir_fd=self.fd)
         return fd
 
-    def publish(self, fd: int, key: str, size: int, image: str, part: int,
+    def publish(self, fd: int, key: str, size: int, image: str, part: int, digest: bytes,
                 wanted: set[str]) -> bool:  # fmt: skip
         """Name the complete copy `fd` K.pack and seal it, evicting least recently used
         entries first if the budget needs it (never one in `wanted` or in use). False when
@@ -315,10 +324,12 @@ class KeepDir:
         except OSError:
             # No O_TMPFILE (or no /proc): the copy has no name to link from.
             return False
+        if digest and key_of_digest(size, digest) != key:
+            digest = b""  # keyed by the CRCs: the seal vouches for no SHA-256
         st = os.fstat(fd)  # after the link, which changed its ctime
         seal = {"key": key, "size": size, "dev": st.st_dev, "ino": st.st_ino,
                 "ctime_ns": st.st_ctime_ns, "image": image, "part": part,
-                "kept": time.time()}  # fmt: skip
+                "sha256": digest.hex(), "kept": time.time()}  # fmt: skip
         tmp = f"{key}.seal.tmp"
         self._unlink_own(tmp)
         out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
@@ -399,6 +410,43 @@ class KeepDir:
             if e.key not in wanted and not e.in_use and self.evict(e.key):
                 used -= e.size
         return used + size <= self.budget
+
+    def verify(self, key: str) -> str | None:
+        """Why entry K is not what it was kept as, reading all of its bytes against the
+        SHA-256 its seal has from the catalog; None if it is; "" if it cannot tell (a copy of
+        an image older than format 4 has no SHA-256: its bytes are checked by each READ)."""
+        seal = self._seal(key)
+        if seal is None:
+            return "no seal"
+        size, digest = seal.get("size"), seal.get("sha256")
+        if not isinstance(size, int) or not isinstance(digest, str):
+            return "its seal does not say its size" if not isinstance(size, int) else ""
+        try:
+            digest_bytes = bytes.fromhex(digest)
+        except ValueError:
+            return "its seal does not parse"
+        if not digest_bytes:
+            return ""
+        if key_of_digest(size, digest_bytes) != key:
+            return "its seal is another partition's"
+        try:
+            fd = os.open(f"{key}.pack", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                         dir_fd=self.fd)  # fmt: skip
+        except OSError as e:
+            return f"cannot be opened ({e.strerror})"
+        try:
+            st = os.fstat(fd)
+            refused = self._refusal(st, key, size) if st.st_uid == self._me else "not yours"
+            if refused is not None:
+                return refused
+            sha = hashlib.sha256()
+            while chunk := os.read(fd, 8 << 20):
+                sha.update(chunk)
+        except OSError as e:
+            return f"unreadable ({e.strerror})"
+        finally:
+            os.close(fd)
+        return None if sha.digest() == digest_bytes else "its bytes changed (SHA-256 mismatch)"
 
     def evict(self, key: str) -> bool:
         """Remove entry K unless a daemon holds or checks it (never waits)."""

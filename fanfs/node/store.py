@@ -23,7 +23,7 @@ from pathlib import Path
 from fanfs import catalog as cat
 from fanfs import native
 from fanfs.errors import MissingPartition, StagingError
-from fanfs.node.keep import KeepDir, partition_keys
+from fanfs.node.keep import KeepDir, partition_digest, partition_keys
 from fanfs.node.staging import StagingDir
 from fanfs.progress import human_bytes
 from fanfs.status import StoreStatus
@@ -342,7 +342,8 @@ class PartitionStore:
                 return
             try:
                 wanted = set(self._keys.values())
-                kept = self.keep.publish(out, key, size, str(self.image), p, wanted)
+                digest = partition_digest(self.catalog, p)
+                kept = self.keep.publish(out, key, size, str(self.image), p, digest, wanted)
             except OSError as e:
                 log.warning("partition %d staged but not kept in %s: %s", p, self.keep.path, e)
                 kept = False
