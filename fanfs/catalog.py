@@ -348,7 +348,8 @@ class Catalog:
     def memory_bytes(self) -> int:
         columns = (getattr(self, name) for name, _ in ENTRY_COLUMNS + PARTITION_COLUMNS)
         dicts = sum(len(d) for d in self.dicts)
-        return int(sum(c.nbytes for c in columns)) + self.nlink.nbytes + len(self.strings) + dicts
+        held = sum(c.nbytes for c in columns if c is not None)  # part_sha256: None before v4
+        return int(held) + self.nlink.nbytes + len(self.strings) + dicts
 
 
 def encode(
