@@ -3,7 +3,8 @@
 Partitions 0..n-1 are normal; the broadcast set's partitions follow. Greedy least-filled
 placement balances partitions to within one file and spreads every directory over all of them.
 Files over STREAM_THRESHOLD are copied chunk by chunk (raw, or framed), never held whole. Each
-partition's SHA-256 is computed as it is written, for the catalog (format version 4)."""
+partition's SHA-256 is computed beside the writes, in a thread of its own, for the catalog
+(format version 4)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import heapq
 import logging
 import os
 import resource
+import threading
+from collections import deque
 from pathlib import Path
 
 import numpy as np
@@ -28,16 +31,66 @@ STREAM_THRESHOLD = 256 << 20
 STREAM_CHUNK = 8 << 20
 
 
-class HashedOut:
-    """A partition file being written, and the SHA-256 of what was written to it."""
+# Bytes written but not hashed yet, at most: the writer waits for the hashing thread beyond.
+HASH_BEHIND = 64 << 20
 
-    def __init__(self, path: Path):
+
+class Hasher:
+    """The SHA-256 of each partition, of the bytes in the order they were written, computed by
+    a thread of its own (hashlib lets go of the GIL) at most HASH_BEHIND bytes behind: on a raw
+    dataset, hashing in the writer itself made prepare a fifth slower here."""
+
+    def __init__(self, n_parts: int):
+        self._shas = [hashlib.sha256() for _ in range(n_parts)]
+        self._todo: deque[tuple[int, bytes | memoryview]] = deque()
+        self._cond = threading.Condition()
+        self._behind = 0
+        self._done = False
+        self._thread = threading.Thread(target=self._run, name="fanfs-hash", daemon=True)
+        self._thread.start()
+
+    def add(self, part: int, data: bytes | memoryview) -> None:
+        """`data` was just written to `part` (and is not changed afterwards)."""
+        with self._cond:
+            while self._behind > HASH_BEHIND:
+                self._cond.wait()
+            self._todo.append((part, data))
+            self._behind += len(data)
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._todo and not self._done:
+                    self._cond.wait()
+                if not self._todo:
+                    return
+                part, data = self._todo.popleft()
+            self._shas[part].update(data)
+            with self._cond:
+                self._behind -= len(data)
+                self._cond.notify_all()
+
+    def finish(self) -> bytes:
+        """Every partition's digest, 32 bytes each, once all that was added is hashed."""
+        with self._cond:
+            self._done = True
+            self._cond.notify_all()
+        self._thread.join()
+        return b"".join(sha.digest() for sha in self._shas)
+
+
+class HashedOut:
+    """A partition file being written, its bytes handed to the partitions' Hasher."""
+
+    def __init__(self, path: Path, part: int, hasher: Hasher):
         self.file = open(path, "wb")  # noqa: SIM115  # closed by close()
-        self.sha = hashlib.sha256()
+        self.part = part
+        self.hasher = hasher
 
     def write(self, data: bytes | memoryview) -> None:
-        self.sha.update(data)
         self.file.write(data)
+        self.hasher.add(self.part, data)
 
     def tell(self) -> int:
         return self.file.tell()
@@ -92,7 +145,8 @@ class Packer:
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         if soft < total + 64 <= hard:
             resource.setrlimit(resource.RLIMIT_NOFILE, (total + 64, hard))
-        self.outs = [HashedOut(tmp / cat.partition_name(p)) for p in range(total)]
+        self.hasher = Hasher(total)
+        self.outs = [HashedOut(tmp / cat.partition_name(p), p, self.hasher) for p in range(total)]
         # heaps of (stored bytes, partition), one per set
         self.fill = [(0, p) for p in range(n_parts)]
         self.bcast_fill = [(0, p) for p in range(n_parts, total)]
@@ -137,7 +191,8 @@ class Packer:
     def close(self) -> None:
         for out in self.outs:
             out.close()
+        self._digests = self.hasher.finish()
 
     def digests(self) -> np.ndarray:
-        """Each partition's SHA-256 (the `part_sha256` column), once everything is written."""
-        return np.frombuffer(b"".join(out.sha.digest() for out in self.outs), dtype="V32")
+        """Each partition's SHA-256 (the `part_sha256` column), once closed."""
+        return np.frombuffer(self._digests, dtype="V32")
