@@ -198,7 +198,10 @@ class KeepDir:
             st = os.lstat(f"{key}.pack", dir_fd=self.fd)
         except FileNotFoundError:
             return None
-        if st.st_uid == self._me and not stat.S_ISREG(st.st_mode):  # never opened
+        if st.st_uid != self._me:
+            self._say_foreign(key, st.st_uid)
+            return None
+        if not stat.S_ISREG(st.st_mode):  # never opened
             self._drop(key, "a symlink" if stat.S_ISLNK(st.st_mode) else "not a regular file")
             return None
         try:
@@ -207,16 +210,12 @@ class KeepDir:
         except FileNotFoundError:
             return None
         except OSError as e:
-            if st.st_uid == self._me:
-                self._drop(key, f"unreadable ({e.strerror})")
+            self._drop(key, f"unreadable ({e.strerror})")
             return None
         st = os.fstat(fd)
-        if st.st_uid != self._me:
+        if st.st_uid != self._me:  # replaced between the lstat and the open
             os.close(fd)
-            if key not in self._foreign:
-                self._foreign.add(key)
-                log.warning("%s.pack in %s belongs to uid %d: left alone, and partition not "
-                            "kept", key[:16], self.path, st.st_uid)  # fmt: skip
+            self._say_foreign(key, st.st_uid)
             return None
         refused = self._refusal(st, key, size)
         if refused is not None:
@@ -230,6 +229,12 @@ class KeepDir:
             os.utime(f"{key}.seal", dir_fd=self.fd, follow_symlinks=False)
         self._hold(fd)
         return os.dup(fd)
+
+    def _say_foreign(self, key: str, uid: int) -> None:
+        if key not in self._foreign:
+            self._foreign.add(key)
+            log.warning("%s.pack in %s belongs to uid %d: left alone, and partition not kept",
+                        key[:16], self.path, uid)  # fmt: skip
 
     def _refusal(self, st: os.stat_result, key: str, size: int) -> str | None:
         """Why the user's K.pack (whose fstat is `st`) must not be served, or None."""
