@@ -8,7 +8,10 @@ is refused with what to run, instead of being half used. Built by the project's 
 
 from __future__ import annotations
 
+import logging
 import os
+
+log = logging.getLogger(__name__)
 
 API_VERSION = 10  # fanfs/csrc/fanfs_native.h's FANFS_NATIVE_API that this Python expects
 
@@ -63,6 +66,19 @@ def front_kernel() -> tuple[str, str]:
     return protocol, why
 
 
+def log_front(protocol: str, off: str, answers: str) -> None:
+    """One line, once the kernel's INIT is answered: its protocol, and whether the front
+    answers `answers` ("requests", "WRITEs") in C or, `off`, why not (what every figure in
+    docs/performance.md assumes). The same line for both daemons."""
+    if off:
+        log.warning("kernel FUSE %s; the front is off, every %s goes through Python: %s",
+                    protocol or "(no INIT yet)", answers.rstrip("s"), off)  # fmt: skip
+    elif not protocol:
+        log.info("no FUSE INIT within a second: the front answers %s in C once it comes", answers)
+    else:
+        log.info("kernel FUSE %s; the front answers %s in C", protocol, answers)
+
+
 __all__ = ["API_VERSION", "CRC_LIBRARY", "DECODES", "PRETEND_PROTOCOL", "CorruptPiece",
-           "Dictionaries", "crc32", "decode", "failure_reason", "front_kernel", "lib",
+           "Dictionaries", "crc32", "decode", "failure_reason", "front_kernel", "lib", "log_front",
            "pretend_protocol", "read", "read_stored"]  # fmt: skip

@@ -33,13 +33,13 @@ from typing import Any
 
 import trio
 
-from fanfs import mounts, placement
+from fanfs import mounts, native, placement
 from fanfs.catalog import Catalog
 from fanfs.errors import ExitCode, FanfsError, Interrupted, MountFailed, MountpointError
 from fanfs.node import assemble, fuse_ops
 from fanfs.node.staging import default_parent
 from fanfs.node.store import PartitionStore, check_partitions
-from fanfs.status import FrontStatus, Status
+from fanfs.status import Status
 
 log = logging.getLogger(__name__)
 
@@ -101,18 +101,6 @@ def check_mountpoint(mountpoint: Path, nonempty: bool = False, image: Path | Non
                 f"{mountpoint}: mount point is not empty (holds {held.name!r}); "
                 "use --nonempty to mount over it anyway"
             )
-
-
-def log_front(f: FrontStatus) -> None:
-    """One line, once the kernel's INIT is answered: its protocol, and whether the front
-    answers requests in C or why not (what every figure in docs/performance.md assumes)."""
-    if f.off:
-        log.warning("kernel FUSE %s; the front is off, every request goes through Python: %s",
-                    f.protocol or "(no INIT yet)", f.off)  # fmt: skip
-    elif not f.protocol:
-        log.info("no FUSE INIT within a second: the front answers requests in C once it comes")
-    else:
-        log.info("kernel FUSE %s; the front answers requests in C", f.protocol)
 
 
 def _tune_readahead(mountpoint: Path) -> None:
@@ -324,7 +312,8 @@ class Daemon:
         await trio.sleep(1.0)
         _tune_readahead(self.mountpoint)
         if self.node is not None:
-            log_front(self.node.pool.front_status())
+            f = self.node.pool.front_status()
+            native.log_front(f.protocol, f.off, "requests")
 
     async def _watch_signals(self, *, task_status: trio.TaskStatus[None]) -> None:
         with trio.open_signal_receiver(*STOP_SIGNALS) as signals:

@@ -381,11 +381,7 @@ class OutputDaemon:
     async def _after_init(self) -> None:
         await trio.sleep(1.0)  # the kernel's INIT is answered by fuse_ops.serve, first
         f = self._front_status()
-        if f["off"]:
-            log.warning("kernel FUSE %s; the front is off, every WRITE goes through Python: %s",
-                        f["protocol"] or "(no INIT yet)", f["off"])  # fmt: skip
-        elif f["protocol"]:
-            log.info("kernel FUSE %s; the front answers WRITEs in C", f["protocol"])
+        native.log_front(f["protocol"], f["off"], "WRITEs")
 
     async def _serve(self) -> None:
         assert self.lander is not None and self.view is not None
