@@ -355,11 +355,15 @@ class PartitionStore:
         self.kept_parts += kept
 
     def _swap(self, p: int, out: int) -> None:
-        """From now on partition `p` is read from local copy `out`."""
-        self._old_fds.append(self._fds[p])
-        self._dfds[p] = open_direct(out)
-        self._fds[p] = out  # atomic swap: later reads of this partition are local
-        self._staged_set[p] = True
+        """From now on partition `p` is read from local copy `out`. Under the lock `fd` opens
+        the image's file with: an adopted partition's image file may never have been opened,
+        and a reader opening it now must not put it back over `out`."""
+        dfd = open_direct(out)
+        with self._open_lock:
+            self._old_fds.append(self._fds[p])
+            self._dfds[p] = dfd
+            self._fds[p] = out  # atomic swap: later reads of this partition are local
+            self._staged_set[p] = True
 
     # -- lifecycle -------------------------------------------------------------------------
 

@@ -46,11 +46,14 @@ class Hasher:
         self._cond = threading.Condition()
         self._behind = 0
         self._done = False
+        # Started at the first write, not here: prepare forks its workers after the packer is
+        # made, and forks no background thread (fanfs/prepare/fanout.py).
         self._thread = threading.Thread(target=self._run, name="fanfs-hash", daemon=True)
-        self._thread.start()
 
     def add(self, part: int, data: bytes | memoryview) -> None:
         """`data` was just written to `part` (and is not changed afterwards)."""
+        if self._thread.ident is None:  # the writer's first (prepare has one writer)
+            self._thread.start()
         with self._cond:
             while self._behind > HASH_BEHIND:
                 self._cond.wait()
@@ -76,7 +79,8 @@ class Hasher:
         with self._cond:
             self._done = True
             self._cond.notify_all()
-        self._thread.join()
+        if self._thread.ident is not None:
+            self._thread.join()
         return b"".join(sha.digest() for sha in self._shas)
 
 
