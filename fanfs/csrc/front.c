@@ -5,9 +5,9 @@
  *
  * Why: a request answered through pyfuse3 costs a wake-up of the event loop (epoll, trio), a
  * run through its session loop and, for a READ, a hand-off to a pool thread; on a cold small
- * file that is most of what fanfs adds to the disk read. Here FRONT_THREADS threads wait on
- * the FUSE device (each with an epoll of its own, EPOLLEXCLUSIVE: the kernel wakes one per
- * request) and answer, in the thread that read the request:
+ * file that is most of what fanfs adds to the disk read. Here FRONT_THREADS threads take turns
+ * on the FUSE device (one leader reads it, the others wait for their turn: "taking requests"
+ * below) and answer, in the thread that read the request:
  *   LOOKUP    from the catalog (names are sorted within each directory: a binary search),
  *             and the file's read or fetch starts (fanfs_pool_looked_up);
  *   GETATTR   from the catalog;
@@ -36,8 +36,9 @@
  * writev per message, which the kernel takes whole from any thread.
  *
  * Concurrency: the catalog's columns are immutable; the enable flag and the per-partition fds
- * are the pool's (atomics); the forward queue has its own lock. fanfs_front_stop wakes every
- * thread through an eventfd each epoll also watches, and joins them; the FUSE fd is the
+ * are the pool's (atomics); the forward queue and the leader's turn have their own lock.
+ * fanfs_front_stop wakes the followers (front.turn) and the leader (an eventfd its epoll also
+ * watches), and joins them; the FUSE fd is the
  * session's and stays open until pyfuse3 closes it, after the stop.
  */
 #define _GNU_SOURCE
