@@ -19,7 +19,7 @@ from fanfs import catalog as cat
 from fanfs import datagen
 from fanfs.bench import launch
 from fanfs.compare import assert_same_tree
-from fanfs.node.keep import partition_keys
+from fanfs.node.keys import partition_keys
 
 
 @pytest.fixture(scope="module")

@@ -45,6 +45,19 @@ def default_parent() -> str:
     return os.environ.get("TMPDIR") or "/tmp"
 
 
+def anonymous(dir_fd: int) -> int | None:
+    """A new nameless file (O_TMPFILE, mode 0600) in directory `dir_fd`, open read-write; None
+    where the file system cannot make one."""
+    if not _TMPFILE:
+        return None
+    try:
+        return os.open(".", os.O_RDWR | _TMPFILE | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            raise
+        return None
+
+
 def check_parent(path: Path) -> None:
     """Refuse a parent another user could tamper with: owned by someone else, or writable by
     others without the sticky bit (which stops them renaming or deleting our directory)."""
@@ -121,12 +134,10 @@ class StagingDir:
         """A new private file for the partition to be called `name`, open read-write. It has
         no name (or loses it at once) unless `publish` gives it one."""
         if self._tmpfile:
-            try:
-                return os.open(".", os.O_RDWR | _TMPFILE | os.O_CLOEXEC, 0o600, dir_fd=self.fd)
-            except OSError as e:
-                if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
-                    raise
-                self._tmpfile = False  # this file system cannot: named files from now on
+            fd = anonymous(self.fd)
+            if fd is not None:
+                return fd
+            self._tmpfile = False  # this file system cannot: named files from now on
         partial = f"{name}.partial"
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(partial, flags, 0o600, dir_fd=self.fd)

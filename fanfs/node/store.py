@@ -23,7 +23,8 @@ from pathlib import Path
 from fanfs import catalog as cat
 from fanfs import native
 from fanfs.errors import MissingPartition, StagingError
-from fanfs.node.keep import KeepDir, partition_digest, partition_keys
+from fanfs.node.keep import KeepDir
+from fanfs.node.keys import partition_digest, partition_keys
 from fanfs.node.staging import StagingDir
 from fanfs.progress import human_bytes
 from fanfs.status import StoreStatus
@@ -94,11 +95,9 @@ class PartitionStore:
         self.image = image
         self.catalog = catalog
         self.owned = list(owned)
-        if local.resolve() == image.resolve() or image.resolve() in local.resolve().parents:
-            raise StagingError(f"{local}: --local must not be inside the image directory")
-        if keep is not None and (keep.resolve() == image.resolve()
-                                 or image.resolve() in keep.resolve().parents):  # fmt: skip
-            raise StagingError(f"{keep}: --keep must not be inside the image directory")
+        for option, where in (("--local", local), ("--keep", keep)):
+            if where is not None and image.resolve() in (where.resolve(), *where.resolve().parents):
+                raise StagingError(f"{where}: {option} must not be inside the image directory")
         self.staging = StagingDir(local, keep_local)
         try:
             self.keep = KeepDir(keep, keep_size) if keep is not None else None
