@@ -28,7 +28,7 @@ import pyfuse3
 from fanfs import catalog as cat
 from fanfs import mounts
 from fanfs.errors import CorruptFile
-from fanfs.node.pool import INODE_BASE, NativeJob
+from fanfs.node.jobs import INODE_BASE, NativeJob
 from fanfs.node.reader import Reader
 
 log = logging.getLogger(__name__)

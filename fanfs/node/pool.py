@@ -29,18 +29,30 @@ import errno
 import logging
 import os
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import trio
 
 from fanfs import catalog as cat
-from fanfs import codec, filters, native
+from fanfs import codec, native
 from fanfs.errors import CorruptFile
 from fanfs.logs import Throttle
 from fanfs.native import lib
 from fanfs.node.cache import percentiles_ms
+from fanfs.node.jobs import (  # noqa: F401 (JOB_FIELDS, KIND_*: the tests read them here)
+    JOB_FIELDS,
+    KIND_FILTER,
+    KIND_RAW,
+    KIND_ZSTD,
+    MAX_PIECES,
+    NativeJob,
+    fast_kinds,
+    frame_piece,
+    job,
+    piece_kind,
+)
 from fanfs.status import NO_FRONT, FrontStatus
 
 log = logging.getLogger(__name__)
@@ -48,78 +60,16 @@ log = logging.getLogger(__name__)
 # Pool threads: at least 4 (concurrent disk reads of small files, even on a 2-core node), and
 # one per core up to 32 on bigger nodes, where decoding compressed files is what they do most.
 THREADS = max(4, min(32, os.cpu_count() or 4))
-MAX_PIECES = lib.MAX_PIECES  # stored pieces (frames) one job may span
 # Files stored whole up to this size are answered by the pool also when a READ asks for a part
 # (it keeps the decoded file in its cache of pieces, 64 MiB in all, for the other parts, and
 # pushes them into the kernel's page cache).
 PARTS_LIMIT = 4 << 20
 FOLLOWED_AT_ONCE = 4096  # files the front recorded, taken per turn of the event loop
-JOB_FIELDS = lib.JOB_FIELDS  # a job's header; then 6 numbers per piece
-INODE_BASE = 1  # inode = entry + INODE_BASE (pyfuse3.ROOT_INODE; fuse_ops checks it)
 # The pool's failure record (native byte order): entry, errno, padding.
 ERROR_RECORD = struct.Struct("=qii")
 # The errnos of a record that make a file bad: its stored bytes fail their CRC-32, or do not
 # decode. Any other is a failure of the moment (ENOMEM, a disk's EIO): nothing is marked.
 BAD_DATA = frozenset((errno.EBADMSG, errno.EILSEQ))
-KIND_RAW, KIND_ZSTD, KIND_FILTERED, KIND_FILTER = (
-    lib.KIND_RAW, lib.KIND_ZSTD, lib.KIND_FILTERED, lib.KIND_FILTER)  # fmt: skip
-# (fd, dfd, entry, inode, base, skip, count, flags), then per stored piece (offset, length,
-# crc, kind, size, cache): the pool reads each piece's `length` stored bytes at `offset` (with
-# O_DIRECT through `dfd` when it is not -1 and the page cache does not hold them), checks them
-# against `crc`, decodes them to `size` bytes (keeping them in its cache when `cache`), and
-# answers with bytes [skip, skip + count) of the pieces' decoded bytes, back to back; the
-# first piece starts at `base` in the file. Flags: lib.JOB_PUSH.
-NativeJob = tuple[int, ...]
-
-
-def job(fd: int, dfd: int, entry: int, base: int, skip: int, count: int, flags: int,
-        pieces: Sequence[tuple[int, ...]]) -> NativeJob:  # fmt: skip
-    """A NativeJob from its pieces, each (offset, length, crc, kind, size, cache)."""
-    return (fd, dfd, entry, entry + INODE_BASE, base, skip, count, flags,
-            *(x for piece in pieces for x in piece))  # fmt: skip
-
-
-def piece_kind(codec_id: int) -> int:
-    """The kind of a file's stored bytes compressed whole (not framed)."""
-    if codec_id == cat.CODEC_RAW:
-        return KIND_RAW
-    if codec_id in (cat.CODEC_ZSTD, cat.CODEC_ZSTD_DICT):
-        return KIND_ZSTD
-    if codec_id == cat.CODEC_ZSTD_DELTA4:
-        return KIND_FILTER + filters.DELTA4
-    return KIND_FILTERED
-
-
-def frame_kind(table: codec.FrameTable, i: int) -> int:
-    """The kind of frame i of a framed file."""
-    fid = int(table.filters[i])
-    if fid:
-        return KIND_FILTER + fid
-    return KIND_RAW if table.stored(i)[1] == table.decoded_len(i) else KIND_ZSTD
-
-
-def frame_piece(c: cat.Catalog, entry: int, table: codec.FrameTable, i: int) -> tuple[int, ...]:
-    """Frame i of a framed file as a job's piece (kept in the pool's cache of pieces)."""
-    off, length = table.stored(i)
-    return (int(c.data_off[entry]) + off, length, int(table.crcs[i]), frame_kind(table, i),
-            table.decoded_len(i), 1)  # fmt: skip
-
-
-# Codecs of files stored whole, which the fast path answers (framed files go to Python,
-# which keeps their frame tables).
-WHOLE_CODECS = (cat.CODEC_RAW, cat.CODEC_ZSTD, cat.CODEC_ZSTD_DICT, cat.CODEC_ZSTD_DELTA4,
-                cat.CODEC_ZSTD_FILTERED)  # fmt: skip
-
-
-def fast_kinds(c: cat.Catalog, decodes: bool) -> np.ndarray:
-    """Per entry, the piece kind the fast path reads it as, or lib.FAST_NO: a non-empty file
-    stored whole, of at most PIECE_MAX bytes stored and decoded (compressed ones only when
-    the pool decodes)."""
-    kind = np.full(c.n_entries, lib.FAST_NO, dtype=np.uint8)
-    files = c.is_file & (c.size > 0) & (c.size <= lib.PIECE_MAX) & (c.stored_len <= lib.PIECE_MAX)
-    for codec_id in WHOLE_CODECS if decodes else (cat.CODEC_RAW,):
-        kind[files & (c.codec == codec_id)] = piece_kind(codec_id)
-    return kind
 
 
 class Front:

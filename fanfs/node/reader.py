@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable
@@ -45,11 +44,12 @@ from fanfs import catalog as cat
 from fanfs import codec
 from fanfs.checksum import crc32
 from fanfs.errors import CorruptFile
-from fanfs.logs import Throttle
 from fanfs.node import pool as native
+from fanfs.node.bad import BadFiles as BadFiles  # (tests/parts.py imports it from here)
 from fanfs.node.cache import ByteLRU, SingleFlight
+from fanfs.node.jobs import JOB_FIELDS, NativeJob
 from fanfs.node.plans import Plans
-from fanfs.node.pool import NativeJob, NativePool
+from fanfs.node.pool import NativePool
 from fanfs.node.sources import NOWAIT_LIMIT, WHOLE_FILE_LIMIT, Sources
 from fanfs.status import ReaderStatus
 
@@ -61,49 +61,6 @@ TABLES_BYTES = 32 << 20  # ... within this many bytes (a 1 TiB file's table alon
 FRAMES_AHEAD = 2  # frames the native pool decodes ahead of a framed file read in order
 
 Answer = bytes | memoryview | NativeJob
-
-
-class BadFiles:
-    def __init__(self, catalog: cat.Catalog):
-        self.catalog = catalog
-        self._bad: set[int] = set()
-        self._throttle = Throttle()  # a failing disk under every READ: a line a minute a file
-
-    def __contains__(self, entry: int) -> bool:
-        return entry in self._bad
-
-    def __len__(self) -> int:
-        return len(self._bad)
-
-    def mark(self, entry: int, error: BaseException) -> None:
-        """Refuse `entry` from now on; log why once (with the trace if it was unexpected)."""
-        if entry not in self._bad:
-            self._bad.add(entry)
-            expected = isinstance(error, (CorruptFile, OSError))
-            log.error("EIO for %s: %s", self.describe(entry),
-                      error if expected else f"{type(error).__name__}: {error}",
-                      exc_info=not expected)  # fmt: skip
-
-    def refuse(self, entry: int) -> CorruptFile:
-        """The error a read of a bad file raises (EIO at the FUSE edge)."""
-        return CorruptFile(self.describe(entry))
-
-    def describe(self, entry: int) -> str:
-        return os.fsdecode(b"/" + self.catalog.path(entry))
-
-    def failed(self, entry: int, error: BaseException) -> CorruptFile:
-        """The error a failed read of `entry` raises (EIO at the FUSE edge). Only bytes proved
-        bad (a check, a decode, a hostile catalog) mark the file bad; the disk, memory or a
-        peer failing now fail this READ alone (the native pool draws the same line)."""
-        if isinstance(error, (OSError, MemoryError)):
-            held = self._throttle.due(entry)
-            if held is not None:
-                log.warning("EIO for %s (this read only): %s%s", self.describe(entry),
-                            error or type(error).__name__,
-                            f" ({held} more since the last warning)" if held else "")  # fmt: skip
-            return CorruptFile(self.describe(entry))
-        self.mark(entry, error)
-        return self.refuse(entry)
 
 
 # -- fetches started at LOOKUP ---------------------------------------------------------------
@@ -270,10 +227,7 @@ class Reader:
             self.local.fd(part), self.local.dfd(part), entry, table, offset, size, ahead
         )
         if job is not None:
-            stored = sum(
-                job[native.JOB_FIELDS + 1 + 6 * k]
-                for k in range((len(job) - native.JOB_FIELDS) // 6)
-            )
+            stored = sum(job[JOB_FIELDS + 1 + 6 * k] for k in range((len(job) - JOB_FIELDS) // 6))
             self.local.native(part, stored)
         return job
 
