@@ -16,14 +16,10 @@ transport's own threads call without the event loop; the rest to `serve` in the 
 The server knows neither the transport nor the Reader.
 
 `Sources.stored()` is the one source choice: a file this daemon holds is read locally; any
-other file is asked of its holders in turn (live ones only, rotated per file to spread load
-over replicas) and, when none can answer, read from the image on shared storage. A peer's
-reply is checked against the CRC the caller gives, so a bad copy sends the reader to the next
-source; the caller is told that the bytes are checked and does not check them again. With
-replicas, a peer that has not answered within the hedge delay (`PeerTransport.hedge_delay`)
-is not waited for alone: the next holder is asked too, and the
-first good answer is used (the other fetch is cancelled; its late reply is drained by the
-transport). A slow node then costs a reader the hedge delay, not a peer timeout.
+other file is asked of its holders (fanfs/node/peers.py, the one owner of which peer to ask,
+in which order, and what to do after a bad copy or a slow holder) and, when none can answer,
+read from the image on shared storage. A peer's reply is checked against the CRC the caller
+gives, so the caller is told that the bytes are checked and does not check them again.
 `stored_blocking` is the same choice for threads of the daemon's own (the read-ahead engine's):
 it blocks, asking peers through the transport's blocking fetch where it has one, else through
 the event loop.
@@ -38,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import threading
 import time
@@ -50,11 +45,11 @@ import trio
 
 from fanfs import catalog as cat
 from fanfs import codec
-from fanfs.checksum import crc32
 from fanfs.errors import CorruptFile
 from fanfs.node.cache import Latencies, SingleFlight
+from fanfs.node.peers import Peers
 from fanfs.node.store import PartitionStore
-from fanfs.node.transport import PeerTimeout, PeerTransport
+from fanfs.node.transport import PeerTransport
 
 log = logging.getLogger(__name__)
 
@@ -250,17 +245,29 @@ class Sources:
         self.catalog = catalog
         self.local = local
         self.transport = transport
-        self.rank = transport.rank if transport is not None else 0
-        self.owners = owners if transport is not None else None
+        # Which peers to ask, in which order, and the next after a failure: fanfs/node/peers.py.
+        self._peers = (Peers(catalog, owners, transport)
+                       if transport is not None and owners is not None else None)  # fmt: skip
         self._count = threading.Lock()
         self.fallbacks = 0
-        self.bad_payloads = 0
-        self.hedged = 0  # fetches asked of a second holder because the first was slow
-        self.hedges_won = 0  # ... that the second holder answered first
         self.image_latency = Latencies()  # reads of the image when no peer could answer
 
     def mine(self, entry: int) -> bool:
         return self.local.mine(entry)
+
+    @property
+    def bad_payloads(self) -> int:
+        return self._peers.bad_payloads if self._peers else 0
+
+    @property
+    def hedged(self) -> int:
+        """Fetches asked of a second holder because the first was slow."""
+        return self._peers.hedged if self._peers else 0
+
+    @property
+    def hedges_won(self) -> int:
+        """... that the second holder answered first."""
+        return self._peers.hedges_won if self._peers else 0
 
     async def stored(self, entry: int, offset: int, length: int,
                      crc: int | None) -> tuple[bytes, bool]:  # fmt: skip
@@ -288,8 +295,10 @@ class Sources:
         read whole (no large raw file): peers through the transport's blocking fetch when it
         has one, else through the event loop (`token`)."""
         if not self.mine(entry):
-            if self.transport is not None and self.transport.blocking_fetch:
-                got = self._remote_blocking(entry, offset, length, crc)
+            if self._peers is None:
+                got = None
+            elif self._peers.transport.blocking_fetch:
+                got = self._peers.get_blocking(entry, offset, length, crc)
             else:
                 got = trio.from_thread.run(self.remote, entry, offset, length, crc,
                                            trio_token=token)  # fmt: skip
@@ -311,121 +320,20 @@ class Sources:
         the daemon's own: per file, its bytes checked against its CRC, or None where they did
         not come (a refusal, no answer in time, a bad copy): the caller then reads that file
         the usual way (`stored_blocking`: the other holders, then the image)."""
-        assert self.transport is not None
-        c = self.catalog
-        lengths = [int(c.stored_len[e]) for e in entries]
-        try:
-            got = self.transport.fetch_batch_blocking(peer, entries, lengths)
-        except PeerTimeout:
-            got = None
-        if got is None:
-            return [None] * len(entries)
-        return [bytes(stored) if self._good(e, peer, stored, int(c.crc[e])) else None
-                for e, stored in zip(entries, got, strict=True)]  # fmt: skip
+        assert self._peers is not None
+        return self._peers.batch_blocking(peer, entries)
 
     def peers(self, entry: int) -> list[int]:
-        """Peers holding `entry`, live ones only, rotated per file to spread load over replicas."""
-        assert self.owners is not None and self.transport is not None
-        ranks = self.owners[int(self.catalog.part[entry])]
-        k = entry % len(ranks)
-        ranks = ranks[k:] + ranks[:k]
-        return [r for r in ranks if r != self.rank and not self.transport.is_dead(r)]
+        """Peers holding `entry`, live ones only, in the order to ask them (fanfs/node/peers.py)."""
+        assert self._peers is not None
+        return self._peers.holders(entry)
 
     async def remote(self, entry: int, offset: int, length: int, crc: int | None) -> bytes | None:
-        """Stored bytes of `entry` from the first peer that has them, or None. With `crc`,
-        a reply that does not match it is a bad copy: the next peer is tried. With more than
-        one holder, a slow one is hedged: the next is asked too after the hedge delay."""
-        assert self.transport is not None
-        peers = self.peers(entry)
-        if len(peers) > 1:
-            return await self._hedged(peers, entry, offset, length, crc)
-        for peer in peers:
-            got = await self._ask(peer, entry, offset, length, crc)
-            if got is not None:
-                return got
-        return None
-
-    async def _ask(self, peer: int, entry: int, offset: int, length: int,
-                   crc: int | None) -> bytes | None:  # fmt: skip
-        """One peer's good copy, or None (no answer in time, a refusal, a bad copy)."""
-        assert self.transport is not None
-        try:
-            stored = await self.transport.fetch(peer, entry, offset, length)
-        except PeerTimeout:
-            return None
-        if stored is not None and self._good(entry, peer, stored, crc):
-            return stored
-        return None
-
-    async def _hedged(self, peers: list[int], entry: int, offset: int, length: int,
-                      crc: int | None) -> bytes | None:  # fmt: skip
-        """`remote` over several holders: the next is asked when the last asked has failed,
-        or has not answered within the hedge delay; the first good copy wins."""
-        transport = self.transport
-        assert transport is not None
-        send, answers = trio.open_memory_channel[tuple[int, bytes | None]](len(peers))
-        waiting = 0
-        left = iter(enumerate(peers))
-        more = True  # holders not asked yet
-
-        async def ask(k: int, peer: int) -> None:
-            send.send_nowait((k, await self._ask(peer, entry, offset, length, crc)))
-
-        async with trio.open_nursery() as nursery:
-
-            def next_one() -> bool:
-                nonlocal waiting, more
-                k, peer = next(left, (-1, -1))
-                if k < 0:
-                    more = False
-                    return False
-                waiting += 1
-                nursery.start_soon(ask, k, peer)
-                return True
-
-            next_one()
-            while waiting:
-                delay = transport.hedge_delay() if more else math.inf
-                with trio.move_on_after(delay) as slow:
-                    k, got = await answers.receive()
-                if slow.cancelled_caught:
-                    if next_one():
-                        with self._count:
-                            self.hedged += 1
-                    continue
-                waiting -= 1
-                if got is not None:
-                    if k > 0 and waiting:  # the first asked is still out: the hedge won
-                        with self._count:
-                            self.hedges_won += 1
-                    nursery.cancel_scope.cancel()
-                    return got
-                next_one()  # that one failed: the next at once
-        return None
-
-    def _remote_blocking(self, entry: int, offset: int, length: int,
-                         crc: int | None) -> bytes | None:  # fmt: skip
-        assert self.transport is not None
-        for peer in self.peers(entry):
-            try:
-                stored = self.transport.fetch_blocking(peer, entry, offset, length)
-            except PeerTimeout:
-                continue
-            if stored is not None and self._good(entry, peer, stored, crc):
-                return stored
-        return None
+        """Stored bytes of `entry` from the first peer that has a good copy, or None
+        (fanfs/node/peers.py: the order, bad copies, hedging)."""
+        return None if self._peers is None else await self._peers.get(entry, offset, length, crc)
 
     def _fell_back(self, began: float) -> None:
         with self._count:
             self.fallbacks += 1
             self.image_latency.record(time.perf_counter() - began)
-
-    def _good(self, entry: int, peer: int, stored: bytes | memoryview, crc: int | None) -> bool:
-        """Whether a peer's reply matches its CRC; a bad copy is counted and logged."""
-        if crc is None or crc32(stored) == crc:
-            return True
-        with self._count:
-            self.bad_payloads += 1
-        log.warning("bad payload for %s from rank %d, trying another source",
-                    os.fsdecode(b"/" + self.catalog.path(entry)), peer)  # fmt: skip
-        return False

@@ -77,8 +77,6 @@ class PeerTransport:
         self.malformed = 0  # peer messages dropped as malformed
         self._hedge_s = HEDGE_MIN_S
         self._hedge_at = 0  # fetches counted when the hedge delay was last computed
-        self.hedged = 0  # the front's fetches asked of another holder too (mpi.py)
-        self.hedges_won = 0
         self.batch_fetches = 0  # batches of whole files fetched in one round trip (planners')
         self.batched_files = 0  # ... and the files in them
 
@@ -109,6 +107,16 @@ class PeerTransport:
     def stop(self) -> None:
         """Release what `run` started once serving is over (nothing by default)."""
 
+    @property
+    def hedged(self) -> int:
+        """The front's fetches asked of another holder too (mpi.py's front.py): none here."""
+        return 0
+
+    @property
+    def hedges_won(self) -> int:
+        """... that the other holder answered first."""
+        return 0
+
     def is_dead(self, peer: int) -> bool:
         return peer in self._dead
 
@@ -116,14 +124,14 @@ class PeerTransport:
     def dead(self) -> set[int]:
         return set(self._dead)
 
-    def _mark_dead(self, peer: int, why: str) -> None:
+    def mark_dead(self, peer: int, why: str) -> None:
         if peer not in self._dead:
             self._dead.add(peer)
             log.warning("peer rank %d %s: routing around it from now on", peer, why)
 
-    def _timed_out(self, peer: int) -> PeerTimeout:
+    def timed_out(self, peer: int) -> PeerTimeout:
         self.timeouts += 1
-        self._mark_dead(peer, f"did not answer within {self.peer_timeout} s")
+        self.mark_dead(peer, f"did not answer within {self.peer_timeout} s")
         return PeerTimeout(f"rank {peer} did not answer")
 
     def _fetched(self, began: float, length: int, now: float) -> None:

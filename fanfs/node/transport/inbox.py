@@ -131,7 +131,7 @@ class Fetch:
     event: trio.Event = field(default_factory=trio.Event)
     count: int = -1  # bytes received; -1: the peer cannot be reached; -2: a bad reply
     waiter: threading.Event | None = None  # a thread's fetch (fetch_blocking), not a task's
-    native: Any = None  # the front's fetch (MpiTransport._native_start), done in the MPI thread
+    native: Any = None  # the front's fetch (front.py's FrontFetch), done in the MPI thread
 
     def finish(self, count: int) -> None:
         """The outcome is known: wake whoever waits (a task's fetch: call it in trio's thread)."""
@@ -140,6 +140,32 @@ class Fetch:
             self.waiter.set()
         else:
             self.event.set()
+
+
+class ReplyTags:
+    """The reply tags in use: cycled through [FIRST_REPLY_TAG, tag_ub), never one in use
+    (outstanding, or quarantined until its late reply is drained). Any thread (a lock)."""
+
+    def __init__(self, tag_ub: int):
+        self._ub = tag_ub
+        self._next = FIRST_REPLY_TAG
+        self._used: set[int] = set()
+        self._lock = threading.Lock()
+
+    def reserve(self) -> int:
+        """A free tag for a reply, in use until `release`."""
+        with self._lock:
+            while True:
+                tag = self._next
+                self._next = tag + 1 if tag + 1 < self._ub else FIRST_REPLY_TAG
+                if tag not in self._used:
+                    self._used.add(tag)
+                    return tag
+
+    def release(self, tag: int) -> None:
+        """(The inbox.) The reply of `tag` was taken or drained: the tag is free again."""
+        with self._lock:
+            self._used.discard(tag)
 
 
 @dataclass

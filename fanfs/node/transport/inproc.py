@@ -69,7 +69,7 @@ class InprocTransport(PeerTransport):
             data = await owner._serve_request(self.rank, entry, offset, length)
             owner._count_reply(entry, data)
         if scope.cancelled_caught:
-            raise self._timed_out(peer)
+            raise self.timed_out(peer)
         if data is None or len(data) != length:
             return None
         self._fetched(began, length, time.perf_counter())
