@@ -119,6 +119,83 @@ def test_mpi_fuse_and_zstd_each_have_one_importer() -> None:
         assert sorted(m for m, ts in graph.items() if f"ext:{package}" in ts) == owners
 
 
+# Asking peers (which holder, in which order, the next after a failure) has one owner.
+PEERS_OWNER = "node.peers"
+FETCHES = {"fetch", "fetch_blocking", "fetch_batch_blocking"}  # PeerTransport's
+
+
+def holder_loops(tree: ast.AST, transport: bool = False) -> list[tuple[int, str]]:
+    """(line, what) of each place in a module that asks peers on its own instead of through
+    fanfs/node/peers.py: a holder order of its own (a rotation `xs[k:] + xs[:k]`), a filter of
+    peers by `is_dead` (`transport`: the transport package, which owns who is dead), a
+    transport's fetch called on another object (only the owner asks the transport), or any
+    fetch called inside a loop (a loop over holders)."""
+
+    def rotation(node: ast.AST) -> bool:
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+            parts = [node.left, node.right]
+        elif isinstance(node, (ast.List, ast.Tuple)):  # [*xs[k:], *xs[:k]]
+            parts = [e.value for e in node.elts if isinstance(e, ast.Starred)]
+        else:
+            return False
+        sliced = [ast.unparse(p.value) for p in parts
+                  if isinstance(p, ast.Subscript) and isinstance(p.slice, ast.Slice)]  # fmt: skip
+        return len(sliced) == 2 and sliced[0] == sliced[1]
+
+    def fetch(node: ast.AST) -> ast.Attribute | None:
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            return node.func if node.func.attr in FETCHES else None
+        return None
+
+    found = []
+    loops = (ast.For, ast.AsyncFor, ast.While, ast.ListComp, ast.SetComp, ast.GeneratorExp,
+             ast.DictComp)  # fmt: skip
+    for node in ast.walk(tree):
+        line = getattr(node, "lineno", 0)
+        if rotation(node):
+            found.append((line, f"a holder order of its own: {ast.unparse(node)}"))
+        call = node.func if isinstance(node, ast.Call) else None
+        if isinstance(call, ast.Attribute) and call.attr == "is_dead" and not transport:
+            found.append((line, f"peers filtered by liveness: {ast.unparse(node)}"))
+        f = fetch(node)
+        if f is not None and ast.unparse(f.value) != "self":
+            found.append((line, f"asks the transport itself: {ast.unparse(node)}"))
+        if isinstance(node, loops):
+            found += [(line, f"fetches in a loop: {ast.unparse(inner)}")
+                      for inner in ast.walk(node) if fetch(inner) is not None]  # fmt: skip
+    return found
+
+
+def test_peers_are_asked_in_one_place() -> None:
+    """Which peer to ask for a file, in which order, and the next one after a refusal, a bad
+    copy or a slow holder is fanfs/node/peers.py's policy (issue 40: one owner per policy),
+    used by every caller (the event loop's reads, the planner's threads and batches, the MPI
+    thread's fetches for the front): no other module of the daemon's wing keeps a holder loop
+    of its own."""
+    found = {}
+    for path in sorted((PACKAGE / "node").rglob("*.py")):
+        name = module_name(path)
+        if name != PEERS_OWNER:
+            loops = holder_loops(ast.parse(path.read_text()), name.startswith("node.transport"))
+            if loops:
+                found[name] = loops
+    assert found == {}
+
+
+def test_a_second_holder_loop_is_found() -> None:
+    """The scan above can fail: each way a copy of the old holder loops looked is caught."""
+    copies = {
+        "ranks = ranks[k:] + ranks[:k]": 1,
+        "ps = [*holders[k:], *holders[:k]]": 1,
+        "live = [r for r in ranks if not self.transport.is_dead(r)]": 1,
+        "got = self.transport.fetch_blocking(peer, entry, 0, n)": 1,
+        "for peer in peers:\n    got = await self.fetch(peer, entry, 0, n)": 1,
+    }
+    for code, want in copies.items():
+        assert len(holder_loops(ast.parse(code))) == want, code
+    assert holder_loops(ast.parse("data = await self.fetch(peer, -1, 0, 0)")) == []
+
+
 def _attribute_writes(tree: ast.AST) -> list[tuple[int, str]]:
     """(line, target) of every assignment to an attribute of another object than `self` (or
     through `self` into another: `self.other.attr = ...`), unless the same function created
