@@ -23,7 +23,7 @@ LAYERS = {
     # the daemon's wing: everything that runs inside `fanfs mount`
     "node": 2, "node.cache": 2,
     "node.staging": 2, "node.keys": 2, "node.keep_entries": 2, "node.keep": 2, "node.order": 2,
-    "node.bad": 2, "node.jobs": 2,
+    "node.bad": 2, "node.jobs": 2, "node.partfile": 2,
     "node.pool": 3, "node.store": 3, "node.plans": 3,
     "node.transport": 3, "node.transport.inbox": 3, "node.transport.commands": 3,
     "node.peers": 3, "node.transport.answer": 3, "node.transport.front": 3,
