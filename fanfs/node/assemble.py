@@ -71,10 +71,12 @@ def build(catalog: Catalog, store: PartitionStore, owners: list[tuple[int, ...]]
     front_on = fuse_ops.RECEIVER is not None and env_on("FANFS_FRONT")
     transport: PeerTransport | None = None
     if world is not None:
+        from fanfs.node.transport.front import FrontFetches
         from fanfs.node.transport.mpi import MpiTransport
 
         native = front_on and env_on("FANFS_NATIVE_REMOTE")
-        transport = MpiTransport(world, cfg.peer_timeout, server, native_remote=native)
+        front_fetches = FrontFetches() if native else None  # handed to the MPI thread
+        transport = MpiTransport(world, cfg.peer_timeout, server, front_fetches)
     sources = Sources(catalog, local, owners, transport)
     bad = BadFiles(catalog)
     front = None

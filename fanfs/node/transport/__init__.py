@@ -1,8 +1,10 @@
 """How daemons ask each other for stored file bytes.
 
-`mpi.py` is the transport that crosses nodes; `inproc.py` runs N simulated ranks in one trio
-run with the same protocol, for tests of everything above the transport without mpirun. With
-a single daemon nothing is remote and no transport exists.
+`mpi.py` is the transport that crosses nodes (its messages: inbox.py; its server side:
+answer.py; the front's fetches it takes on: front.py; the records its threads hand each other:
+commands.py); `inproc.py` runs N simulated ranks in one trio run with the same protocol, for
+tests of everything above the transport without mpirun. With a single daemon nothing is remote
+and no transport exists. Which peer to ask, and in which order, is fanfs/node/peers.py's.
 
 `PeerTransport` holds what both share: who is dead and who said bye, the counters behind
 `fanfs status`, serving one request (through the `Served` it is handed: fanfs/node/sources.py,

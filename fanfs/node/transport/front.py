@@ -11,8 +11,10 @@ one is hedged: after the hedge delay another holder is asked too, the first good
 the piece (the other's is ESTALE then). When no holder is left the request is given up
 (`lib.remote_fail`) and the READ goes to Python, which also tries the image. So that a silent
 peer cannot freeze the mount, at most `waiting` of the front's READs wait for peers at once
-(one front thread is always left for local files; the others go to Python at once), each at
-most the peer timeout.
+(NATIVE_WAITING: one front thread is always left for local files; the others go to Python at
+once), each at most the peer timeout. The daemon's assembly makes this object and hands it to
+the transport, whose MPI thread `start`s it with itself: the front's fetches are that
+transport's fetches (its reply tags, dead peers, hedge delay, latency).
 
 A request crosses the seam as a `FrontRequest` (the C's `fanfs_rreq`, field by field); a fetch
 under way carries a `FrontFetch` (which request, which holders were asked, since when, its
@@ -35,11 +37,16 @@ from typing import NamedTuple, Protocol
 
 from fanfs.native import lib
 from fanfs.node.peers import in_turn
+from fanfs.node.pool import THREADS as FRONT_THREADS
 from fanfs.node.transport import PeerTimeout
 from fanfs.node.transport.commands import Command, Send
 from fanfs.node.transport.inbox import Fetch, Inbox, request_header
 
 log = logging.getLogger(__name__)
+
+# The front's READs that may wait for peers' pieces at once: one front thread is always left
+# for local files.
+NATIVE_WAITING = FRONT_THREADS - 1
 
 
 class FrontRequest(NamedTuple):
@@ -96,19 +103,26 @@ class Asks(Protocol):
 
 
 class FrontFetches:
-    def __init__(self, transport: Asks, waiting: int):
+    def __init__(self, waiting: int = NATIVE_WAITING):
         """`waiting`: the front's READs that may wait for peers' pieces at once."""
-        self.transport = transport
         self.waiting = waiting
+        self._transport: Asks | None = None  # the MPI thread's, from `start`
         self._out: dict[int, _Out] = {}  # reply tag -> the fetch out
         self._retry: list[tuple[FrontRequest, tuple[int, ...]]] = []
         self._asked: dict[FrontRequest, int] = {}  # request -> its fetches out
         self.hedged = 0  # requests asked of another holder too, the first being slow
         self.hedges_won = 0  # ... that the other holder answered first
 
-    def start(self, wake: int) -> None:
-        """The front writes `wake` (an eventfd) when it queues a request."""
-        lib.remote_set_wake(wake, self.waiting, self.transport.peer_timeout)
+    @property
+    def transport(self) -> Asks:
+        assert self._transport is not None, "FrontFetches.start was not called"
+        return self._transport
+
+    def start(self, wake: int, transport: Asks) -> None:
+        """(The MPI thread, once.) The front writes `wake` (an eventfd) when it queues a
+        request; `transport` is the one that owns MPI, whose fetches these are."""
+        self._transport = transport
+        lib.remote_set_wake(wake, self.waiting, transport.peer_timeout)
 
     def stop(self) -> None:
         """Every READ waiting for a peer goes to Python."""

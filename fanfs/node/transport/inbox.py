@@ -33,7 +33,8 @@ process): an mpi4py request let go while active frees a buffer MPI may still wri
 not cancelled: its message is matched already, and a cancelled matched receive may put the
 message back to be matched again, by a later fetch that reuses the tag.
 
-Concurrency: the MPI thread only, except `Fetch`, which a trio task or a thread waits on.
+Concurrency: the MPI thread only, except `Fetch`, which a trio task or a thread waits on,
+and `ReplyTags`, which any thread asks (a lock).
 """
 
 from __future__ import annotations

@@ -38,7 +38,6 @@ import numpy as np
 import trio
 
 from fanfs.native import lib
-from fanfs.node.pool import THREADS as FRONT_THREADS
 from fanfs.node.transport import PeerTimeout, PeerTransport, Served
 from fanfs.node.transport.answer import REPLY_BYTES as REPLY_BYTES  # (tests read it here)
 from fanfs.node.transport.answer import Answers
@@ -76,9 +75,6 @@ HOT_S = 20e-3
 PR_SET_TIMERSLACK = 29  # linux/prctl.h
 PR_SET_NAME = 15
 TIMER_SLACK_NS = 1000
-# The front's READs that may wait for peers' pieces at once (front.py): one front thread is
-# always left for local files.
-NATIVE_WAITING = FRONT_THREADS - 1
 
 
 def _precise_timeouts() -> None:
@@ -101,11 +97,11 @@ class MpiTransport(PeerTransport):
         world: World,
         peer_timeout: float,
         server: Served,
-        native_remote: bool = False,
+        front: FrontFetches | None = None,
     ):
-        """`native_remote`: take the front's requests for peers' files (front.py)."""
+        """`front`: the front's fetches of peers' files, which the MPI thread takes on
+        (front.py); None: READs of peers' files go to Python."""
         super().__init__(world.rank, world.size, peer_timeout, server)
-        self.native_remote = native_remote
         # Written with every command (and by the front): the MPI thread waits on it.
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.MPI = world.MPI
@@ -118,7 +114,7 @@ class MpiTransport(PeerTransport):
         self._token: trio.lowlevel.TrioToken | None = None
         # The parts the MPI thread is handed: the server side and the front's fetches.
         self.answers = Answers(server, self._post, self._call_trio, self._serve_request)
-        self.front = FrontFetches(self, NATIVE_WAITING) if native_remote else None
+        self.front = front
 
     @property
     def hedged(self) -> int:
@@ -276,7 +272,7 @@ class MpiTransport(PeerTransport):
         _precise_timeouts()
         try:
             if self.front is not None:
-                self.front.start(self._wake)
+                self.front.start(self._wake, self)
             self._serve()
         except Exception:
             # Not expected (MPI errors are handled where they happen); should it happen, peers
