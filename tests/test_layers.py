@@ -27,6 +27,7 @@ LAYERS = {
     "node.pool": 3, "node.store": 3, "node.plans": 3,
     "node.transport": 3, "node.transport.inbox": 3, "node.transport.commands": 3,
     "node.peers": 3, "node.transport.answer": 3, "node.transport.front": 3,
+    "node.transport.asks": 3,
     "node.transport.mpi": 4,
     "node.transport.inproc": 4, "node.sources": 4, "node.plansocket": 4,
     "node.reader": 5, "node.planner": 5, "node.fuse_ops": 6, "node.assemble": 7,

@@ -1,8 +1,9 @@
 """The MPI transport: remote reads in one round trip, over the `World` of fanfs/world.py.
 
-The protocol and how messages are taken (never into a buffer sized in advance): inbox.py. How
-peers' requests and batches are answered: answer.py. The front's fetches (`native_remote`,
-READs of files only peers hold answered without the event loop): front.py.
+The protocol and how messages are taken (never into a buffer sized in advance): inbox.py. This
+daemon's fetches and batches, handed to the MPI thread as commands: asks.py. How peers'
+requests and batches are answered: answer.py. The front's fetches (READs of files only peers
+hold answered without the event loop): front.py.
 
 Concurrency: one thread (`fanfs-mpi`) makes every MPI call after start-up (NoPFS's model); the
 server side (answer.py) and the front's fetches (front.py) are objects handed to it. Trio tasks
@@ -15,10 +16,9 @@ remote file (see docs/performance.md); but not while the kernel says threads wai
 (`lib.cpu_pressed`), when the spin takes a core from the readers and the other daemons of the
 node. Otherwise it blocks on the queue with a timeout: 20 us for HOT_S after any traffic,
 backing off to 2 ms once idle (a blocking Recv would burn a core, and on 2-core nodes that
-matters; idle, a daemon uses about 1 % of one). A planner's batch (`fetch_batch_blocking`: the
-whole stored bytes of up to BATCH_MAX files in one round trip) is this daemon's fetch like any
-other, with one reply. After start-up no collective operation is used, so a dead rank can only
-cost its own requests a peer timeout, after which it is routed around.
+matters; idle, a daemon uses about 1 % of one). After start-up no collective operation is
+used, so a dead rank can only cost its own requests a peer timeout, after which it is routed
+around.
 """
 
 from __future__ import annotations
@@ -31,32 +31,24 @@ import queue
 import select
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import trio
 
 from fanfs.native import lib
-from fanfs.node.transport import PeerTimeout, PeerTransport, Served
-from fanfs.node.transport.answer import REPLY_BYTES as REPLY_BYTES  # (tests read it here)
-from fanfs.node.transport.answer import Answers
+from fanfs.node.transport import Served
+from fanfs.node.transport.answer import REPLY_BYTES, Answers  # noqa: F401 (tests read it here)
+from fanfs.node.transport.asks import MpiFetches
 from fanfs.node.transport.commands import Bye, Cancel, Command, Outgoing, Reply, Send, Stop
 from fanfs.node.transport.front import FrontFetches
-from fanfs.node.transport.inbox import (
-    BATCH_MAX,
+from fanfs.node.transport.inbox import (  # noqa: F401 (the tests read the constants here)
+    FIRST_REPLY_TAG,
     MAX_REQUEST,
-    TAG_BATCH,
     TAG_BYE,
     TAG_REQUEST,
     Fetch,
     Inbox,
-    ReplyTags,
-    batch_header,
-    request_header,
-)
-from fanfs.node.transport.inbox import (
-    FIRST_REPLY_TAG as FIRST_REPLY_TAG,  # (tests read it here)
 )
 from fanfs.world import CHUNK, World
 
@@ -88,10 +80,7 @@ def _precise_timeouts() -> None:
         libc.prctl(PR_SET_NAME, ctypes.c_char_p(b"fanfs-mpi"), 0, 0, 0)
 
 
-class MpiTransport(PeerTransport):
-    blocking_fetch = True
-    batches = True
-
+class MpiTransport(MpiFetches):
     def __init__(
         self,
         world: World,
@@ -101,15 +90,13 @@ class MpiTransport(PeerTransport):
     ):
         """`front`: the front's fetches of peers' files, which the MPI thread takes on
         (front.py); None: READs of peers' files go to Python."""
-        super().__init__(world.rank, world.size, peer_timeout, server)
+        super().__init__(world.rank, world.size, peer_timeout, server,
+                         int(world.comm.Get_attr(world.MPI.TAG_UB) or 32767))  # fmt: skip
         # Written with every command (and by the front): the MPI thread waits on it.
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.MPI = world.MPI
         self.comm = world.comm
         self._cmds: queue.SimpleQueue[Command] = queue.SimpleQueue()
-        self._tag_ub = int(self.comm.Get_attr(self.MPI.TAG_UB) or 32767)
-        self._tags = ReplyTags(self._tag_ub)
-        self._lock = threading.Lock()  # counters: the event loop and threads
         self._thread: threading.Thread | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         # The parts the MPI thread is handed: the server side and the front's fetches.
@@ -142,115 +129,14 @@ class MpiTransport(PeerTransport):
         self._cmds.put(cmd)
         os.eventfd_write(self._wake, 1)
 
-    def reserve(self) -> int:
-        """A reply tag, in use until its reply is taken or drained (any thread)."""
-        return self._tags.reserve()
-
-    def fetched(self, began: float, length: int) -> None:
-        """A fetch that began at `began` (perf_counter) got its `length` bytes (any thread)."""
-        with self._lock:
-            self._fetched(began, length, time.perf_counter())
-
-    def _start(self, peer: int, job: Fetch, header: Callable[[int], np.ndarray],
-               kind: int = TAG_REQUEST) -> int:  # fmt: skip
-        """Hand the MPI thread a fetch (any thread): `header(reply_tag)` sent with MPI tag
-        `kind` (a request or a batch); its reply tag."""
-        tag = self.reserve()
-        self._post(Send(peer, tag, header(tag), job, kind))
-        return tag
-
-    def _forget(self, tag: int, done: bool) -> None:
-        """A fetch is over: the MPI thread frees its tag once its reply is taken (or drained,
-        when the fetch gave up first)."""
-        if not done:
-            self._post(Cancel(tag))
-
-    def _result(self, peer: int, job: Fetch, done: bool, began: float) -> bytes | None:
-        if not self._arrived(peer, job, done):
-            return None  # a refusal, or a reply of the wrong size: another source
-        self.fetched(began, job.length)
-        return bytes(job.buf) if job.length <= CHUNK else job.buf  # type: ignore[return-value]
-
-    def _arrived(self, peer: int, job: Fetch, done: bool) -> bool:
-        """Whether all `job` asked for came; PeerTimeout if the peer did not answer."""
-        if not done:
-            raise self.timed_out(peer)
-        if job.count == -1:
-            self.mark_dead(peer, "cannot be reached")
-            raise PeerTimeout(f"rank {peer} cannot be reached")
-        return job.count == job.length
-
-    async def fetch(self, peer: int, entry: int, offset: int, length: int) -> bytes | None:
-        if peer in self._dead:
-            raise PeerTimeout(f"rank {peer} is dead")
-        job = Fetch(peer, length, bytearray(length))
-        began = time.perf_counter()
-        tag = self._start(peer, job, lambda tag: request_header(entry, offset, length, tag))
-        try:
-            with trio.move_on_after(self.peer_timeout):
-                await job.event.wait()
-        finally:  # also when cancelled: the MPI thread must let go of the buffer
-            done = job.event.is_set()
-            self._forget(tag, done)
-        return self._result(peer, job, done, began)
-
-    def fetch_blocking(self, peer: int, entry: int, offset: int, length: int) -> bytes | None:
-        """`fetch` for a thread of the daemon's own (the planner's): blocks, never the MPI
-        thread's or the event loop's. PeerTimeout as `fetch`."""
-        began = time.perf_counter()
-        job, done = self._wait_blocking(
-            peer, length, lambda tag: request_header(entry, offset, length, tag)
-        )
-        return self._result(peer, job, done, began)
-
-    def _wait_blocking(self, peer: int, length: int, header: Callable[[int], np.ndarray],
-                       kind: int = TAG_REQUEST) -> tuple[Fetch, bool]:  # fmt: skip
-        """Send a request (`_start`) and wait in this thread for its `length` bytes, at most
-        the peer timeout: (the fetch, whether it finished)."""
-        if peer in self._dead:
-            raise PeerTimeout(f"rank {peer} is dead")
-        waiter = threading.Event()
-        job = Fetch(peer, length, bytearray(length), waiter=waiter)
-        tag = self._start(peer, job, header, kind)
-        done = waiter.wait(self.peer_timeout)
-        self._forget(tag, done)
-        return job, done
-
-    def fetch_batch_blocking(self, peer: int, entries: list[int],
-                             lengths: list[int]) -> list[memoryview] | None:  # fmt: skip
-        """The whole stored bytes of up to BATCH_MAX files `peer` holds, in one round trip
-        (`lengths`: their stored lengths, from this daemon's catalog, at most MAX_REQUEST in
-        all), for a thread of the daemon's own; None if the peer refused them. PeerTimeout as
-        `fetch`. Not checked here (their CRCs are the caller's)."""
-        total = sum(lengths)
-        if not 1 <= len(entries) == len(lengths) <= BATCH_MAX or total > MAX_REQUEST:
-            raise ValueError(f"a batch of {len(entries)} files, {total} bytes")
-        job, done = self._wait_blocking(peer, total, lambda tag: batch_header(tag, entries),
-                                        TAG_BATCH)  # fmt: skip
-        if not done:  # a slow owner is not a dead one: the files are asked for one by one
-            raise PeerTimeout(f"rank {peer} did not answer a batch in time")
-        if not self._arrived(peer, job, done):
-            return None
-        with self._lock:
-            self.fetch_bytes += total
-            self.batch_fetches += 1
-            self.batched_files += len(entries)
-        view, out, at = memoryview(job.buf), [], 0
-        for n in lengths:
-            out.append(view[at : at + n])
-            at += n
-        return out
-
     def _delivered(self, job: Fetch, count: int) -> None:
         """(The MPI thread.) Wake whoever waits for `job`: a thread at once, a task through
         the event loop, the front's READ through the C."""
         if job.native is not None:
             assert self.front is not None
             self.front.done(job, count)
-        elif job.waiter is not None:
-            job.finish(count)
         else:
-            self._call_trio(job.finish, count)
+            super()._delivered(job, count)
 
     def _say_bye(self) -> None:
         self._post(Bye())
