@@ -274,7 +274,9 @@ int fanfs_run_job(const struct fanfs_dicts *dicts, const struct fanfs_job *job, 
  * outside the pieces, or a piece that holds none of the range). */
 int fanfs_job_check(const struct fanfs_job *job);
 
-/* -- front.c: threads that take requests from the FUSE device themselves ------------------ */
+/* -- the front: threads that take requests from the FUSE device themselves -----------------
+ * (front.c and the files front.h lists: wire.c, meta.c, answer.c, forward.c, follow.c,
+ * writes.c, cpu.c) */
 
 /* The catalog as the front reads it: columns as in the image (little-endian, maybe
  * unaligned), nlink and which partitions this node holds computed at load. Must outlive the
@@ -375,13 +377,6 @@ int fanfs_front_take_error(int fd);
 void fanfs_front_hold(int fd, uint64_t below);
 void fanfs_front_settle(void);
 uint64_t fanfs_front_written(void);
-/* writes.c, for front.c: start and stop (after writing what is queued) the writer thread;
- * wait until the queue is written; take a WRITE request in *bufp (0), swapping in a free
- * buffer, or -1 if it is not one to take. */
-int fanfs_writes_start(void);
-void fanfs_writes_stop(void);
-void fanfs_writes_settle(void);
-int fanfs_writes_take(int ffd, char **bufp, uint32_t n);
 
 /* Whether threads waited for a CPU in more than a tenth of the last ~100 ms (the kernel's CPU
  * pressure, read at most every 100 ms): then a thread that polls instead of sleeping takes a
