@@ -42,12 +42,6 @@
 
 #include "front.h"
 
-static struct fanfs_front front = {
-    .fd = -1, .stopfd = -1, .readyfd = -1, .ep = -1,
-    .lock = PTHREAD_MUTEX_INITIALIZER, .turn = PTHREAD_COND_INITIALIZER,
-    .follow = {.lock = PTHREAD_MUTEX_INITIALIZER, .efd = -1},
-    .wb = {.lock = PTHREAD_MUTEX_INITIALIZER, .cond = PTHREAD_COND_INITIALIZER}};
-
 /* As the leader: the next request into `buf` (f->bufsize), 0 to stop, -1 once the session has
  * ended (unmounted, or the kernel refused the buffer: the wire's `why` says so). */
 static ssize_t take(struct fanfs_front *f, char *buf) {
@@ -244,80 +238,113 @@ static void front_counters(struct fanfs_front *f, uint64_t out[FANFS_FRONT_COUNT
     out[FANFS_FRONT_WAITS] = __atomic_load_n(&f->waits, __ATOMIC_RELAXED);
 }
 
-/* -- the one front of the process (fanfs_native.h's calls) --------------------------------- */
+/* -- a wing's front (fanfs_native.h's calls) ---------------------------------------------- */
 
-int fanfs_meta_set(const struct fanfs_meta *m) {
-    if (front.running)
-        return -EBUSY;
-    front.m = *m;
+struct fanfs_front *fanfs_front_new(const struct fanfs_meta *m, int writes) {
+    struct fanfs_front *f;
+    if ((m == NULL || m->n == 0) && !writes)
+        return NULL;
+    if ((f = calloc(1, sizeof *f)) == NULL)
+        return NULL;
+    if (m != NULL)
+        f->m = *m;
+    f->writes = writes != 0;
+    f->fd = f->stopfd = f->readyfd = f->ep = -1;
+    pthread_mutex_init(&f->lock, NULL);
+    pthread_cond_init(&f->turn, NULL);
+    fanfs_follow_init(&f->follow);
+    fanfs_writes_init(&f->wb);
+    return f;
+}
+
+/* pyfuse3's receiver hook takes no argument of ours, and pyfuse3 runs one session per
+ * process: the front it reads from is this one pointer (atomic), bound by the wing that owns
+ * the front before it installs the hook and unbound when the front is freed. The only
+ * file-scope state of the front. */
+static struct fanfs_front *bound;
+
+void fanfs_front_bind(struct fanfs_front *f) { __atomic_store_n(&bound, f, __ATOMIC_RELEASE); }
+
+int fanfs_front_receive(void *session, struct fuse_buf *buf) {
+    struct fanfs_front *f = __atomic_load_n(&bound, __ATOMIC_ACQUIRE);
+    if (f != NULL)
+        return fanfs_front_receive_from(f, session, buf);
+    if (session != NULL)
+        fuse_session_exit(session); /* no front: as if the session had ended */
     return 0;
 }
 
-int fanfs_meta_attr(uint64_t e, uint64_t out[12]) { return fanfs_meta_attrs(&front.m, e, out); }
-
-int64_t fanfs_meta_lookup(uint64_t parent, const char *name, size_t len) {
-    return fanfs_meta_search(&front.m, parent, name, len);
+void fanfs_front_free(struct fanfs_front *f) {
+    struct fanfs_front *was = f;
+    if (f == NULL)
+        return;
+    __atomic_compare_exchange_n(&bound, &was, NULL, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+    front_stop(f);
+    front_close(f);
+    fanfs_writes_destroy(&f->wb);
+    fanfs_follow_destroy(&f->follow);
+    pthread_cond_destroy(&f->turn);
+    pthread_mutex_destroy(&f->lock);
+    free(f);
 }
 
-int fanfs_front_writes(int on) {
-    if (front.running)
-        return -EBUSY;
-    front.writes = on != 0;
-    return 0;
-}
-
-int fanfs_front_pretend(int minor, long page) {
-    if (front.running)
+int fanfs_front_pretend(struct fanfs_front *f, int minor, long page) {
+    if (f->running)
         return -EBUSY;
     if (minor < 0 || page < 0 || (page & (page - 1)) != 0 || page > (1L << 20))
         return -EINVAL;
-    front.wire.pretend = minor;
-    front.wire.page = page;
+    f->wire.pretend = minor;
+    f->wire.page = page;
     return 0;
 }
 
-size_t fanfs_front_bufsize(void) { return fanfs_wire_bufsize(&front.wire); }
+size_t fanfs_front_bufsize(const struct fanfs_front *f) { return fanfs_wire_bufsize(&f->wire); }
 
-void fanfs_front_kernel(uint64_t out[5]) {
-    fanfs_wire_said(&front.wire, out);
-    out[4] = fanfs_front_bufsize();
+void fanfs_front_kernel(const struct fanfs_front *f, uint64_t out[5]) {
+    fanfs_wire_said(&f->wire, out);
+    out[4] = fanfs_front_bufsize(f);
 }
 
-int fanfs_front_start(int fd, int nthreads, int spin_us) {
-    return front_start(&front, fd, nthreads, spin_us);
+int fanfs_front_start(struct fanfs_front *f, int fd, int nthreads, int spin_us) {
+    return front_start(f, fd, nthreads, spin_us);
 }
 
-int fanfs_front_receive(void *session, struct fuse_buf *buf) {
-    return fanfs_front_receive_from(&front, session, buf);
-}
-
-ssize_t fanfs_front_forwarded(void *out, size_t cap) {
+ssize_t fanfs_front_forwarded(struct fanfs_front *f, void *out, size_t cap) {
     struct fuse_buf b;
-    if (cap < front.bufsize)
+    if (cap < f->bufsize)
         return -EINVAL;
     memset(&b, 0, sizeof b);
     b.mem = out;
-    return fanfs_front_receive_from(&front, NULL, &b);
+    return fanfs_front_receive_from(f, NULL, &b);
 }
 
-void fanfs_front_drain(void) { fanfs_front_drain_queue(&front); }
-void fanfs_front_stop(void) { front_stop(&front); }
-void fanfs_front_close(void) { front_close(&front); }
+void fanfs_front_drain(struct fanfs_front *f) { fanfs_front_drain_queue(f); }
+void fanfs_front_stop(struct fanfs_front *f) { front_stop(f); }
+void fanfs_front_close(struct fanfs_front *f) { front_close(f); }
 
-void fanfs_front_counters(uint64_t out[FANFS_FRONT_COUNTS + 1]) { front_counters(&front, out); }
-
-int fanfs_front_latencies(uint32_t out[FANFS_FRONT_SAMPLES], uint32_t *longest) {
-    return fanfs_latency_take(&front.lat, out, longest);
+void fanfs_front_counters(struct fanfs_front *f, uint64_t out[FANFS_FRONT_COUNTS + 1]) {
+    front_counters(f, out);
 }
 
-void fanfs_front_follow(int efd) { fanfs_follow_set(&front.follow, efd); }
-
-int fanfs_front_followed(uint64_t *out, int max, uint64_t *lost) {
-    return fanfs_follow_take(&front.follow, out, max, lost);
+int fanfs_front_latencies(struct fanfs_front *f, uint32_t out[FANFS_FRONT_SAMPLES],
+                          uint32_t *longest) {
+    return fanfs_latency_take(&f->lat, out, longest);
 }
 
-int64_t fanfs_front_take_written(int fd) { return fanfs_writes_take_written(&front.wb, fd); }
-int fanfs_front_take_error(int fd) { return fanfs_writes_take_error(&front.wb, fd); }
-void fanfs_front_hold(int fd, uint64_t below) { fanfs_writes_hold(&front.wb, fd, below); }
-void fanfs_front_settle(void) { fanfs_writes_settle(&front.wb); }
-uint64_t fanfs_front_written(void) { return fanfs_writes_written(&front.wb); }
+void fanfs_front_follow(struct fanfs_front *f, int efd) { fanfs_follow_set(&f->follow, efd); }
+
+int fanfs_front_followed(struct fanfs_front *f, uint64_t *out, int max, uint64_t *lost) {
+    return fanfs_follow_take(&f->follow, out, max, lost);
+}
+
+int64_t fanfs_front_take_written(struct fanfs_front *f, int fd) {
+    return fanfs_writes_take_written(&f->wb, fd);
+}
+int fanfs_front_take_error(struct fanfs_front *f, int fd) {
+    return fanfs_writes_take_error(&f->wb, fd);
+}
+void fanfs_front_hold(struct fanfs_front *f, int fd, uint64_t below) {
+    fanfs_writes_hold(&f->wb, fd, below);
+}
+void fanfs_front_settle(struct fanfs_front *f) { fanfs_writes_settle(&f->wb); }
+uint64_t fanfs_front_written(struct fanfs_front *f) { return fanfs_writes_written(&f->wb); }

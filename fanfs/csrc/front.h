@@ -81,10 +81,6 @@ int64_t fanfs_meta_find(const struct fanfs_meta *m, uint64_t nodeid, const char 
 void fanfs_meta_entry_out(const struct fanfs_meta *m, int64_t e, struct fuse_entry_out *out);
 /* The reply to a GETATTR of inode `nodeid`: 0, or -1 if the catalog has no such inode. */
 int fanfs_meta_attr_out(const struct fanfs_meta *m, uint64_t nodeid, struct fuse_attr_out *out);
-/* fanfs_meta_attr and fanfs_meta_lookup's answers, from `m`. */
-int fanfs_meta_attrs(const struct fanfs_meta *m, uint64_t e, uint64_t out[12]);
-int64_t fanfs_meta_search(const struct fanfs_meta *m, uint64_t parent, const char *name,
-                          size_t len);
 /* Whether entry `e` is a regular file, and its partition. */
 int fanfs_meta_is_file(const struct fanfs_meta *m, uint64_t e);
 uint32_t fanfs_meta_part(const struct fanfs_meta *m, uint64_t e);
@@ -176,10 +172,14 @@ struct fanfs_fwd {
     _Alignas(uint64_t) char data[];
 };
 
+/* One wing's front (fanfs_native.h): made by fanfs_front_new, handed to every call, freed by
+ * fanfs_front_free; its owner (the wing's main thread) starts and stops it. */
 struct fanfs_front {
-    /* Immutable while running. */
+    /* Immutable: set by new. */
     struct fanfs_meta m;  /* the catalog (node wing) */
     int writes;           /* writes mode (output wing): WRITE answered, the rest forwarded */
+
+    /* Immutable while running: set by the owner before the threads start. */
     int fd;               /* the FUSE session's fd (non-blocking) */
     int stopfd;           /* eventfd: written once, to stop every thread */
     int ep;               /* the epoll the leader waits in: the FUSE fd and stopfd */

@@ -53,7 +53,7 @@ int fanfs_meta_is_file(const struct fanfs_meta *m, uint64_t e) {
 
 uint32_t fanfs_meta_part(const struct fanfs_meta *m, uint64_t e) { return col32(m->part, e); }
 
-int fanfs_meta_attrs(const struct fanfs_meta *m, uint64_t e, uint64_t out[12]) {
+int fanfs_meta_attr(const struct fanfs_meta *m, uint64_t e, uint64_t out[12]) {
     struct fuse_attr a;
     if (m->n == 0 || e >= m->n)
         return -1;
@@ -64,7 +64,7 @@ int fanfs_meta_attrs(const struct fanfs_meta *m, uint64_t e, uint64_t out[12]) {
     return 0;
 }
 
-int64_t fanfs_meta_search(const struct fanfs_meta *m, uint64_t parent, const char *name,
+int64_t fanfs_meta_lookup(const struct fanfs_meta *m, uint64_t parent, const char *name,
                           size_t len) {
     uint64_t lo, hi;
     if (parent >= m->n || !S_ISDIR(col32(m->mode, parent)))
@@ -99,7 +99,7 @@ int64_t fanfs_meta_find(const struct fanfs_meta *m, uint64_t nodeid, const char 
         return -1; /* no NUL in the request, or an empty name: libfuse's answer is the rule */
     if ((len == 1 && arg[0] == '.') || (len == 2 && arg[0] == '.' && arg[1] == '.'))
         return -1;
-    return fanfs_meta_search(m, nodeid - 1, arg, len);
+    return fanfs_meta_lookup(m, nodeid - 1, arg, len);
 }
 
 void fanfs_meta_entry_out(const struct fanfs_meta *m, int64_t e, struct fuse_entry_out *out) {
