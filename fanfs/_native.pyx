@@ -145,34 +145,38 @@ cdef extern from "fanfs_native.h" nogil:
     struct fuse_buf:
         pass
     enum: FANFS_FRONT_COUNTS
-    int fanfs_meta_set(const fanfs_meta *m)
-    int fanfs_front_start(int fd, int nthreads, int spin_us)
+    int fanfs_meta_attr(const fanfs_meta *m, uint64_t e, uint64_t *out)
+    int64_t fanfs_meta_lookup(const fanfs_meta *m, uint64_t parent, const char *name,
+                              size_t len)
+    struct fanfs_front:
+        pass
+    fanfs_front *fanfs_front_new(const fanfs_meta *m, int writes)
+    void fanfs_front_free(fanfs_front *f)
+    int fanfs_front_start(fanfs_front *f, int fd, int nthreads, int spin_us)
     int fanfs_front_receive(void *session, fuse_buf *buf)
-    ssize_t fanfs_front_forwarded(void *out, size_t cap)
-    size_t fanfs_front_bufsize()
-    void fanfs_front_kernel(uint64_t *out)
-    int fanfs_front_pretend(int minor, long page)
+    void fanfs_front_bind(fanfs_front *f)
+    ssize_t fanfs_front_forwarded(fanfs_front *f, void *out, size_t cap)
+    size_t fanfs_front_bufsize(const fanfs_front *f)
+    void fanfs_front_kernel(const fanfs_front *f, uint64_t *out)
+    int fanfs_front_pretend(fanfs_front *f, int minor, long page)
     enum: FANFS_FRONT_SERVES
     enum: FANFS_FRONT_WHY_PROTOCOL
     enum: FANFS_FRONT_WHY_BUFFER
-    void fanfs_front_drain()
-    void fanfs_front_stop()
-    void fanfs_front_close()
-    void fanfs_front_counters(uint64_t *out)
+    void fanfs_front_drain(fanfs_front *f)
+    void fanfs_front_stop(fanfs_front *f)
+    void fanfs_front_close(fanfs_front *f)
+    void fanfs_front_counters(fanfs_front *f, uint64_t *out)
     enum: FANFS_FRONT_SAMPLES
-    int fanfs_front_latencies(uint32_t *out, uint32_t *longest)
-    int fanfs_meta_attr(uint64_t e, uint64_t *out)
-    int fanfs_front_writes(int on)
-    int64_t fanfs_front_take_written(int fd)
-    int fanfs_front_take_error(int fd)
-    void fanfs_front_hold(int fd, uint64_t below)
-    void fanfs_front_settle()
-    uint64_t fanfs_front_written()
-    int64_t fanfs_meta_lookup(uint64_t parent, const char *name, size_t len)
+    int fanfs_front_latencies(fanfs_front *f, uint32_t *out, uint32_t *longest)
+    int64_t fanfs_front_take_written(fanfs_front *f, int fd)
+    int fanfs_front_take_error(fanfs_front *f, int fd)
+    void fanfs_front_hold(fanfs_front *f, int fd, uint64_t below)
+    void fanfs_front_settle(fanfs_front *f)
+    uint64_t fanfs_front_written(fanfs_front *f)
     unsigned long long FANFS_FOLLOW_READ
-    void fanfs_front_follow(int efd)
+    void fanfs_front_follow(fanfs_front *f, int efd)
     int fanfs_cpu_pressed()
-    int fanfs_front_followed(uint64_t *out, int max, uint64_t *lost)
+    int fanfs_front_followed(fanfs_front *f, uint64_t *out, int max, uint64_t *lost)
 
 API_VERSION = FANFS_NATIVE_API
 MAX_PIECES = FANFS_MAX_PIECES
@@ -522,25 +526,6 @@ def pool_plan_mark(uint64_t entry, int flag, bint on):
     fanfs_pool_plan_mark(entry, flag, on)
 
 
-def front_follow(int efd):
-    """Record the files the front looks up and reads from their start, writing the eventfd
-    `efd` when the record stops being empty (-1: stop recording)."""
-    fanfs_front_follow(efd)
-
-
-def front_followed(int most=4096):
-    """What the front recorded, oldest first: (entries, whether each was a READ (else a
-    LOOKUP), records lost to a full record since start)."""
-    cdef uint64_t lost = 0
-    cdef int n
-    buf = bytearray(8 * max(0, min(most, 1 << 16)))
-    cdef char *at = buf
-    n = fanfs_front_followed(<uint64_t *>at, len(buf) // 8, &lost)
-    got = np.frombuffer(buf, np.uint64, n)
-    flag = np.uint64(FANFS_FOLLOW_READ)
-    return (got & ~flag).astype(np.int64), (got & flag) != 0, lost
-
-
 def cpu_pressed():
     """Whether threads waited for a CPU in more than a tenth of the last ~100 ms (the kernel's
     CPU pressure): polling instead of sleeping would take a core from them."""
@@ -554,7 +539,6 @@ def pool_fast_count():
 
 # -- the front: requests taken from the FUSE device by C threads ------------------------------
 
-_meta_columns = None  # the arrays the front reads (kept alive here)
 META_COLUMNS = {"mode": "<u4", "mtime_ns": "<i8", "size": "<u8", "blocks": "<u8",
                 "name_off": "<u8", "name_len": "<u4", "child_start": "<u4",
                 "child_count": "<u4", "part": "<u4", "nlink": "=u4"}
@@ -562,194 +546,225 @@ ATTR_FIELDS = ("ino", "size", "blocks", "mtime", "mtimensec", "mode", "nlink", "
                "blksize", "atime", "ctime")
 
 
-def meta_set(columns, strings, part_local, unsigned int uid, unsigned int gid,
-             unsigned int blksize, uint64_t timeout_s):
-    """Give the front the catalog: `columns` maps each name of META_COLUMNS to a contiguous
-    array of that type, one per entry; `strings` the catalog's string table (bytes);
-    `part_local` one uint8 per partition, 1 where this node holds it. Kept alive here."""
+cdef class Meta:
+    """The catalog as the front reads it (fanfs/csrc/meta.c): `columns` maps each name of
+    META_COLUMNS to a contiguous array of that type, one per entry; `strings` the catalog's
+    string table (bytes); `part_local` one uint8 per partition, 1 where this node holds it.
+    Immutable; it keeps its arrays alive, and a Front answering from it keeps it."""
     cdef fanfs_meta m
-    n = len(columns["mode"])
-    for name, want in META_COLUMNS.items():
-        a = columns[name]
-        if (a.ndim != 1 or len(a) != n or a.dtype.str.replace("<", "=") != want.replace("<", "=")
-                or not a.flags.c_contiguous):
-            raise ValueError(f"meta_set: column {name} is not a contiguous {want} array")
-    if (part_local.ndim != 1 or part_local.dtype.str != "|u1"
-            or not part_local.flags.c_contiguous or not isinstance(strings, bytes)):
-        raise ValueError("meta_set: part_local must be contiguous uint8, strings bytes")
-    m.n = n
-    m.mode = <const char *><uintptr_t>columns["mode"].ctypes.data
-    m.mtime = <const char *><uintptr_t>columns["mtime_ns"].ctypes.data
-    m.size = <const char *><uintptr_t>columns["size"].ctypes.data
-    m.blocks = <const char *><uintptr_t>columns["blocks"].ctypes.data
-    m.name_off = <const char *><uintptr_t>columns["name_off"].ctypes.data
-    m.name_len = <const char *><uintptr_t>columns["name_len"].ctypes.data
-    m.child_start = <const char *><uintptr_t>columns["child_start"].ctypes.data
-    m.child_count = <const char *><uintptr_t>columns["child_count"].ctypes.data
-    m.part = <const char *><uintptr_t>columns["part"].ctypes.data
-    m.nlink = <const uint32_t *><uintptr_t>columns["nlink"].ctypes.data
-    m.strings = PyBytes_AS_STRING(strings)
-    m.strings_len = len(strings)
-    m.part_local = <const uint8_t *><uintptr_t>part_local.ctypes.data
-    m.nparts = len(part_local)
-    m.uid, m.gid, m.blksize, m.timeout_s = uid, gid, blksize, timeout_s
-    cdef int ret = fanfs_meta_set(&m)
-    if ret != 0:
-        raise OSError(-ret, "meta_set: " + os.strerror(-ret))
-    global _meta_columns
-    _meta_columns = (dict(columns), strings, part_local)
+    cdef object _arrays
 
+    def __init__(self, columns, strings, part_local, unsigned int uid, unsigned int gid,
+                 unsigned int blksize, uint64_t timeout_s):
+        n = len(columns["mode"])
+        for name, want in META_COLUMNS.items():
+            a = columns[name]
+            if (a.ndim != 1 or len(a) != n
+                    or a.dtype.str.replace("<", "=") != want.replace("<", "=")
+                    or not a.flags.c_contiguous):
+                raise ValueError(f"Meta: column {name} is not a contiguous {want} array")
+        if (part_local.ndim != 1 or part_local.dtype.str != "|u1"
+                or not part_local.flags.c_contiguous or not isinstance(strings, bytes)):
+            raise ValueError("Meta: part_local must be contiguous uint8, strings bytes")
+        self.m.n = n
+        self.m.mode = <const char *><uintptr_t>columns["mode"].ctypes.data
+        self.m.mtime = <const char *><uintptr_t>columns["mtime_ns"].ctypes.data
+        self.m.size = <const char *><uintptr_t>columns["size"].ctypes.data
+        self.m.blocks = <const char *><uintptr_t>columns["blocks"].ctypes.data
+        self.m.name_off = <const char *><uintptr_t>columns["name_off"].ctypes.data
+        self.m.name_len = <const char *><uintptr_t>columns["name_len"].ctypes.data
+        self.m.child_start = <const char *><uintptr_t>columns["child_start"].ctypes.data
+        self.m.child_count = <const char *><uintptr_t>columns["child_count"].ctypes.data
+        self.m.part = <const char *><uintptr_t>columns["part"].ctypes.data
+        self.m.nlink = <const uint32_t *><uintptr_t>columns["nlink"].ctypes.data
+        self.m.strings = PyBytes_AS_STRING(strings)
+        self.m.strings_len = len(strings)
+        self.m.part_local = <const uint8_t *><uintptr_t>part_local.ctypes.data
+        self.m.nparts = len(part_local)
+        self.m.uid, self.m.gid, self.m.blksize, self.m.timeout_s = uid, gid, blksize, timeout_s
+        self._arrays = (dict(columns), strings, part_local)
 
-def meta_attr(uint64_t entry):
-    """The attributes the front answers for `entry` (a dict of ATTR_FIELDS); None when it is
-    out of range."""
-    cdef uint64_t out[12]
-    if fanfs_meta_attr(entry, out) != 0:
-        return None
-    return {name: out[i] for i, name in enumerate(ATTR_FIELDS)}
+    def attr(self, uint64_t entry):
+        """The attributes the front answers for `entry` (a dict of ATTR_FIELDS); None when it
+        is out of range."""
+        cdef uint64_t out[12]
+        if fanfs_meta_attr(&self.m, entry, out) != 0:
+            return None
+        return {name: out[i] for i, name in enumerate(ATTR_FIELDS)}
 
-
-def meta_lookup(uint64_t parent, bytes name):
-    """The front's lookup: the entry named `name` in directory `parent`, or None (no such
-    name), or -1 (`parent` is no directory)."""
-    cdef int64_t e = fanfs_meta_lookup(parent, PyBytes_AS_STRING(name), len(name))
-    return None if e == -2 else (-1 if e < 0 else e)
-
-
-def front_start(int fd, int threads, int spin_us):
-    """Start the front's threads on the FUSE session's fd (the leader polls the device for
-    `spin_us` after a request): the fd pyfuse3's receiver waits on. OSError if they cannot
-    start."""
-    cdef int ret = fanfs_front_start(fd, threads, spin_us)
-    if ret < 0:
-        raise OSError(-ret, "front: " + os.strerror(-ret))
-    return ret
-
-
-def front_bufsize():
-    """The size the front reads requests with (libfuse's: 256 pages and a header page)."""
-    return fanfs_front_bufsize()
+    def lookup(self, uint64_t parent, bytes name):
+        """The front's lookup: the entry named `name` in directory `parent`, or None (no such
+        name), or -1 (`parent` is no directory)."""
+        cdef int64_t e = fanfs_meta_lookup(&self.m, parent, PyBytes_AS_STRING(name), len(name))
+        return None if e == -2 else (-1 if e < 0 else e)
 
 
 FRONT_WHY = {FANFS_FRONT_SERVES: "", FANFS_FRONT_WHY_PROTOCOL: "protocol",
              FANFS_FRONT_WHY_BUFFER: "buffer"}
 
 
-def front_kernel():
-    """What the kernel's INIT said: {"major", "minor" (0 before the INIT), "flags", "why"
-    ("": the front answers; "protocol": older than 7.12, libfuse answers everything; "buffer":
-    the kernel refused the front's request buffer and the session ended), "bufsize"}."""
-    cdef uint64_t out[5]
-    fanfs_front_kernel(out)
-    return {"major": out[0], "minor": out[1], "flags": out[2], "why": FRONT_WHY[out[3]],
-            "bufsize": out[4]}
+cdef class Front:
+    """One wing's front (fanfs/csrc/front.c): its C threads take requests from the FUSE
+    device and answer, from `meta` (the node wing's), or, with `writes`, WRITEs written
+    behind to the request's file handle (an fd of the caller's), in order (the output
+    wing's); they forward the rest to pyfuse3. The wing that makes it owns it: pretend and
+    start, drain, stop and close are its calls; the rest may come from any thread. Freed with
+    the object (stopped first if it still runs)."""
+    cdef fanfs_front *f
+    cdef readonly Meta meta
+    cdef readonly bint writes
+
+    def __cinit__(self, Meta meta=None, bint writes=False):
+        if meta is None and not writes:
+            raise ValueError("Front: a catalog (Meta), or writes")
+        self.f = fanfs_front_new(&meta.m if meta is not None else NULL, writes)
+        if self.f == NULL:
+            if meta is not None and meta.m.n == 0 and not writes:
+                raise ValueError("Front: an empty catalog")
+            raise MemoryError()
+        self.meta = meta
+        self.writes = writes
+
+    def __dealloc__(self):
+        if self.f != NULL:
+            with nogil:
+                fanfs_front_free(self.f)
+            self.f = NULL
+
+    def pretend(self, int minor, long page=0):
+        """Before start, for tests that play another kernel: rewrite the INIT to protocol
+        7.`minor`'s layout and flags (0: as sent); size the buffer for `page`-byte pages (0:
+        the machine's)."""
+        cdef int ret = fanfs_front_pretend(self.f, minor, page)
+        if ret < 0:
+            raise OSError(-ret, "front pretend: " + os.strerror(-ret))
+
+    def start(self, int fd, int threads, int spin_us):
+        """Start the threads on the FUSE session's fd (the leader polls the device for
+        `spin_us` after a request): the fd pyfuse3's receiver waits on. OSError if they
+        cannot start."""
+        cdef int ret = fanfs_front_start(self.f, fd, threads, spin_us)
+        if ret < 0:
+            raise OSError(-ret, "front: " + os.strerror(-ret))
+        return ret
+
+    def bufsize(self):
+        """The size the front reads requests with (libfuse's: 256 pages and a header page)."""
+        return fanfs_front_bufsize(self.f)
+
+    def kernel(self):
+        """What the kernel's INIT said: {"major", "minor" (0 before the INIT), "flags", "why"
+        ("": the front answers; "protocol": older than 7.12, libfuse answers everything;
+        "buffer": the kernel refused the front's request buffer and the session ended),
+        "bufsize"}."""
+        cdef uint64_t out[5]
+        fanfs_front_kernel(self.f, out)
+        return {"major": out[0], "minor": out[1], "flags": out[2], "why": FRONT_WHY[out[3]],
+                "bufsize": out[4]}
+
+    def forwarded(self):
+        """The next request the front forwarded (bytes), None if none waits, b"" once the
+        session ended: pyfuse3's receiver, for a test that plays the kernel."""
+        cdef size_t cap = fanfs_front_bufsize(self.f)
+        cdef char *buf = <char *>malloc(cap)
+        cdef ssize_t n
+        if buf == NULL:
+            raise MemoryError()
+        try:
+            n = fanfs_front_forwarded(self.f, buf, cap)
+            if n == -EAGAIN:
+                return None
+            if n < 0:
+                raise OSError(-n, "front forwarded: " + os.strerror(-n))
+            return buf[:n]
+        finally:
+            free(buf)
+
+    def receiver(self):
+        """The capsule to give pyfuse3.set_receiver: it reads from this front (a process has
+        one pyfuse3 session, and one front bound to it)."""
+        fanfs_front_bind(self.f)
+        return PyCapsule_New(<void *>fanfs_front_receive, b"pyfuse3.receiver", NULL)
+
+    def take_written(self, int fd):
+        """The lowest offset the front wrote to through `fd` since the last call, None if it
+        did not (clears it)."""
+        cdef int64_t low = fanfs_front_take_written(self.f, fd)
+        return None if low < 0 else low
+
+    def hold(self, int fd, uint64_t below):
+        """WRITEs through `fd` starting below `below` come to pyfuse3 from now on (0: none)."""
+        fanfs_front_hold(self.f, fd, below)
+
+    def settle(self):
+        """Return once every WRITE the front answered is in its file."""
+        with nogil:
+            fanfs_front_settle(self.f)
+
+    def take_error(self, int fd):
+        """The errno of a write through `fd` that failed since the last call (0: none)."""
+        return fanfs_front_take_error(self.f, fd)
+
+    def written(self):
+        """Bytes the front wrote in writes mode."""
+        return fanfs_front_written(self.f)
+
+    def drain(self):
+        """pyfuse3's loop has ended: what the front would forward is answered EIO from now
+        on."""
+        fanfs_front_drain(self.f)
+
+    def stop(self):
+        """Stop and join the threads (requests still forwarded are answered EIO)."""
+        with nogil:
+            fanfs_front_stop(self.f)
+
+    def close(self):
+        """Close the receiver's fd, once pyfuse3 no longer waits on it."""
+        fanfs_front_close(self.f)
+
+    def follow(self, int efd):
+        """Record the files the front looks up and reads from their start, writing the
+        eventfd `efd` when the record stops being empty (-1: stop recording)."""
+        fanfs_front_follow(self.f, efd)
+
+    def followed(self, int most=4096):
+        """What the front recorded, oldest first: (entries, whether each was a READ (else a
+        LOOKUP), records lost to a full record since start)."""
+        cdef uint64_t lost = 0
+        cdef int n
+        buf = bytearray(8 * max(0, min(most, 1 << 16)))
+        cdef char *at = buf
+        n = fanfs_front_followed(self.f, <uint64_t *>at, len(buf) // 8, &lost)
+        got = np.frombuffer(buf, np.uint64, n)
+        flag = np.uint64(FANFS_FOLLOW_READ)
+        return (got & ~flag).astype(np.int64), (got & flag) != 0, lost
+
+    def latencies(self):
+        """(the front's last READs' times in seconds, in no order; the longest since start)."""
+        cdef uint32_t longest = 0
+        out = np.zeros(FANFS_FRONT_SAMPLES, dtype=np.uint32)
+        cdef uint32_t[::1] view = out
+        cdef int n = fanfs_front_latencies(self.f, &view[0], &longest)
+        return out[:n] / 1e6, longest / 1e6
+
+    def counters(self):
+        """Requests the front answered (lookups, getattrs, reads, others) and forwarded, and
+        how often its leader slept."""
+        cdef uint64_t c[8]
+        fanfs_front_counters(self.f, c)
+        return {"lookups": c[0], "getattrs": c[1], "reads": c[2], "others": c[3],
+                "forwarded": c[4], "waits": c[5]}
 
 
-def front_pretend(int minor, long page=0):
-    """Before front_start, for tests that play another kernel: rewrite the INIT to protocol
-    7.`minor`'s layout and flags (0: as sent); size the buffer for `page`-byte pages (0: the
-    machine's)."""
-    cdef int ret = fanfs_front_pretend(minor, page)
-    if ret < 0:
-        raise OSError(-ret, "front_pretend: " + os.strerror(-ret))
-
-
-def front_forwarded():
-    """The next request the front forwarded (bytes), None if none waits, b"" once the
-    session ended: pyfuse3's receiver, for a test that plays the kernel."""
-    cdef size_t cap = fanfs_front_bufsize()
-    cdef char *buf = <char *>malloc(cap)
-    cdef ssize_t n
-    if buf == NULL:
-        raise MemoryError()
-    try:
-        n = fanfs_front_forwarded(buf, cap)
-        if n == -EAGAIN:
-            return None
-        if n < 0:
-            raise OSError(-n, "front_forwarded: " + os.strerror(-n))
-        return buf[:n]
-    finally:
-        free(buf)
-
-
-def front_writes(bint on):
-    """Writes mode (`fanfs output`), before front_start: the front answers WRITE at once and
-    writes its bytes behind, to the request's file handle (an fd of the caller's), in order;
-    it forwards the rest once they are written."""
-    cdef int ret = fanfs_front_writes(on)
-    if ret < 0:
-        raise OSError(-ret, "front: " + os.strerror(-ret))
-
-
-def front_take_written(int fd):
-    """The lowest offset the front wrote to through `fd` since the last call, None if it
-    did not (clears it)."""
-    cdef int64_t low = fanfs_front_take_written(fd)
-    return None if low < 0 else low
-
-
-def front_hold(int fd, uint64_t below):
-    """WRITEs through `fd` starting below `below` come to pyfuse3 from now on (0: none)."""
-    fanfs_front_hold(fd, below)
-
-
-def front_settle():
-    """Return once every WRITE the front answered is in its file."""
-    with nogil:
-        fanfs_front_settle()
-
-
-def front_take_error(int fd):
-    """The errno of a write through `fd` that failed since the last call (0: none)."""
-    return fanfs_front_take_error(fd)
-
-
-def front_written():
-    """Bytes the front wrote in writes mode."""
-    return fanfs_front_written()
-
-
-def front_drain():
-    """pyfuse3's loop has ended: what the front would forward is answered EIO from now on."""
-    fanfs_front_drain()
-
-
-def front_stop():
-    """Stop and join the front's threads (requests still forwarded are answered EIO)."""
-    with nogil:
-        fanfs_front_stop()
-
-
-def front_close():
-    """Close the receiver's fd, once pyfuse3 no longer waits on it."""
-    fanfs_front_close()
-
-
-def receiver():
-    """The capsule to give pyfuse3.set_receiver."""
-    return PyCapsule_New(<void *>fanfs_front_receive, b"pyfuse3.receiver", NULL)
-
-
-def front_latencies():
-    """(the front's last READs' times in seconds, in no order; the longest since start)."""
-    import numpy as np
-    cdef uint32_t longest = 0
-    out = np.zeros(FANFS_FRONT_SAMPLES, dtype=np.uint32)
-    cdef uint32_t[::1] view = out
-    cdef int n = fanfs_front_latencies(&view[0], &longest)
-    return out[:n] / 1e6, longest / 1e6
-
-
-def front_stats():
-    """Requests the front answered (lookups, getattrs, reads, others) and forwarded, and the
-    reads it started at LOOKUP (started, then read, never read)."""
-    cdef uint64_t c[8]
+def front_stats(Front front=None):
+    """`front`'s counters (Front.counters; zeros without one) and the reads the pool started
+    at LOOKUP (started, then read, never read)."""
     cdef uint64_t la[3]
-    fanfs_front_counters(c)
     fanfs_lookahead_counters(la)
-    return {"lookups": c[0], "getattrs": c[1], "reads": c[2], "others": c[3],
-            "forwarded": c[4], "waits": c[5], "lookahead_started": la[0], "lookahead_used": la[1],
+    counts = front.counters() if front is not None else dict.fromkeys(
+        ("lookups", "getattrs", "reads", "others", "forwarded", "waits"), 0)
+    return {**counts, "lookahead_started": la[0], "lookahead_used": la[1],
             "lookahead_unused": la[2]}
 
 

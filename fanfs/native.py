@@ -13,7 +13,7 @@ import os
 
 log = logging.getLogger(__name__)
 
-API_VERSION = 10  # fanfs/csrc/fanfs_native.h's FANFS_NATIVE_API that this Python expects
+API_VERSION = 11  # fanfs/csrc/fanfs_native.h's FANFS_NATIVE_API that this Python expects
 
 try:
     from fanfs import _native as lib
@@ -51,10 +51,12 @@ def pretend_protocol() -> int:
     return int(raw.partition(".")[2]) if raw else 0
 
 
-def front_kernel() -> tuple[str, str]:
-    """(the kernel's FUSE protocol, "7.N", "" before its INIT; why the front does not answer
-    requests, in one line, "" when it does)."""
-    k = lib.front_kernel()
+def front_kernel(front: lib.Front | None) -> tuple[str, str]:
+    """(the kernel's FUSE protocol as `front` heard it, "7.N", "" before its INIT or without a
+    front; why the front does not answer requests, in one line, "" when it does)."""
+    if front is None:
+        return "", ""
+    k = front.kernel()
     protocol = f"{k['major']}.{k['minor']}" if k["major"] else ""
     why = {
         "": "",

@@ -7,6 +7,7 @@ import os
 import stat
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import parts
@@ -16,6 +17,9 @@ import pytest
 from fanfs import catalog as cat
 from fanfs.node.fuse_ops import ROOT, FanfsOperations
 from fanfs.node.store import PartitionStore
+
+if TYPE_CHECKING:
+    from fanfs.native import lib
 
 
 @pytest.fixture
@@ -90,12 +94,13 @@ async def test_whole_file_requests_are_not_cached(ops: FanfsOperations, awkward_
 # -- the front's catalog answers (fanfs/csrc/front.c) are the adapter's ---------------------
 
 
-def _front_for(c: cat.Catalog) -> None:
+def _front_for(c: cat.Catalog) -> lib.Meta:
     from fanfs.node.fuse_ops import BLKSIZE, CACHE_TIMEOUT_S
     from fanfs.node.pool import Front
 
     mine = np.ones(c.n_partitions, dtype=np.uint8)
-    Front(lambda *a: None, lambda: -1, BLKSIZE, int(CACHE_TIMEOUT_S), mine, 0).give_catalog(c)
+    return Front(lambda *a: None, lambda: -1, BLKSIZE, int(CACHE_TIMEOUT_S), mine,
+                 0).give_catalog(c)  # fmt: skip
 
 
 async def test_the_front_looks_up_and_answers_attributes_as_the_adapter_does(
@@ -105,8 +110,6 @@ async def test_the_front_looks_up_and_answers_attributes_as_the_adapter_does(
     longest name, 300 siblings): the C lookup finds what the catalog's finds, misses what it
     misses, and its attributes are the ones the adapter replies with."""
     from conftest import prepare
-
-    from fanfs.native import lib
 
     src = tmp_path / "src"
     names = [b"a", b"a.b", b"ab", b"a\xff", b"a\x01", b"b", b"A", b"L" * 255, b"caf\xc3\xa9"]
@@ -123,13 +126,13 @@ async def test_the_front_looks_up_and_answers_attributes_as_the_adapter_does(
         f.seek(4 << 20)
         f.write(b"x" * 4096)
     c, _ = cat.Catalog.load(prepare(src, tmp_path / "img", "--partitions", "2"))
-    _front_for(c)
+    meta = _front_for(c)
     store = PartitionStore(tmp_path / "img", c, tmp_path / "local", range(c.n_partitions))
     try:
         ops = FanfsOperations(c, parts.reader(c, store), lambda: {})
         for entry in range(c.n_entries):
             a = ops._attrs(entry)
-            got = lib.meta_attr(entry)
+            got = meta.attr(entry)
             assert got == {"ino": a.st_ino, "size": a.st_size, "blocks": a.st_blocks,
                            "mtime": a.st_mtime_ns // 10**9, "mtimensec": a.st_mtime_ns % 10**9,
                            "mode": a.st_mode, "nlink": a.st_nlink, "uid": a.st_uid,
@@ -140,15 +143,15 @@ async def test_the_front_looks_up_and_answers_attributes_as_the_adapter_does(
             assert a.st_blocks == os.lstat(path).st_blocks, path  # the source's allocation
             if entry:
                 parent, name = int(c.parent[entry]), c.name(entry)
-                assert lib.meta_lookup(parent, name) == entry
+                assert meta.lookup(parent, name) == entry
                 assert (await ops.lookup(parent + ROOT, name, CTX)).st_ino == entry + ROOT
                 for missing in (name + b"\x00x", name[:-1] + b"~", b"zz" + name):
                     if c.lookup(parent, missing) is None:
-                        assert lib.meta_lookup(parent, missing) is None, missing
+                        assert meta.lookup(parent, missing) is None, missing
                 if not c.is_dir[entry]:
-                    assert lib.meta_lookup(entry, b"a") == -1  # not a directory
-        assert lib.meta_attr(c.n_entries) is None
+                    assert meta.lookup(entry, b"a") == -1  # not a directory
+        assert meta.attr(c.n_entries) is None
         sparse = c.resolve(b"sparse")
-        assert sparse is not None and lib.meta_attr(sparse)["blocks"] < (8 << 20) // 512 // 100
+        assert sparse is not None and meta.attr(sparse)["blocks"] < (8 << 20) // 512 // 100
     finally:
         store.close()

@@ -106,11 +106,11 @@ class ScriptedKernel:
         raise AssertionError(f"no reply to request {unique} within {timeout} s")
 
 
-def forwarded(timeout: float = 5.0) -> bytes:
+def forwarded(fr: lib.Front, timeout: float = 5.0) -> bytes:
     """The next request the front handed to pyfuse3's side."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        got = lib.front_forwarded()
+        got = fr.forwarded()
         if got is not None:
             return bytes(got)
         time.sleep(0.005)
@@ -137,36 +137,35 @@ def front(
     writes: bool = False,
     c: cat.Catalog | None = None,
     image: Path | None = None,
-) -> Iterator[None]:
-    """The front's threads on `sock`: in writes mode (the output wing's), or answering from
+) -> Iterator[lib.Front]:
+    """A front's threads on `sock`: in writes mode (the output wing's), or answering from
     catalog `c` with partition 0 of `image` staged (the dataset wing's); stopped after."""
-    lib.front_pretend(pretend, page)
-    lib.front_writes(writes)
     rfd, wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     pack = -1
     try:
+        meta = None
         if c is not None and image is not None:
             mine = np.ones(c.n_partitions, dtype=np.uint8)
-            Front(lambda *a: None, lambda: -1, BLKSIZE, int(CACHE_TIMEOUT_S), mine,
-                  0).give_catalog(c)  # fmt: skip
+            meta = Front(lambda *a: None, lambda: -1, BLKSIZE, int(CACHE_TIMEOUT_S), mine,
+                         0).give_catalog(c)  # fmt: skip
             lib.pool_start(2, wfd)
             lib.pool_fast(c.size, c.part, c.data_off, c.stored_len, c.crc,
                           fast_kinds(c, False), c.n_partitions, 0, 64)  # fmt: skip
             pack = os.open(image / fmt.partition_name(0), os.O_RDONLY | os.O_CLOEXEC)
             lib.pool_fast_part(0, pack, -1)
             lib.pool_fast_enable(True)
-        lib.front_start(sock.fileno(), 2, 0)
+        fr = lib.Front(meta, writes=writes)
+        fr.pretend(pretend, page)
+        fr.start(sock.fileno(), 2, 0)
         try:
-            yield
+            yield fr
         finally:
-            lib.front_stop()
-            lib.front_close()
+            fr.stop()
+            fr.close()
     finally:
         if c is not None:
             lib.pool_fast_enable(False)
             lib.pool_stop()
-        lib.front_writes(False)
-        lib.front_pretend(0, 0)
         for fd in (rfd, wfd, pack):
             if fd >= 0:
                 os.close(fd)
@@ -186,10 +185,11 @@ def entry_of(c: cat.Catalog, path: bytes) -> int:
     return e
 
 
-def attr_bytes(entry: int) -> bytes:
-    """fuse_attr as the adapter answers it (lib.meta_attr, which test_fuse_ops checks
-    against the adapter's attributes)."""
-    a = lib.meta_attr(entry)
+def attr_bytes(meta: lib.Meta, entry: int) -> bytes:
+    """fuse_attr as the adapter answers it (Meta.attr, which test_fuse_ops checks against the
+    adapter's attributes)."""
+    a = meta.attr(entry)
+    assert a is not None
     return ATTR.pack(a["ino"], a["size"], a["blocks"], a["atime"], a["mtime"], a["ctime"],
                      a["mtimensec"], a["mtimensec"], a["mtimensec"], a["mode"], a["nlink"],
                      a["uid"], a["gid"], 0, a["blksize"], 0)  # fmt: skip
@@ -202,46 +202,48 @@ def test_every_kernel_family_gets_the_front(k: Kernel, image: tuple[Path, Path])
     src, img = image
     c, _ = cat.Catalog.load(img)
     kernel_end, daemon_end = pair()
-    with kernel_end, daemon_end, front(daemon_end, page=k.page, c=c, image=img):
+    with kernel_end, daemon_end, front(daemon_end, page=k.page, c=c, image=img) as fr:
+        assert fr.meta is not None
         kern = ScriptedKernel(kernel_end)
         init = k.init()
         unique = kern.send(INIT, 0, init)
-        got = forwarded()
+        got = forwarded(fr)
         assert got == IN_HEADER.pack(IN_HEADER.size + len(init), INIT, unique, 0, os.getuid(),
                                      os.getgid(), os.getpid(), 0) + init  # fmt: skip
-        said = lib.front_kernel()
+        said = fr.kernel()
         assert (said["major"], said["minor"], said["why"]) == (7, k.minor, ""), said
         assert said["bufsize"] == 256 * k.page + 4096  # libfuse's, for this page size
-        before = lib.front_stats()
+        before = fr.counters()
         d = entry_of(c, b"d")
         f = sorted((src / "d").iterdir())[2]
         e = entry_of(c, b"d/" + f.name.encode())
         error, body = kern.reply(kern.send(LOOKUP, d + 1, f.name.encode() + b"\0"))
         timeout = int(CACHE_TIMEOUT_S)
         assert error == 0
-        assert body == struct.pack("<QQQQII", e + 1, 0, timeout, timeout, 0, 0) + attr_bytes(e)
+        entry_out = struct.pack("<QQQQII", e + 1, 0, timeout, timeout, 0, 0)
+        assert body == entry_out + attr_bytes(fr.meta, e)
         error, body = kern.reply(kern.send(GETATTR, e + 1, struct.pack("<IIQ", 0, 0, 0)))
-        assert (error, body) == (0, struct.pack("<QII", timeout, 0, 0) + attr_bytes(e))
+        assert (error, body) == (0, struct.pack("<QII", timeout, 0, 0) + attr_bytes(fr.meta, e))
         size = f.stat().st_size
         read_in = struct.pack("<QQIIQII", 0, 0, size, 0, 0, os.O_RDONLY, 0)
         error, body = kern.reply(kern.send(READ, e + 1, read_in))
         assert (error, body) == (0, f.read_bytes())
         # Answered in C (by this thread, or by the pool's when the read its LOOKUP started was
         # still under way), none handed to pyfuse3.
-        assert lib.front_stats()["forwarded"] == before["forwarded"]
+        assert fr.counters()["forwarded"] == before["forwarded"]
 
 
 def test_a_kernel_older_than_7_12_is_left_to_libfuse(image: tuple[Path, Path]) -> None:
     _, img = image
     c, _ = cat.Catalog.load(img)
     kernel_end, daemon_end = pair()
-    with kernel_end, daemon_end, front(daemon_end, c=c, image=img):
+    with kernel_end, daemon_end, front(daemon_end, c=c, image=img) as fr:
         kern = ScriptedKernel(kernel_end)
         kern.send(INIT, 0, struct.pack("<IIII", 7, 8, 131072, 0))
-        forwarded()
-        assert lib.front_kernel()["why"] == "protocol"
+        forwarded(fr)
+        assert fr.kernel()["why"] == "protocol"
         sent = kern.send(LOOKUP, 1, b"d\0")
-        assert struct.unpack_from("<IIQ", forwarded())[2] == sent  # forwarded, not answered
+        assert struct.unpack_from("<IIQ", forwarded(fr))[2] == sent  # forwarded, not answered
 
 
 @pytest.mark.parametrize("minor", [13, 27, 34, 39])
@@ -252,14 +254,14 @@ def test_an_init_rewritten_to_an_older_protocol(image: tuple[Path, Path], minor:
     _, img = image
     c, _ = cat.Catalog.load(img)
     kernel_end, daemon_end = pair()
-    with kernel_end, daemon_end, front(daemon_end, pretend=minor, c=c, image=img):
+    with kernel_end, daemon_end, front(daemon_end, pretend=minor, c=c, image=img) as fr:
         kern = ScriptedKernel(kernel_end)
         unique = kern.send(INIT, 0, Kernel("new", 45, 4096).init())
         old = Kernel("old", minor, 4096).init()
         header = IN_HEADER.pack(IN_HEADER.size + len(old), INIT, unique, 0, os.getuid(),
                                 os.getgid(), os.getpid(), 0)  # fmt: skip
-        assert forwarded() == header + old
-        assert lib.front_kernel()["minor"] == minor
+        assert forwarded(fr) == header + old
+        assert fr.kernel()["minor"] == minor
         error, _ = kern.reply(kern.send(GETATTR, 1, struct.pack("<IIQ", 0, 0, 0)))
         assert error == 0
 
@@ -271,7 +273,7 @@ def test_the_output_front_takes_a_write_of_the_largest_max_write(page: int, tmp_
     A socket carries at most about 4 MiB in one message, so with 64 KiB pages the WRITE sent
     is 4 MiB of the 16 the kernel may send (4 times the buffer of 4 KiB pages)."""
     max_write = 256 * page
-    assert lib.front_bufsize() >= IN_HEADER.size + 40 + 256 * os.sysconf("SC_PAGESIZE")
+    assert lib.Front(writes=True).bufsize() >= IN_HEADER.size + 40 + 256 * os.sysconf("SC_PAGESIZE")
     kernel_end, daemon_end = pair()
     size = min(max_write, 4 << 20)
     need = 2 * (IN_HEADER.size + 40 + size)
@@ -283,15 +285,15 @@ def test_the_output_front_takes_a_write_of_the_largest_max_write(page: int, tmp_
     target = tmp_path / "out"
     payload = np.random.default_rng(page).bytes(size)
     with kernel_end, daemon_end, open(target, "wb") as out, front(daemon_end, page=page,
-                                                                  writes=True):  # fmt: skip
-        assert lib.front_kernel()["bufsize"] >= IN_HEADER.size + 40 + max_write
+                                                                  writes=True) as fr:  # fmt: skip
+        assert fr.kernel()["bufsize"] >= IN_HEADER.size + 40 + max_write
         kern = ScriptedKernel(kernel_end)
         kern.send(INIT, 0, Kernel("aarch64", 39, page).init())
-        forwarded()
+        forwarded(fr)
         write_in = struct.pack("<QQIIQII", out.fileno(), 0, size, 0, 0, os.O_WRONLY, 0)
         error, body = kern.reply(kern.send(WRITE, 2, write_in + payload))
         assert (error, body) == (0, struct.pack("<II", size, 0))
-        lib.front_settle()
+        fr.settle()
     assert target.read_bytes() == payload
 
 
@@ -314,16 +316,12 @@ def test_a_stop_ends_the_taking_at_once_under_a_backlog(tmp_path: Path) -> None:
         write_in = struct.pack("<QQIIQII", out.fileno(), 0, size, 0, 0, os.O_WRONLY, 0)
         for _ in range(n):
             kern.send(WRITE, 2, write_in + payload)
-        written = lib.front_written()
-        lib.front_writes(True)
-        try:
-            lib.front_start(daemon_end.fileno(), 1, 0)
-            deadline = time.monotonic() + 10
-            while lib.front_written() == written:  # taking: then the stop
-                assert time.monotonic() < deadline, "the front took nothing"
-            lib.front_stop()
-            lib.front_close()
-        finally:
-            lib.front_writes(False)
-        taken = (lib.front_written() - written) // size
+        fr = lib.Front(writes=True)
+        fr.start(daemon_end.fileno(), 1, 0)
+        deadline = time.monotonic() + 10
+        while fr.written() == 0:  # taking: then the stop
+            assert time.monotonic() < deadline, "the front took nothing"
+        fr.stop()
+        fr.close()
+        taken = fr.written() // size
     assert taken < n // 3, f"{taken} of {n} WRITEs taken after the stop began"

@@ -31,6 +31,7 @@ from fanfs.native import lib
 
 NAMES = [b"whoami", b"plain", b"hooked", b"broken", b"stats"]
 PLAIN = bytes(range(256)) * 1000
+FRONT: lib.Front | None = None  # with --receiver: the front (its counters are the stats file)
 
 
 class Tiny(pyfuse3.Operations):
@@ -75,11 +76,12 @@ class Tiny(pyfuse3.Operations):
                     0, len(self.data), self.crc, lib.KIND_RAW, len(self.data), 1)  # fmt: skip
         if name == b"broken":
             return (1, 2, 3)
-        stats = json.dumps(lib.front_stats()).encode()
+        stats = json.dumps(lib.front_stats(FRONT)).encode()
         return stats.ljust(4096)[off : off + size]
 
 
 def main() -> None:
+    global FRONT
     backing, mountpoint = sys.argv[1], sys.argv[2]
     ops = Tiny(backing)
     rfd, wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -90,21 +92,22 @@ def main() -> None:
     if receiver:  # a one-entry catalog and the fast path off: the front forwards everything
         one = {name: np.zeros(1, dtype=dtype.replace("=", "<")) for name, dtype in
                lib.META_COLUMNS.items()}  # fmt: skip
-        lib.meta_set(one, b"", np.zeros(1, dtype=np.uint8), os.getuid(), os.getgid(), 4096, 1)
-        ready = lib.front_start(pyfuse3.session_fileno(), 2, 0)  # type: ignore[attr-defined]
-        pyfuse3.set_receiver(lib.receiver(), ready)  # type: ignore[attr-defined]
+        meta = lib.Meta(one, b"", np.zeros(1, dtype=np.uint8), os.getuid(), os.getgid(), 4096, 1)
+        front = FRONT = lib.Front(meta)
+        ready = front.start(pyfuse3.session_fileno(), 2, 0)  # type: ignore[attr-defined]
+        pyfuse3.set_receiver(front.receiver(), ready)  # type: ignore[attr-defined]
     print("ready", flush=True)
     try:
         trio.run(pyfuse3.main)
     finally:
         if receiver:
             pyfuse3.set_receiver(None)  # type: ignore[attr-defined]
-            lib.front_stop()
+            front.stop()
         lib.pool_stop()
         pyfuse3.set_read_hook(None)  # type: ignore[attr-defined]
         pyfuse3.close(unmount=True)
         if receiver:
-            lib.front_close()
+            front.close()
         os.close(wfd)
         os.close(rfd)
 

@@ -24,7 +24,7 @@
 #include <stdint.h>
 #include <sys/uio.h>
 
-#define FANFS_NATIVE_API 10
+#define FANFS_NATIVE_API 11
 
 /* What a piece's stored bytes are (fanfs/node/pool.py names the same numbers). */
 enum {
@@ -274,7 +274,9 @@ int fanfs_run_job(const struct fanfs_dicts *dicts, const struct fanfs_job *job, 
  * outside the pieces, or a piece that holds none of the range). */
 int fanfs_job_check(const struct fanfs_job *job);
 
-/* -- front.c: threads that take requests from the FUSE device themselves ------------------ */
+/* -- the front: threads that take requests from the FUSE device themselves -----------------
+ * (front.c and the files front.h lists: wire.c, meta.c, answer.c, forward.c, follow.c,
+ * writes.c, cpu.c) */
 
 /* The catalog as the front reads it: columns as in the image (little-endian, maybe
  * unaligned), nlink and which partitions this node holds computed at load. Must outlive the
@@ -297,91 +299,99 @@ struct fanfs_meta {
     uint64_t timeout_s;  /* how long the kernel may keep entries and attributes */
 };
 
+/* The catalog's answers, from `m` (any thread: the catalog is immutable): the attributes the
+ * front answers for entry `e` (ino, size, blocks, mtime, mtimensec, mode, nlink, uid, gid,
+ * blksize, atime, ctime; -1: no such entry), and the entry named `name` in directory `parent`
+ * (-2: no such name; -1: not a directory). */
+int fanfs_meta_attr(const struct fanfs_meta *m, uint64_t e, uint64_t out[12]);
+int64_t fanfs_meta_lookup(const struct fanfs_meta *m, uint64_t parent, const char *name,
+                          size_t len);
+
+/* A front: the threads of one wing (fanfs mount's node wing, or fanfs output's), and all they
+ * share, in one object its wing owns: made by fanfs_front_new, handed to every call, freed by
+ * fanfs_front_free. The owner calls new, pretend, start, drain, stop, close and free, from one
+ * thread; the others any thread, at any time between new and free. */
+struct fanfs_front;
+/* A front answering from catalog `m` (copied; its columns must outlive the front), or, with
+ * `writes` (m may be NULL), the output wing's: it answers WRITE at once and queues its bytes
+ * for a pwrite to its file handle, which must be an fd of the daemon's below
+ * FANFS_FRONT_MAX_FD (others are forwarded), and forwards everything else once the queue is
+ * written (writes.c). NULL: no memory, or neither a catalog nor writes. */
+struct fanfs_front *fanfs_front_new(const struct fanfs_meta *m, int writes);
+/* Stop it if it runs, close its fds, free it (unbinding pyfuse3's receiver from it). */
+void fanfs_front_free(struct fanfs_front *f);
+
 /* The size the front reads requests with and hands pyfuse3 buffers of: libfuse's own, 256
  * pages of the machine's size and a header page. The kernel refuses (EINVAL) a read of the
  * device smaller than a WRITE of the negotiated max_write, which libfuse caps at 256 pages:
  * 16 MiB with 64 KiB pages (aarch64, GH200), 4 MiB with 16 KiB ones. Fixed while the front
  * runs. */
-size_t fanfs_front_bufsize(void);
+size_t fanfs_front_bufsize(const struct fanfs_front *f);
 /* What the kernel's INIT said, for `fanfs status` and the mount's log: out[0] major, out[1]
  * minor (both 0: no INIT yet), out[2] its flags (flags2 in the high half), out[3] why the front
  * does not answer (FANFS_FRONT_WHY_*), out[4] the buffer size. */
 enum { FANFS_FRONT_SERVES, FANFS_FRONT_WHY_PROTOCOL, FANFS_FRONT_WHY_BUFFER };
-void fanfs_front_kernel(uint64_t out[5]);
+void fanfs_front_kernel(const struct fanfs_front *f, uint64_t out[5]);
 /* For tests that play an older or other kernel, before fanfs_front_start (-EBUSY while it
  * runs): the page size the buffer is sized from (0: the machine's), and `minor` > 0 rewrites
  * the kernel's INIT to protocol 7.minor's layout and flags before anyone reads it, so that
  * libfuse negotiates as with such a kernel and the real kernel gets only what that protocol
  * offers (no max_pages before 7.28, ...), though it keeps its own protocol otherwise
  * (FANFS_PRETEND_PROTOCOL; tests/test_kernels.py). */
-int fanfs_front_pretend(int minor, long page);
+int fanfs_front_pretend(struct fanfs_front *f, int minor, long page);
 
-/* The catalog the front answers from (copied; -EBUSY while it runs). */
-int fanfs_meta_set(const struct fanfs_meta *m);
 /* Start `nthreads` front threads on the FUSE session's fd (non-blocking), whose leader polls
  * the device for `spin_us` after a request before it sleeps: the fd pyfuse3's receiver must
  * wait on (readable while forwarded requests wait), or -errno. */
-int fanfs_front_start(int fd, int nthreads, int spin_us);
-/* pyfuse3's receiver: the next forwarded request into `buf` (its size), -EAGAIN if none, 0
- * once the session has ended. */
+int fanfs_front_start(struct fanfs_front *f, int fd, int nthreads, int spin_us);
+/* pyfuse3's receiver: the next request the bound front forwarded into `buf` (its size),
+ * -EAGAIN if none, 0 once the session has ended (or no front is bound). pyfuse3's hook takes
+ * no argument of ours, and a process has one pyfuse3 session: fanfs_front_bind says which
+ * front it reads from (NULL: none), the one pointer the process keeps. */
 struct fuse_buf;
 int fanfs_front_receive(void *session, struct fuse_buf *buf);
+void fanfs_front_bind(struct fanfs_front *f);
 /* The receiver for a test that plays the kernel (no session): the next forwarded request
  * copied into `out` (`cap` >= fanfs_front_bufsize()), as fanfs_front_receive answers. */
-ssize_t fanfs_front_forwarded(void *out, size_t cap);
+ssize_t fanfs_front_forwarded(struct fanfs_front *f, void *out, size_t cap);
 /* pyfuse3's loop has ended: requests forwarded and not taken, and every one the threads
  * would forward from now on, are answered EIO (the threads go on answering the rest). Call it
  * before stopping the pool: its pusher may wait for a page that a READ in the kernel's queue
  * holds, and only the front can answer that READ then. */
-void fanfs_front_drain(void);
+void fanfs_front_drain(struct fanfs_front *f);
 /* Drain, stop and join the threads; then fanfs_front_close closes the receiver's fd. */
-void fanfs_front_stop(void);
-void fanfs_front_close(void);
+void fanfs_front_stop(struct fanfs_front *f);
+void fanfs_front_close(struct fanfs_front *f);
 /* Requests answered by the front, by kind, and forwarded; then how often the leader slept. */
 enum { FANFS_FRONT_LOOKUPS, FANFS_FRONT_GETATTRS, FANFS_FRONT_READS, FANFS_FRONT_OTHERS,
        FANFS_FRONT_FORWARDED, FANFS_FRONT_COUNTS, FANFS_FRONT_WAITS = FANFS_FRONT_COUNTS };
-void fanfs_front_counters(uint64_t out[FANFS_FRONT_COUNTS + 1]);
+void fanfs_front_counters(struct fanfs_front *f, uint64_t out[FANFS_FRONT_COUNTS + 1]);
 /* The front's last READs' times in microseconds (how many, up to FANFS_FRONT_SAMPLES; in no
  * order) and the longest since start. */
 #define FANFS_FRONT_SAMPLES 4096
-int fanfs_front_latencies(uint32_t out[FANFS_FRONT_SAMPLES], uint32_t *longest);
-/* The attributes the front answers for entry `e` (ino, size, blocks, mtime, mtimensec, mode,
- * nlink, uid, gid, blksize, atime, ctime), and its lookup (the entry; -2: no such name; -1:
- * not a directory), from the catalog given to fanfs_meta_set: for the tests. */
-int fanfs_meta_attr(uint64_t e, uint64_t out[12]);
-int64_t fanfs_meta_lookup(uint64_t parent, const char *name, size_t len);
+int fanfs_front_latencies(struct fanfs_front *f, uint32_t out[FANFS_FRONT_SAMPLES],
+                          uint32_t *longest);
 
 /* Planned epochs: while `efd` >= 0 (an eventfd; -1 stops it), the front records the entries
  * of the regular files it looks up and of those it READs from offset 0 (FANFS_FOLLOW_READ
  * set), and writes `efd` when the record stops being empty; fanfs_front_followed takes up to
  * `max` of them, oldest first, and says how many were lost to a full record since start. */
 #define FANFS_FOLLOW_READ (1ull << 63)
-void fanfs_front_follow(int efd);
-int fanfs_front_followed(uint64_t *out, int max, uint64_t *lost);
+void fanfs_front_follow(struct fanfs_front *f, int efd);
+int fanfs_front_followed(struct fanfs_front *f, uint64_t *out, int max, uint64_t *lost);
 
-/* Writes mode (`fanfs output`), set before fanfs_front_start (-EBUSY while running): the
- * front answers WRITE at once and queues its bytes for a pwrite to its file handle, which must
- * be an fd of the daemon's below FANFS_FRONT_MAX_FD (others are forwarded), and forwards
- * everything else once the queue is written (writes.c). A WRITE through fd starting below the
- * offset given to fanfs_front_hold (UINT64_MAX: every WRITE; 0: none, the default) is
- * forwarded too. fanfs_front_take_written: the lowest offset written through fd since the
- * last call (-1: not written); fanfs_front_take_error: the errno of a failed write through it
- * (0: none); both cleared by the call. fanfs_front_settle: wait until the queue is written
- * (any thread). Then the bytes written in all. */
+/* Writes mode: a WRITE through fd starting below the offset given to fanfs_front_hold
+ * (UINT64_MAX: every WRITE; 0: none, the default) is forwarded too.
+ * fanfs_front_take_written: the lowest offset written through fd since the last call (-1: not
+ * written); fanfs_front_take_error: the errno of a failed write through it (0: none); both
+ * cleared by the call. fanfs_front_settle: wait until the queue is written (any thread). Then
+ * the bytes written in all. */
 #define FANFS_FRONT_MAX_FD 65536
-int fanfs_front_writes(int on);
-int64_t fanfs_front_take_written(int fd);
-int fanfs_front_take_error(int fd);
-void fanfs_front_hold(int fd, uint64_t below);
-void fanfs_front_settle(void);
-uint64_t fanfs_front_written(void);
-/* writes.c, for front.c: start and stop (after writing what is queued) the writer thread;
- * wait until the queue is written; take a WRITE request in *bufp (0), swapping in a free
- * buffer, or -1 if it is not one to take. */
-int fanfs_writes_start(void);
-void fanfs_writes_stop(void);
-void fanfs_writes_settle(void);
-int fanfs_writes_take(int ffd, char **bufp, uint32_t n);
+int64_t fanfs_front_take_written(struct fanfs_front *f, int fd);
+int fanfs_front_take_error(struct fanfs_front *f, int fd);
+void fanfs_front_hold(struct fanfs_front *f, int fd, uint64_t below);
+void fanfs_front_settle(struct fanfs_front *f);
+uint64_t fanfs_front_written(struct fanfs_front *f);
 
 /* Whether threads waited for a CPU in more than a tenth of the last ~100 ms (the kernel's CPU
  * pressure, read at most every 100 ms): then a thread that polls instead of sleeping takes a

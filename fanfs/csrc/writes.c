@@ -31,60 +31,46 @@
  * with fanfs_front_take_error and keeps it on the file), as the kernel reports a page cache's
  * write-back errors. Nothing is dropped silently.
  *
- * Memory: WB_SLOTS buffers of fanfs_front_bufsize() besides the front's own: the front waits
+ * Memory: FANFS_WB_SLOTS buffers of fanfs_front_bufsize() besides the front's own: the front waits
  * for a free one when the disk is slower than the writer.
  *
- * Concurrency: one lock and one condition variable for the queue, the spare buffers and the
- * writer's state; per-fd marks and counters are atomics.
+ * Concurrency: one lock (a leaf) and one condition variable for the queue, the spare buffers
+ * and the writer's state; per-fd marks and counters are atomics (struct fanfs_writes in
+ * front.h says which field is which). The state is the output wing's front's (one per front).
  */
 #define _GNU_SOURCE
 #include <errno.h>
-#include <stdint.h>
 #include <linux/fuse.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/uio.h>
-#include <time.h>
 #include <unistd.h>
 
-#include "fanfs_native.h"
+#include "front.h"
 
-#define WB_SLOTS 8
+void fanfs_writes_init(struct fanfs_writes *wb) {
+    memset(wb, 0, sizeof *wb);
+    pthread_mutex_init(&wb->lock, NULL);
+    pthread_cond_init(&wb->cond, NULL);
+}
 
-struct job {
-    char *buf;
-    const char *data;
-    int fd;
-    uint64_t off;
-    uint32_t len;
-};
+void fanfs_writes_destroy(struct fanfs_writes *wb) {
+    pthread_cond_destroy(&wb->cond);
+    pthread_mutex_destroy(&wb->lock);
+}
 
-static struct {
-    pthread_t thread;
-    int running, stop, busy; /* busy: the writer holds a job */
-    pthread_mutex_t lock;
-    pthread_cond_t cond; /* a job queued, a job done, a buffer free */
-    char *spare[WB_SLOTS];
-    int nspare;
-    struct job q[WB_SLOTS];
-    int head, count;
-    uint64_t low1[FANFS_FRONT_MAX_FD]; /* 1 + the lowest offset written since
-                                          fanfs_front_take_written; 0: not written */
-    uint64_t hold[FANFS_FRONT_MAX_FD]; /* WRITEs starting below this offset are forwarded */
-    uint8_t err[FANFS_FRONT_MAX_FD];   /* the first failed pwrite's errno, until taken */
-    uint64_t written;
-} wb = {.lock = PTHREAD_MUTEX_INITIALIZER, .cond = PTHREAD_COND_INITIALIZER};
-
-static void lowest(int fd, uint64_t off) {
-    uint64_t was = __atomic_load_n(&wb.low1[fd], __ATOMIC_ACQUIRE), now = off + 1;
+static void lowest(struct fanfs_writes *wb, int fd, uint64_t off) {
+    uint64_t was = __atomic_load_n(&wb->low1[fd], __ATOMIC_ACQUIRE), now = off + 1;
     while ((was == 0 || now < was) &&
-           !__atomic_compare_exchange_n(&wb.low1[fd], &was, now, 0, __ATOMIC_ACQ_REL,
+           !__atomic_compare_exchange_n(&wb->low1[fd], &was, now, 0, __ATOMIC_ACQ_REL,
                                         __ATOMIC_ACQUIRE))
         ;
 }
 
-static void put(const struct job *j) {
+static void put(struct fanfs_writes *wb, const struct fanfs_wb_job *j) {
     size_t done = 0;
     while (done < j->len) {
         ssize_t k = pwrite(j->fd, j->data + done, j->len - done, (off_t)(j->off + done));
@@ -93,95 +79,93 @@ static void put(const struct job *j) {
         if (k <= 0) {
             uint8_t none = 0;
             uint8_t e = (uint8_t)(k < 0 && errno > 0 && errno < 256 ? errno : EIO);
-            __atomic_compare_exchange_n(&wb.err[j->fd], &none, e, 0, __ATOMIC_ACQ_REL,
+            __atomic_compare_exchange_n(&wb->err[j->fd], &none, e, 0, __ATOMIC_ACQ_REL,
                                         __ATOMIC_ACQUIRE);
             break;
         }
         done += (size_t)k;
     }
-    lowest(j->fd, j->off);
-    __atomic_add_fetch(&wb.written, done, __ATOMIC_RELAXED);
+    lowest(wb, j->fd, j->off);
+    __atomic_add_fetch(&wb->written, done, __ATOMIC_RELAXED);
 }
 
 static void *writer_main(void *arg) {
-    (void)arg;
-    pthread_mutex_lock(&wb.lock);
+    struct fanfs_writes *wb = arg;
+    pthread_mutex_lock(&wb->lock);
     for (;;) {
-        struct job j;
-        while (wb.count == 0 && !wb.stop)
-            pthread_cond_wait(&wb.cond, &wb.lock);
-        if (wb.count == 0)
+        struct fanfs_wb_job j;
+        while (wb->count == 0 && !wb->stop)
+            pthread_cond_wait(&wb->cond, &wb->lock);
+        if (wb->count == 0)
             break; /* stopping, and everything queued is written */
-        j = wb.q[wb.head];
-        wb.head = (wb.head + 1) % WB_SLOTS;
-        wb.count--;
-        wb.busy = 1;
-        pthread_mutex_unlock(&wb.lock);
-        put(&j);
-        pthread_mutex_lock(&wb.lock);
-        wb.spare[wb.nspare++] = j.buf;
-        wb.busy = 0;
-        pthread_cond_broadcast(&wb.cond);
+        j = wb->q[wb->head];
+        wb->head = (wb->head + 1) % FANFS_WB_SLOTS;
+        wb->count--;
+        wb->busy = 1;
+        pthread_mutex_unlock(&wb->lock);
+        put(wb, &j);
+        pthread_mutex_lock(&wb->lock);
+        wb->spare[wb->nspare++] = j.buf;
+        wb->busy = 0;
+        pthread_cond_broadcast(&wb->cond);
     }
-    pthread_mutex_unlock(&wb.lock);
+    pthread_mutex_unlock(&wb->lock);
     return NULL;
 }
 
-int fanfs_writes_start(void) {
+int fanfs_writes_start(struct fanfs_writes *wb, size_t bufsize) {
     sigset_t all, old;
     int i;
-    if (wb.running)
+    if (wb->running)
         return -EBUSY;
-    wb.stop = wb.busy = wb.head = wb.count = wb.nspare = 0;
-    for (i = 0; i < WB_SLOTS; i++) {
-        if ((wb.spare[i] = malloc(fanfs_front_bufsize())) == NULL) {
+    wb->stop = wb->busy = wb->head = wb->count = wb->nspare = 0;
+    for (i = 0; i < FANFS_WB_SLOTS; i++) {
+        if ((wb->spare[i] = malloc(bufsize)) == NULL) {
             while (i-- > 0)
-                free(wb.spare[i]);
+                free(wb->spare[i]);
             return -ENOMEM;
         }
     }
-    wb.nspare = WB_SLOTS;
+    wb->nspare = FANFS_WB_SLOTS;
     sigfillset(&all); /* signals stay with the interpreter's thread */
     pthread_sigmask(SIG_BLOCK, &all, &old);
-    i = pthread_create(&wb.thread, NULL, writer_main, NULL);
+    i = pthread_create(&wb->thread, NULL, writer_main, wb);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     if (i != 0) {
-        for (i = 0; i < WB_SLOTS; i++)
-            free(wb.spare[i]);
-        wb.nspare = 0;
+        for (i = 0; i < FANFS_WB_SLOTS; i++)
+            free(wb->spare[i]);
+        wb->nspare = 0;
         return -i;
     }
-    wb.running = 1;
+    wb->running = 1;
     return 0;
 }
 
-void fanfs_writes_stop(void) {
+void fanfs_writes_stop(struct fanfs_writes *wb) {
     int i;
-    if (!wb.running)
+    if (!wb->running)
         return;
-    pthread_mutex_lock(&wb.lock);
-    wb.stop = 1;
-    pthread_cond_broadcast(&wb.cond);
-    pthread_mutex_unlock(&wb.lock);
-    pthread_join(wb.thread, NULL); /* after it wrote everything queued */
-    for (i = 0; i < wb.nspare; i++)
-        free(wb.spare[i]);
-    wb.nspare = 0;
-    wb.running = 0;
+    pthread_mutex_lock(&wb->lock);
+    wb->stop = 1;
+    pthread_cond_broadcast(&wb->cond);
+    pthread_mutex_unlock(&wb->lock);
+    pthread_join(wb->thread, NULL); /* after it wrote everything queued */
+    for (i = 0; i < wb->nspare; i++)
+        free(wb->spare[i]);
+    wb->nspare = 0;
+    wb->running = 0;
 }
 
-void fanfs_writes_settle(void) {
-    if (!wb.running)
+void fanfs_writes_settle(struct fanfs_writes *wb) {
+    if (!wb->running)
         return;
-    pthread_mutex_lock(&wb.lock);
-    while (wb.count > 0 || wb.busy)
-        pthread_cond_wait(&wb.cond, &wb.lock);
-    pthread_mutex_unlock(&wb.lock);
+    pthread_mutex_lock(&wb->lock);
+    while (wb->count > 0 || wb->busy)
+        pthread_cond_wait(&wb->cond, &wb->lock);
+    pthread_mutex_unlock(&wb->lock);
 }
 
-void fanfs_front_settle(void) { fanfs_writes_settle(); }
-
-int fanfs_writes_take(int ffd, char **bufp, uint32_t n) {
+int fanfs_writes_take(struct fanfs_writes *wb, int ffd, char **bufp, uint32_t n) {
     char *msg = *bufp, *fresh;
     const struct fuse_in_header *in = (const void *)msg;
     const struct fuse_write_in *w = (const void *)(msg + sizeof *in);
@@ -190,55 +174,58 @@ int fanfs_writes_take(int ffd, char **bufp, uint32_t n) {
     uint64_t unique;
     uint8_t e;
     int slot;
-    if (!wb.running || n < sizeof *in + sizeof *w || w->size > n - sizeof *in - sizeof *w ||
+    if (!wb->running || n < sizeof *in + sizeof *w || w->size > n - sizeof *in - sizeof *w ||
         w->fh >= FANFS_FRONT_MAX_FD ||
-        w->offset < __atomic_load_n(&wb.hold[w->fh], __ATOMIC_ACQUIRE))
+        w->offset < __atomic_load_n(&wb->hold[w->fh], __ATOMIC_ACQUIRE))
         return -1; /* not one we take: pyfuse3 answers it */
-    e = __atomic_load_n(&wb.err[w->fh], __ATOMIC_ACQUIRE); /* left for the close to take */
+    e = __atomic_load_n(&wb->err[w->fh], __ATOMIC_ACQUIRE); /* left for the close to take */
     if (e != 0) {
-        fanfs_writes_settle();
+        fanfs_writes_settle(wb);
         fanfs_raw_reply(ffd, in->unique, e, NULL, 0);
         return 0;
     }
     unique = in->unique; /* `msg` is the writer thread's once queued */
     out.size = w->size;
-    pthread_mutex_lock(&wb.lock);
-    while (wb.nspare == 0)
-        pthread_cond_wait(&wb.cond, &wb.lock);
-    if (w->offset < __atomic_load_n(&wb.hold[w->fh], __ATOMIC_ACQUIRE)) {
+    pthread_mutex_lock(&wb->lock);
+    while (wb->nspare == 0)
+        pthread_cond_wait(&wb->cond, &wb->lock);
+    if (w->offset < __atomic_load_n(&wb->hold[w->fh], __ATOMIC_ACQUIRE)) {
         /* Held since the look above: the daemon set a hold, then settles under this lock,
          * so a WRITE it did not see queued must now go to it. */
-        pthread_mutex_unlock(&wb.lock);
+        pthread_mutex_unlock(&wb->lock);
         return -1;
     }
-    fresh = wb.spare[--wb.nspare];
-    slot = (wb.head + wb.count) % WB_SLOTS;
-    wb.q[slot] = (struct job){msg, msg + sizeof *in + sizeof *w, (int)w->fh, w->offset, w->size};
-    wb.count++;
-    pthread_cond_broadcast(&wb.cond);
-    pthread_mutex_unlock(&wb.lock);
+    fresh = wb->spare[--wb->nspare];
+    slot = (wb->head + wb->count) % FANFS_WB_SLOTS;
+    wb->q[slot] =
+        (struct fanfs_wb_job){msg, msg + sizeof *in + sizeof *w, (int)w->fh, w->offset, w->size};
+    wb->count++;
+    pthread_cond_broadcast(&wb->cond);
+    pthread_mutex_unlock(&wb->lock);
     fanfs_raw_reply(ffd, unique, 0, &iov, 1);
     *bufp = fresh;
     return 0;
 }
 
-int64_t fanfs_front_take_written(int fd) {
+int64_t fanfs_writes_take_written(struct fanfs_writes *wb, int fd) {
     uint64_t low1;
     if (fd < 0 || fd >= FANFS_FRONT_MAX_FD)
         return -1;
-    low1 = __atomic_exchange_n(&wb.low1[fd], 0, __ATOMIC_ACQ_REL);
+    low1 = __atomic_exchange_n(&wb->low1[fd], 0, __ATOMIC_ACQ_REL);
     return low1 == 0 || low1 - 1 > (uint64_t)INT64_MAX ? -1 : (int64_t)(low1 - 1);
 }
 
-void fanfs_front_hold(int fd, uint64_t below) {
+void fanfs_writes_hold(struct fanfs_writes *wb, int fd, uint64_t below) {
     if (fd >= 0 && fd < FANFS_FRONT_MAX_FD)
-        __atomic_store_n(&wb.hold[fd], below, __ATOMIC_RELEASE);
+        __atomic_store_n(&wb->hold[fd], below, __ATOMIC_RELEASE);
 }
 
-int fanfs_front_take_error(int fd) {
+int fanfs_writes_take_error(struct fanfs_writes *wb, int fd) {
     if (fd < 0 || fd >= FANFS_FRONT_MAX_FD)
         return 0;
-    return __atomic_exchange_n(&wb.err[fd], 0, __ATOMIC_ACQ_REL);
+    return __atomic_exchange_n(&wb->err[fd], 0, __ATOMIC_ACQ_REL);
 }
 
-uint64_t fanfs_front_written(void) { return __atomic_load_n(&wb.written, __ATOMIC_RELAXED); }
+uint64_t fanfs_writes_written(const struct fanfs_writes *wb) {
+    return __atomic_load_n(&wb->written, __ATOMIC_RELAXED);
+}

@@ -65,6 +65,7 @@ THREADS = max(4, min(32, os.cpu_count() or 4))
 # pushes them into the kernel's page cache).
 PARTS_LIMIT = 4 << 20
 FOLLOWED_AT_ONCE = 4096  # files the front recorded, taken per turn of the event loop
+NO_LATENCIES = (np.zeros(0), 0.0)  # a front that never started: no READ times
 # The pool's failure record (native byte order): entry, errno, padding.
 ERROR_RECORD = struct.Struct("=qii")
 # The errnos of a record that make a file bad: its stored bytes fail their CRC-32, or do not
@@ -93,15 +94,16 @@ class Front:
         self.rank = rank
         self.running = False
         self.off = ""  # why it could not start
+        self.native: lib.Front | None = None  # the C front, once made (start)
 
-    def give_catalog(self, c: cat.Catalog) -> None:
-        """Hand the C the catalog it answers from (also without threads: the unit tests)."""
+    def give_catalog(self, c: cat.Catalog) -> lib.Meta:
+        """The catalog as the C reads it (also without threads: the unit tests)."""
         columns = {"mode": c.mode, "mtime_ns": c.mtime_ns, "size": c.size, "blocks": c.blocks,
                    "name_off": c.name_off, "name_len": c.name_len, "child_start": c.child_start,
                    "child_count": c.child_count, "part": c.part, "nlink": c.nlink}  # fmt: skip
         arrays = {k: np.ascontiguousarray(v) for k, v in columns.items()}
-        lib.meta_set(arrays, c.strings, self.mine, os.getuid(), os.getgid(), self.blksize,
-                     self.timeout_s)  # fmt: skip
+        return lib.Meta(arrays, c.strings, self.mine, os.getuid(), os.getgid(), self.blksize,
+                        self.timeout_s)  # fmt: skip
 
     def give_holders(self) -> None:
         """Tell the pool who holds each partition (after its fast table, before it is on)."""
@@ -112,15 +114,15 @@ class Front:
         """Start the front's threads on the session's fd and hand pyfuse3 its receiver; False
         (and a warning) if they cannot start: pyfuse3 reads the device itself."""
         try:
-            self.give_catalog(catalog)
-            lib.front_pretend(native.pretend_protocol())
-            ready = lib.front_start(self.session_fd(), THREADS, self.spin_us)
+            self.native = lib.Front(self.give_catalog(catalog))
+            self.native.pretend(native.pretend_protocol())
+            ready = self.native.start(self.session_fd(), THREADS, self.spin_us)
         except (OSError, ValueError) as e:
             log.warning("front threads unavailable, requests go through the event loop: %s", e)
             self.off = f"its threads could not start ({e})"
             return False
-        stack.callback(lib.front_close)  # after trio is done with the receiver's fd
-        self.install(lib.receiver(), ready)
+        stack.callback(self.native.close)  # after trio is done with the receiver's fd
+        self.install(self.native.receiver(), ready)
         self.running = True
         return True
 
@@ -128,19 +130,23 @@ class Front:
         """pyfuse3's loop has ended: requests the threads would hand it are answered EIO,
         the others as before (the pool's pusher may wait for a READ only they can answer)."""
         if self.running:
-            lib.front_drain()
+            assert self.native is not None
+            self.native.drain()
 
     def stop(self) -> None:
         """pyfuse3 reads the device again; the threads stop."""
         if self.running:
             self.running = False
             self.install(None, -1)
-            lib.front_stop()
+            assert self.native is not None
+            self.native.stop()
 
     def statistics(self) -> FrontStatus:
-        protocol, why = native.front_kernel()
-        return FrontStatus(running=self.running, **lib.front_stats(), **lib.remote_stats(),
-                           read_ms=percentiles_ms(*lib.front_latencies()), protocol=protocol,
+        protocol, why = native.front_kernel(self.native)
+        latencies = self.native.latencies() if self.native is not None else NO_LATENCIES
+        return FrontStatus(running=self.running, **lib.front_stats(self.native),
+                           **lib.remote_stats(), read_ms=percentiles_ms(*latencies),
+                           protocol=protocol,
                            off=self.off or why)  # fmt: skip
 
 
@@ -228,12 +234,17 @@ class NativePool:
             self._fast_parts.add(part)
             lib.pool_fast_part(part, fd, dfd)
 
+    def _front(self) -> lib.Front:
+        """The front's C side: it runs whenever the fast path is on."""
+        assert self.front is not None and self.front.native is not None
+        return self.front.native
+
     def planned(self) -> None:
         """A planned epoch began: the front records the files it looks up and reads from
         their start (it answers them with no Python), for the plan to follow the job
         (`followed`), from now on."""
         if self.fast and not self._following.is_set():
-            lib.front_follow(self._follow_fd)
+            self._front().follow(self._follow_fd)
             self._following.set()
             log.info("planned epoch: the front tells the planner which files the job opens")
 
@@ -242,7 +253,7 @@ class NativePool:
         READ, else a LOOKUP); waits for some (for ever without a planned epoch)."""
         await self._following.wait()
         while True:
-            entries, reads, _ = lib.front_followed(FOLLOWED_AT_ONCE)
+            entries, reads, _ = self._front().followed(FOLLOWED_AT_ONCE)
             if len(entries):
                 return entries, reads
             await trio.lowlevel.wait_readable(self._follow_fd)
@@ -251,7 +262,8 @@ class NativePool:
 
     def followed_lost(self) -> int:
         """Files the front could not record for the plan (its record was full)."""
-        return int(lib.front_followed(0)[2])
+        front = self.front.native if self.front is not None else None
+        return int(front.followed(0)[2]) if front is not None else 0
 
     def held(self, entry: int, held: bool) -> None:
         """A planned epoch holds bytes of `entry` for its READ (its READs must reach the
@@ -303,7 +315,7 @@ class NativePool:
             if self.front is not None:
                 self.front.stop()
             if self._follow_fd >= 0:  # (no thread writes it any more, `followed` has ended)
-                lib.front_follow(-1)
+                self._front().follow(-1)
                 os.close(self._follow_fd)
                 self._follow_fd = -1
             os.close(self._wfd)

@@ -127,6 +127,7 @@ class OutputDaemon:
         self.replicas: Any = None  # replicas.Replicas under MPI with --replicas 2
         self._mounted = False
         self._front = False  # the front's threads answer WRITEs
+        self._native_front: lib.Front | None = None  # the front, this wing's own once made
         self._hurry = trio.Event()  # a second signal: stop waiting
         self._signalled = False  # a first signal was handled
         self._deadline = 0.0
@@ -140,7 +141,7 @@ class OutputDaemon:
             "dest": str(self.dest), "serving": self.phase == "serving", "phase": self.phase,
             "staging": str(self.staging.path) if self.staging else "",
             "uptime_s": round(time.time() - self.started, 1), "files": self.tree.files,
-            "written_bytes": self.view.bytes_written + _front_written(),
+            "written_bytes": self.view.bytes_written + _front_written(self._native_front),
             "front": self._front_status(),
             **self.view.statistics(),
             "landing": self.lander.statistics(),
@@ -151,13 +152,13 @@ class OutputDaemon:
 
     def _front_status(self) -> dict[str, Any]:
         """Whether the front answers WRITEs in C, the kernel's FUSE protocol, and why not."""
-        protocol, why = native.front_kernel()
+        protocol, why = native.front_kernel(self._native_front)
         if fuse_ops.RECEIVER is None:
             why = "pyfuse3 is not fanfs's patched build (run `make setup`)"
         elif not self._front and not why:
             why = "its threads could not start"
         return {"running": self._front, "protocol": protocol, "off": why,
-                "written": _front_written()}  # fmt: skip
+                "written": _front_written(self._native_front)}  # fmt: skip
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if not self.stop_signal:
@@ -266,7 +267,7 @@ class OutputDaemon:
                                           on_landed=self._landed, on_dropped=self._dropped,
                                           on_skipped=self._skipped)  # fmt: skip
             self.view = view = View(
-                tree, journal, lander, dest, front=False,
+                tree, journal, lander, dest, front=None,
                 replicate=self.replicas.replicate if self.replicas is not None else None,
             )  # fmt: skip
             if cfg.mountpoint is None:
@@ -281,8 +282,9 @@ class OutputDaemon:
             except RuntimeError as e:
                 error = MountFailed(f"{self.mountpoint}: cannot mount: {e}")
             self._agree(error)
-            self._front = _start_front(stack)
-            view.front = self._front
+            self._native_front = _start_front(stack)
+            self._front = self._native_front is not None
+            view.front = self._native_front
             log.info("output %s: files land at %s, local %s", self.mountpoint, self.dest,
                      staging.path)  # fmt: skip
             trio.run(self._serve)
@@ -375,7 +377,8 @@ class OutputDaemon:
             self._mounted = False
             if self._front:
                 self._front = False
-                _stop_front()
+                assert self._native_front is not None
+                _stop_front(self._native_front)
             fuse_ops.unmount()
 
     async def _after_init(self) -> None:
@@ -548,31 +551,31 @@ def _umask() -> int:
 FRONT_THREADS = 1
 
 
-def _start_front(stack: contextlib.ExitStack) -> bool:
-    """Let the front's C threads answer WRITEs (after the mount); False (and a warning) if
-    they cannot: pyfuse3 then reads every request itself."""
+def _start_front(stack: contextlib.ExitStack) -> lib.Front | None:
+    """This wing's front, its C threads answering WRITEs (after the mount); None (and a
+    warning) if they cannot start: pyfuse3 then reads every request itself."""
     if fuse_ops.RECEIVER is None:
-        return False
+        return None
     install, session_fd = fuse_ops.RECEIVER
+    front = lib.Front(writes=True)
     try:
-        lib.front_writes(True)
-        lib.front_pretend(native.pretend_protocol())
-        ready = lib.front_start(session_fd(), FRONT_THREADS, 0)
+        front.pretend(native.pretend_protocol())
+        ready = front.start(session_fd(), FRONT_THREADS, 0)
     except OSError as e:
         log.warning("front threads unavailable, writes go through the event loop: %s", e)
-        return False
-    stack.callback(lib.front_close)  # after trio is done with the receiver's fd
-    install(lib.receiver(), ready)
-    return True
+        return None
+    stack.callback(front.close)  # after trio is done with the receiver's fd
+    install(front.receiver(), ready)
+    return front
 
 
-def _stop_front() -> None:
+def _stop_front(front: lib.Front) -> None:
     """Before the unmount: pyfuse3 reads the device again, the threads stop."""
     assert fuse_ops.RECEIVER is not None
     fuse_ops.RECEIVER[0](None, -1)
-    lib.front_stop()
+    front.stop()
 
 
-def _front_written() -> int:
+def _front_written(front: lib.Front | None) -> int:
     """Bytes the front wrote."""
-    return int(lib.front_written())
+    return int(front.written()) if front is not None else 0

@@ -19,7 +19,7 @@ Landing (what a put is, when one is taken):
   reaches DEST while it is written, and no checkpoint being rewritten replaces the last good
   one before it is closed.
 A put snapshots the file (`Node.snapshot`): its first `size` bytes are held (tree.py); a
-write below that, through any handle, comes here instead of going behind (`lib.front_hold`),
+write below that, through any handle, comes here instead of going behind (`Front.hold`),
 and the file moves to a copy first. Appends need no copy.
 
 Room on the node: a file that is closed, unchanged and landed may leave the node's disk
@@ -54,7 +54,7 @@ from fanfs.output.tree import ROOT, Node, Tree, TreeError
 
 log = logging.getLogger(__name__)
 
-EVERY_WRITE = (1 << 64) - 1  # lib.front_hold: every WRITE comes here
+EVERY_WRITE = (1 << 64) - 1  # Front.hold: every WRITE comes here
 RESERVE_FRACTION, RESERVE_MAX = 0.2, 32 << 30  # free space kept on the node: 20 %, 32 GiB at most
 READ_BACK_WAIT_S = 10.0  # a file read back waits this long for the renames before it to land
 
@@ -73,13 +73,13 @@ class Handle:
 
 class View:
     def __init__(self, tree: Tree, journal: Journal, lander: Lander, dest: Dest, *,
-                 front: bool, reserve_fraction: float = RESERVE_FRACTION,
+                 front: lib.Front | None, reserve_fraction: float = RESERVE_FRACTION,
                  replicate: Callable[[int], Awaitable[None]] | None = None):  # fmt: skip
         self.tree = tree
         self.journal = journal
         self.lander = lander
         self.dest = dest
-        self.front = front  # the front's C threads write WRITEs behind (else all come here)
+        self.front = front  # its C threads write WRITEs behind (None: all come here)
         self.reserve_fraction = reserve_fraction
         self.replicate = replicate  # replicas.py: return once the partner holds put `seq`
         self.handles: dict[int, Handle] = {}
@@ -119,15 +119,17 @@ class View:
         if self.front:
             below = self.tree.held_below(n.data) if n.data else 0
             for fh in self._writers(n):
-                lib.front_hold(fh, below)
+                self.front.hold(fh, below)
 
     def _freeze(self, n: Node) -> None:
         """Every WRITE of `n` comes here from now on, and those answered are in the file."""
-        writers = self._writers(n) if self.front else []
+        if not self.front:
+            return
+        writers = self._writers(n)
         for fh in writers:
-            lib.front_hold(fh, EVERY_WRITE)
+            self.front.hold(fh, EVERY_WRITE)
         if writers:
-            lib.front_settle()
+            self.front.settle()
 
     def collect(self, fh: int) -> Node | None:
         """The node behind handle `fh`, with what the front did through it since last asked:
@@ -136,10 +138,10 @@ class View:
         n = self.tree.nodes.get(h.node) if h is not None else None
         if not self.front or n is None:
             return n
-        low = lib.front_take_written(fh)
+        low = self.front.take_written(fh)
         if low is not None:
             n.changed(low, wrote=True)
-        err = lib.front_take_error(fh)
+        err = self.front.take_error(fh)
         if err:
             log.warning("a write to %s failed: %s; it is not landed until it is written "
                         "again from the start", self._name(n), os.strerror(err))  # fmt: skip
@@ -195,7 +197,7 @@ class View:
             if not any(self.handles[f].write for f in self.fhs(n) if f != fh):
                 self.journal.note({"writing": n.ino})  # recover.py: kept if it dies now
             if self.front:
-                lib.front_hold(fh, self.tree.held_below(n.data))
+                self.front.hold(fh, self.tree.held_below(n.data))
             self.room()
         return fh
 
@@ -248,7 +250,7 @@ class View:
         if size == 0 and n.failed:  # nothing left of a failed write: its marks go too
             for fh in self.fhs(n):
                 if self.front:
-                    lib.front_take_error(fh)
+                    self.front.take_error(fh)
             n.poison(0)
             self.poisoned.discard(n.ino)
 
@@ -451,7 +453,7 @@ class View:
         n = self.collect(fh)
         h = self.handles.pop(fh, None)
         if self.front:
-            lib.front_hold(fh, 0)  # the fd number's next user starts with no hold
+            self.front.hold(fh, 0)  # the fd number's next user starts with no hold
         os.close(fh)
         if n is None:
             return

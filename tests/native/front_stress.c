@@ -14,7 +14,8 @@
  * not found, forwarded), GETATTR, READ (whole files and ranges, past the end, of a file left
  * to Python), IOCTL, FORGET, BATCH_FORGET, INTERRUPT, and what the front forwards (READDIR,
  * an opcode it does not know). Then the daemon's stop (fanfs_front_drain, fanfs_pool_stop,
- * fanfs_front_stop, fanfs_front_close, as fanfs/node/pool.py orders it) while requests are
+ * fanfs_front_stop, fanfs_front_close, as fanfs/node/pool.py orders it; each session's front
+ * is its own, made with the catalog and freed after) while requests are
  * still being sent, FRONT_ROUNDS times, each stopped later. Every request gets exactly one
  * reply, its own, with the right bytes (a forwarded one: libfuse's, or EIO once the drain
  * began), or none if it has none or was never read (left in the socket after the stop). Then
@@ -22,8 +23,8 @@
  * its reads return 0, where /dev/fuse's give ENODEV after an unmount): the threads end the
  * session by themselves and libfuse's receiver sees the end; no request gets two replies.
  *
- * writes: the output front (fanfs_front_writes) under WRITEs of up to 256 KiB at any offset
- * into temporary files, some through fds held below an offset (fanfs_front_hold: forwarded,
+ * writes: the output wing's front (fanfs_front_new(NULL, 1)) under WRITEs of up to 256 KiB at
+ * any offset into temporary files, some through fds held below an offset (fanfs_front_hold: forwarded,
  * and written by the libfuse thread), some through a handle no fd can be (forwarded), with
  * GETATTR, FLUSH and FORGET between them. Every WRITE is answered with its size; after
  * fanfs_front_settle each file holds what the WRITEs, in their order, make of it, and the
@@ -112,6 +113,8 @@ static struct {
     int halt;      /* senders stop */
     int draining;  /* the drain began: EIO is an answer */
     uint64_t unread; /* requests never read, in all sessions */
+    struct fanfs_front *front; /* this session's (the wing's own), made by its start */
+    uint64_t counts[FANFS_FRONT_COUNTS + 1]; /* the front sessions' counters, summed */
 } kern = {.lock = PTHREAD_MUTEX_INITIALIZER, .cond = PTHREAD_COND_INITIALIZER};
 
 static int failures;
@@ -221,7 +224,7 @@ static int pool_up(int part_fd, int dfd, int errwfd) {
     struct fanfs_fast_table t = {kern.n, (const char *)cat.size, (const char *)cat.part,
                                  (const char *)cat.off, (const char *)cat.stored,
                                  (const char *)cat.crc, cat.kind, 1, 0, 1u << 20};
-    if (fanfs_meta_set(&m) != 0 || fanfs_pool_start(4, errwfd) != 0 ||
+    if ((kern.front = fanfs_front_new(&m, 0)) == NULL || fanfs_pool_start(4, errwfd) != 0 ||
         fanfs_pool_fast_set(&t) != 0)
         return -1;
     fanfs_pool_fast_part(0, part_fd, dfd);
@@ -483,11 +486,11 @@ struct libfuse {
 
 static void *libfuse_main(void *arg) {
     struct libfuse *l = arg;
-    size_t cap = fanfs_front_bufsize();
+    size_t cap = fanfs_front_bufsize(kern.front);
     char *buf = malloc(cap);
     int k = 0;
     for (;;) {
-        ssize_t n = fanfs_front_forwarded(buf, cap);
+        ssize_t n = fanfs_front_forwarded(kern.front, buf, cap);
         if (n == -EAGAIN) {
             struct pollfd p = {l->readyfd, POLLIN, 0};
             poll(&p, 1, 100);
@@ -533,7 +536,7 @@ static int session_open(void) {
 static ssize_t next_forwarded(char *buf, size_t cap) {
     int64_t until = now_ms() + TIMEOUT_S * 1000;
     ssize_t n;
-    while ((n = fanfs_front_forwarded(buf, cap)) == -EAGAIN && now_ms() < until)
+    while ((n = fanfs_front_forwarded(kern.front, buf, cap)) == -EAGAIN && now_ms() < until)
         usleep(1000);
     return n;
 }
@@ -545,7 +548,7 @@ static int session_init(void) {
         uint32_t major, minor, max_readahead, flags;
     } init = {7, 27, 128u << 10, FUSE_ASYNC_READ | FUSE_BIG_WRITES | FUSE_DO_READDIRPLUS};
     struct fuse_getattr_in g = {0};
-    size_t cap = fanfs_front_bufsize();
+    size_t cap = fanfs_front_bufsize(kern.front);
     char *buf = malloc(cap);
     struct fuse_in_header in;
     uint64_t said[5], v, u = expect_new((struct expect){.kind = X_FWD, .opcode = FUSE_GETATTR});
@@ -569,7 +572,7 @@ static int session_init(void) {
         return -1;
     }
     free(buf);
-    fanfs_front_kernel(said);
+    fanfs_front_kernel(kern.front, said);
     if (said[0] != 7 || said[1] != 27 || said[3] != FANFS_FRONT_SERVES)
         fail("the front saw protocol %llu.%llu, why %llu", (unsigned long long)said[0],
              (unsigned long long)said[1], (unsigned long long)said[3]);
@@ -579,10 +582,10 @@ static int session_init(void) {
 /* Requests still in the front's end of the socket once its threads stopped: never read, so
  * never answered (the kernel ends them at the unmount). */
 static void session_unread(void) {
-    char *buf = malloc(fanfs_front_bufsize());
+    char *buf = malloc(fanfs_front_bufsize(kern.front));
     struct fuse_in_header in;
     ssize_t n;
-    while ((n = recv(kern.sock[1], buf, fanfs_front_bufsize(), MSG_DONTWAIT)) >=
+    while ((n = recv(kern.sock[1], buf, fanfs_front_bufsize(kern.front), MSG_DONTWAIT)) >=
            (ssize_t)sizeof in) {
         memcpy(&in, buf, sizeof in);
         pthread_mutex_lock(&kern.lock);
@@ -778,6 +781,7 @@ static void *front_sender_main(void *arg) {
 /* One session: requests from SENDERS threads; then the daemon's stop while they still come
  * (`unmount` 0), or the device gone under the front (1). */
 static void front_session(int part_fd, int dfd, int errwfd, int unmount, int round) {
+    uint64_t counts[FANFS_FRONT_COUNTS + 1];
     struct sender senders[SENDERS];
     struct libfuse lf = {0};
     pthread_t reader;
@@ -787,7 +791,7 @@ static void front_session(int part_fd, int dfd, int errwfd, int unmount, int rou
         fail("cannot start the %s session", unmount ? "unmount" : "front");
         return;
     }
-    lf.readyfd = fanfs_front_start(kern.sock[1], FRONT_THREADS, 0);
+    lf.readyfd = fanfs_front_start(kern.front, kern.sock[1], FRONT_THREADS, 0);
     if (lf.readyfd < 0 || session_init() != 0) {
         fail("the front did not start (%d) or took no INIT", lf.readyfd);
         return;
@@ -805,14 +809,14 @@ static void front_session(int part_fd, int dfd, int errwfd, int unmount, int rou
         pthread_mutex_lock(&kern.lock);
         kern.draining = 1;
         pthread_mutex_unlock(&kern.lock);
-        fanfs_front_drain(); /* pyfuse3's loop has ended */
+        fanfs_front_drain(kern.front); /* pyfuse3's loop has ended */
         fanfs_pool_stop();
-        fanfs_front_stop();
+        fanfs_front_stop(kern.front);
         session_halt();
         for (i = 0; i < SENDERS; i++)
             pthread_join(senders[i].thread, NULL);
         pthread_join(lf.thread, NULL); /* the receiver says the session ended */
-        fanfs_front_close();
+        fanfs_front_close(kern.front);
         session_unread();
         session_end_reader(reader);
         session_check(0);
@@ -832,13 +836,18 @@ static void front_session(int part_fd, int dfd, int errwfd, int unmount, int rou
         pthread_mutex_lock(&kern.lock);
         kern.draining = 1;
         pthread_mutex_unlock(&kern.lock);
-        fanfs_front_drain();
+        fanfs_front_drain(kern.front);
         fanfs_pool_stop();
-        fanfs_front_stop();
+        fanfs_front_stop(kern.front);
         pthread_join(lf.thread, NULL);
-        fanfs_front_close();
+        fanfs_front_close(kern.front);
         session_check(1);
     }
+    fanfs_front_counters(kern.front, counts);
+    for (i = 0; i <= FANFS_FRONT_COUNTS; i++)
+        kern.counts[i] += counts[i];
+    fanfs_front_free(kern.front); /* the wing's front goes with its session */
+    kern.front = NULL;
     close(kern.sock[0]);
     close(kern.sock[1]);
 }
@@ -968,7 +977,7 @@ static void writes_stop_under_load(struct wsender *s) {
     pthread_mutex_lock(&kern.lock);
     kern.draining = 1;
     pthread_mutex_unlock(&kern.lock);
-    fanfs_front_stop();
+    fanfs_front_stop(kern.front);
     session_halt();
     for (t = 0; t < SENDERS; t++)
         pthread_join(s[t].thread, NULL);
@@ -1004,7 +1013,7 @@ static void writes_session(const char *dir) {
     int i, f;
     char path[4096];
     memset(s, 0, sizeof s);
-    if (session_open() != 0 || fanfs_front_writes(1) != 0) {
+    if (session_open() != 0 || (kern.front = fanfs_front_new(NULL, 1)) == NULL) {
         fail("cannot start the writes session");
         return;
     }
@@ -1022,7 +1031,7 @@ static void writes_session(const char *dir) {
                 return;
             }
         }
-        fanfs_front_hold(s[i].fd[1], s[i].hold);
+        fanfs_front_hold(kern.front, s[i].fd[1], s[i].hold);
         snprintf(path, sizeof path, "%s/front-writes-%d-%d-slow", dir, (int)getpid(), i);
         s[i].slow = open(path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC | O_DSYNC, 0600);
         unlink(path);
@@ -1031,10 +1040,10 @@ static void writes_session(const char *dir) {
             return;
         }
         for (f = 0; f < 2; f++)
-            fanfs_front_take_written(s[i].fd[f]); /* what an fd of this number had */
+            fanfs_front_take_written(kern.front, s[i].fd[f]); /* what an fd of this number had */
     }
-    written = fanfs_front_written();
-    lf.readyfd = fanfs_front_start(kern.sock[1], FRONT_THREADS, 0);
+    written = fanfs_front_written(kern.front);
+    lf.readyfd = fanfs_front_start(kern.front, kern.sock[1], FRONT_THREADS, 0);
     if (lf.readyfd < 0 || session_init() != 0) {
         fail("the writes front did not start (%d) or took no INIT", lf.readyfd);
         return;
@@ -1046,12 +1055,13 @@ static void writes_session(const char *dir) {
     for (i = 0; i < SENDERS; i++)
         pthread_join(s[i].thread, NULL);
     session_check(0);
-    fanfs_front_settle();
+    fanfs_front_settle(kern.front);
     for (i = 0; i < SENDERS; i++) {
         char *got = malloc(WFILE_MAX);
         struct stat st;
         for (f = 0; f < 2; f++) {
-            int64_t low = fanfs_front_take_written(s[i].fd[f]), want = f ? s[i].low_held : s[i].low;
+            int64_t low = fanfs_front_take_written(kern.front, s[i].fd[f]);
+            int64_t want = f ? s[i].low_held : s[i].low;
             if (fstat(s[i].fd[f], &st) != 0 || (uint64_t)st.st_size != s[i].extent[f] ||
                 pread(s[i].fd[f], got, s[i].extent[f], 0) != (ssize_t)s[i].extent[f] ||
                 memcmp(got, s[i].model[f], s[i].extent[f]) != 0)
@@ -1061,28 +1071,30 @@ static void writes_session(const char *dir) {
             if (low != want)
                 fail("file %d.%d: lowest offset written behind %lld, not %lld", i, f,
                      (long long)low, (long long)want);
-            if (fanfs_front_take_error(s[i].fd[f]) != 0)
+            if (fanfs_front_take_error(kern.front, s[i].fd[f]) != 0)
                 fail("file %d.%d: a write failed", i, f);
         }
         behind += s[i].behind;
         free(got);
     }
-    if (fanfs_front_written() - written != behind)
+    if (fanfs_front_written(kern.front) - written != behind)
         fail("%llu bytes written behind, not %llu",
-             (unsigned long long)(fanfs_front_written() - written), (unsigned long long)behind);
+             (unsigned long long)(fanfs_front_written(kern.front) - written),
+             (unsigned long long)behind);
     printf("front_stress: writes: %llu requests, %llu bytes written behind\n",
            (unsigned long long)kern.nx, (unsigned long long)behind);
     writes_stop_under_load(s);
     pthread_join(lf.thread, NULL);
-    fanfs_front_close();
+    fanfs_front_close(kern.front);
     session_end_reader(reader);
-    fanfs_front_writes(0);
     for (i = 0; i < SENDERS; i++)
         for (f = 0; f < 2; f++) {
-            fanfs_front_hold(s[i].fd[f], 0);
+            fanfs_front_hold(kern.front, s[i].fd[f], 0);
             close(s[i].fd[f]);
             free(s[i].model[f]);
         }
+    fanfs_front_free(kern.front);
+    kern.front = NULL;
     for (i = 0; i < SENDERS; i++)
         close(s[i].slow);
     close(kern.sock[0]);
@@ -1129,7 +1141,7 @@ int front_stress(const char *dir, int part_fd, int errfd, int errwfd,
     if (parts == NULL || strstr(parts, "front") != NULL) {
         for (round = 0; round < FRONT_ROUNDS; round++)
             front_session(part_fd, dfd, errwfd, 0, round);
-        fanfs_front_counters(counts);
+        memcpy(counts, kern.counts, sizeof counts);
         if (kern.read_ok < 100 || counts[FANFS_FRONT_READS] < 100 ||
             counts[FANFS_FRONT_LOOKUPS] == 0 || counts[FANFS_FRONT_GETATTRS] == 0 ||
             counts[FANFS_FRONT_OTHERS] == 0 || kern.fwd_ok == 0 || kern.drained == 0)
