@@ -29,7 +29,8 @@ from hypothesis import strategies as st
 from fanfs import catalog as cat
 from fanfs import codec, filters, native
 from fanfs.native import lib
-from fanfs.node import pool as jobs
+from fanfs.node import jobs
+from fanfs.node import pool as native_pool
 from fanfs.node.pool import NativePool
 from fanfs.node.store import open_direct
 
@@ -218,7 +219,7 @@ def test_only_bad_bytes_make_a_file_bad(opened: tuple[cat.Catalog, list[int], li
     pool = NativePool(c, None, lambda e, err: marked.append(e))
     rfd, wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     codes = [errno.ENOMEM, errno.EIO, errno.EINTR, errno.EAGAIN, errno.EBADMSG, errno.EILSEQ]
-    os.write(wfd, b"".join(jobs.ERROR_RECORD.pack(e, err, 0) for e, err in enumerate(codes)))
+    os.write(wfd, b"".join(native_pool.ERROR_RECORD.pack(e, err, 0) for e, err in enumerate(codes)))
     os.close(wfd)
     pool._rfd = rfd
     try:
