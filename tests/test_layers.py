@@ -27,7 +27,7 @@ LAYERS = {
     "node.transport": 3, "node.transport.inbox": 3, "node.transport.mpi": 4,
     "node.transport.inproc": 4, "node.sources": 4, "node.plansocket": 4,
     "node.reader": 5, "node.planner": 5, "node.fuse_ops": 6, "node.assemble": 7,
-    "node.daemon": 8,
+    "lifecycle": 7, "node.daemon": 8,
     # the output wing: everything that runs inside `fanfs output`
     "output": 2, "output.journal": 2, "output.dest": 2, "output.tree": 2,
     "output.messages": 3, "output.lander": 3, "output.replicas": 4, "output.recover": 4,

@@ -32,6 +32,7 @@ import secrets
 import signal
 import stat
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,18 +40,10 @@ from typing import Any
 import trio
 
 from fanfs import mounts, native
-from fanfs.errors import (
-    ExitCode,
-    FanfsError,
-    Interrupted,
-    MountFailed,
-    MountpointError,
-    NotLanded,
-    UsageError,
-)
+from fanfs.errors import FanfsError, MountpointError, NotLanded, UsageError
+from fanfs.lifecycle import STOP_SIGNALS, Lifecycle, check_mountpoint, expand, node_name
 from fanfs.native import lib
 from fanfs.node import fuse_ops
-from fanfs.node.daemon import STOP_SIGNALS, check_mountpoint, expand, node_name
 from fanfs.node.staging import StagingDir, default_parent
 from fanfs.output import fs, recover
 from fanfs.output.dest import Dest, LandingError
@@ -113,10 +106,8 @@ class OutputDaemon:
     def __init__(self, cfg: OutputConfig):
         self.cfg = cfg
         self.started = time.time()
-        self.rank, self.size = 0, 1
-        self.world: Any = None
+        self.life = Lifecycle(log, noted=None, interrupted="stopped before serving")
         self.phase = "starting"
-        self.stop_signal = 0
         self.mountpoint = Path(cfg.mountpoint or ".")
         self.dest = Path(cfg.dest)
         self.staging: StagingDir | None = None
@@ -125,7 +116,6 @@ class OutputDaemon:
         self.lander: Lander | None = None
         self.view: View | None = None
         self.replicas: Any = None  # replicas.Replicas under MPI with --replicas 2
-        self._mounted = False
         self._front = False  # the front's threads answer WRITEs
         self._hurry = trio.Event()  # a second signal: stop waiting
         self._signalled = False  # a first signal was handled
@@ -159,52 +149,20 @@ class OutputDaemon:
         return {"running": self._front, "protocol": protocol, "off": why,
                 "written": _front_written()}  # fmt: skip
 
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        if not self.stop_signal:
-            self.stop_signal = signum
+    @property
+    def rank(self) -> int:
+        return self.life.rank
+
+    @property
+    def size(self) -> int:
+        return self.life.size
 
     def run(self) -> None:
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
-        try:
-            self._start_world()
-            try:
-                self._run()
-            finally:
-                if self.world is not None:
-                    if self.replicas is not None and self.replicas.dead:
-                        log.warning("not finalizing MPI: ranks %s are gone",
-                                    sorted(self.replicas.dead))  # fmt: skip
-                    else:
-                        self.world.finalize()
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+        self.life.run(self._run, self._gone)
 
-    def _start_world(self) -> None:
-        from fanfs import world as mpi
-
-        self.world = mpi.join(dict(os.environ))
-        if self.world is None:
-            if self.cfg.replicas > 1:
-                raise UsageError("--replicas 2 needs an MPI launcher (mpirun, srun --mpi=pmix) "
-                                 "with at least 2 ranks")  # fmt: skip
-            return
-        self.rank, self.size = self.world.rank, self.world.size
-
-    def _agree(self, error: FanfsError | None) -> None:
-        if error is None and self.stop_signal:
-            error = Interrupted("stopped before serving")
-        if self.world is not None:
-            verdicts = self.world.allgather(
-                None if error is None else (int(error.exit_code), str(error))
-            )
-            if error is None:
-                for rank, verdict in enumerate(verdicts):
-                    if verdict is not None:
-                        error = FanfsError(f"rank {rank} failed to start: {verdict[1]}")
-                        error.exit_code = ExitCode(verdict[0])
-        if error is not None:
-            raise error
+    def _gone(self) -> Collection[int]:
+        """The partners known dead (MPI is not finalized with them)."""
+        return self.replicas.dead if self.replicas is not None else ()
 
     def _paths(self) -> Path:
         """This rank's mount point, DEST and --local, checked; the --local parent."""
@@ -219,74 +177,71 @@ class OutputDaemon:
         check_dest(self.dest, self.mountpoint if cfg.mountpoint is not None else None, local)
         return local
 
-    def _run(self) -> None:
+    def _run(self, stack: contextlib.ExitStack) -> None:
         cfg = self.cfg
+        if self.life.world is None and cfg.replicas > 1:
+            raise UsageError("--replicas 2 needs an MPI launcher (mpirun, srun --mpi=pmix) "
+                             "with at least 2 ranks")  # fmt: skip
         if cfg.replicas > 1 and self.size < 2:
-            self._agree(UsageError("--replicas 2 needs at least 2 ranks"))
-        with contextlib.ExitStack() as stack:
-            error = None
-            try:
-                local = self._paths()
-                dest = Dest(str(self.dest))
-                self.staging = staging = StagingDir(local)
-                stack.callback(self._close_staging, staging)
-            except FanfsError as e:
-                error = e
-            except OSError as e:
-                error = MountpointError(f"{self.dest}: output destination: {e.strerror or e}")
-            self._agree(error)
-            dead = recover.find(local, str(self.dest))
-            for d in dead:
-                stack.callback(d.close)
-            # This daemon's name in DEST (temporary names, the replicas' marker): pids repeat
-            # across nodes.
-            token = f"{self.rank}-{secrets.token_hex(4)}"
-            on_enqueued: Any = None
-            self.tree = tree = Tree(staging.fd, mode=0o777 & ~_umask())
-            if cfg.replicas > 1:
-                # A start-up collective: each rank learns its owner's token and DEST (which may
-                # differ per node: {node}), to land the owner's files there if it dies.
-                peers = self.world.allgather((token, str(self.dest)))
-                owner_token, owner_dest = peers[(self.rank - 1) % self.size]
-                self.replicas = Replicas(self.world, staging, tree.open_local_or_none,
-                                         owner_dest, owner_token, cfg.peer_timeout,
-                                         on_sent=self._sent)  # fmt: skip
-                on_enqueued = self.replicas.enqueued
-            # With replicas, no more pending changes than the partner holds for us.
-            max_ops = cfg.max_ops if self.replicas is None else min(cfg.max_ops, MAX_HELD)
-            journal_log = Log(staging.fd, {
-                "dest": str(self.dest), "token": token, "pid": os.getpid(),
-                "mountpoint": str(self.mountpoint), "started": time.time(),
-                "replicas": self.replicas is not None})  # fmt: skip
-            stack.callback(journal_log.close)
-            self.journal = journal = Journal(journal_log, max_ops, on_enqueued)
-            own = Source("this mount", token, tree.open_local_or_none, journal.note)
-            self.lander = lander = Lander(dest, journal, own, recovering=dead,
-                                          marker=self.replicas is not None,
-                                          on_landed=self._landed, on_dropped=self._dropped,
-                                          on_skipped=self._skipped)  # fmt: skip
-            self.view = view = View(
-                tree, journal, lander, dest, front=False,
-                replicate=self.replicas.replicate if self.replicas is not None else None,
-            )  # fmt: skip
-            if cfg.mountpoint is None:
-                self._recover_only()
-                return
-            ops = fs.OutputOperations(view, self.status)
-            error = None
-            try:
-                fuse_ops.mount(ops, str(self.mountpoint), fs.mount_options(str(staging.path)))
-                self._mounted = True
-                stack.callback(self._unmount)
-            except RuntimeError as e:
-                error = MountFailed(f"{self.mountpoint}: cannot mount: {e}")
-            self._agree(error)
-            self._front = _start_front(stack)
-            view.front = self._front
-            log.info("output %s: files land at %s, local %s", self.mountpoint, self.dest,
-                     staging.path)  # fmt: skip
-            trio.run(self._serve)
-            self._verdict()
+            self.life.agree(UsageError("--replicas 2 needs at least 2 ranks"))
+        error = None
+        try:
+            local = self._paths()
+            dest = Dest(str(self.dest))
+            self.staging = staging = StagingDir(local)
+            stack.callback(self._close_staging, staging)
+        except FanfsError as e:
+            error = e
+        except OSError as e:
+            error = MountpointError(f"{self.dest}: output destination: {e.strerror or e}")
+        self.life.agree(error)
+        dead = recover.find(local, str(self.dest))
+        for d in dead:
+            stack.callback(d.close)
+        # This daemon's name in DEST (temporary names, the replicas' marker): pids repeat
+        # across nodes.
+        token = f"{self.rank}-{secrets.token_hex(4)}"
+        on_enqueued: Any = None
+        self.tree = tree = Tree(staging.fd, mode=0o777 & ~_umask())
+        if cfg.replicas > 1:
+            assert self.life.world is not None  # checked first in _run
+            # A start-up collective: each rank learns its owner's token and DEST (which may
+            # differ per node: {node}), to land the owner's files there if it dies.
+            peers = self.life.world.allgather((token, str(self.dest)))
+            owner_token, owner_dest = peers[(self.rank - 1) % self.size]
+            self.replicas = Replicas(self.life.world, staging, tree.open_local_or_none,
+                                     owner_dest, owner_token, cfg.peer_timeout,
+                                     on_sent=self._sent)  # fmt: skip
+            on_enqueued = self.replicas.enqueued
+        # With replicas, no more pending changes than the partner holds for us.
+        max_ops = cfg.max_ops if self.replicas is None else min(cfg.max_ops, MAX_HELD)
+        journal_log = Log(staging.fd, {
+            "dest": str(self.dest), "token": token, "pid": os.getpid(),
+            "mountpoint": str(self.mountpoint), "started": time.time(),
+            "replicas": self.replicas is not None})  # fmt: skip
+        stack.callback(journal_log.close)
+        self.journal = journal = Journal(journal_log, max_ops, on_enqueued)
+        own = Source("this mount", token, tree.open_local_or_none, journal.note)
+        self.lander = lander = Lander(dest, journal, own, recovering=dead,
+                                      marker=self.replicas is not None,
+                                      on_landed=self._landed, on_dropped=self._dropped,
+                                      on_skipped=self._skipped)  # fmt: skip
+        self.view = view = View(
+            tree, journal, lander, dest, front=False,
+            replicate=self.replicas.replicate if self.replicas is not None else None,
+        )  # fmt: skip
+        if cfg.mountpoint is None:
+            self._recover_only()
+            return
+        ops = fs.OutputOperations(view, self.status)
+        self.life.mount(stack, ops, self.mountpoint, fs.mount_options(str(staging.path)),
+                        before_unmount=self._before_unmount)  # fmt: skip
+        self._front = _start_front(stack)
+        view.front = self._front
+        log.info("output %s: files land at %s, local %s", self.mountpoint, self.dest,
+                 staging.path)  # fmt: skip
+        trio.run(self._serve)
+        self._verdict()
 
     # The lander's and the replicas' hooks, handed to them at construction: they reach the
     # view, which is built after them, through the daemon.
@@ -370,13 +325,10 @@ class OutputDaemon:
                         os.unlink(name, dir_fd=staging.fd)
         staging.close()
 
-    def _unmount(self) -> None:
-        if self._mounted:
-            self._mounted = False
-            if self._front:
-                self._front = False
-                _stop_front()
-            fuse_ops.unmount()
+    def _before_unmount(self) -> None:
+        if self._front:
+            self._front = False
+            _stop_front()
 
     async def _after_init(self) -> None:
         await trio.sleep(1.0)  # the kernel's INIT is answered by fuse_ops.serve, first
@@ -386,7 +338,7 @@ class OutputDaemon:
     async def _serve(self) -> None:
         assert self.lander is not None and self.view is not None
         async with trio.open_nursery() as nursery:
-            await nursery.start(self._watch_signals)
+            await nursery.start(self.life.watch_signals, self._on_stop)
             nursery.start_soon(self.lander.run)
             nursery.start_soon(self._periodic)
             nursery.start_soon(self._after_init)
@@ -398,7 +350,7 @@ class OutputDaemon:
             if not self._deadline:  # unmounted from outside, without a signal
                 self._deadline = trio.current_time() + self.cfg.drain
             self.phase = "draining"
-            self._unmount()
+            self.life.unmount()
             await self.view.put_all()  # what was written while the mount stopped
             self.lander.poke()
             with trio.move_on_at(self._deadline) as scope:
@@ -452,22 +404,11 @@ class OutputDaemon:
         await trio.sleep(TERMINATE_S)
         self._serve_scope.cancel()
 
-    async def _watch_signals(self, *, task_status: trio.TaskStatus[None]) -> None:
-        with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
-            task_status.started()
-            async with trio.open_nursery() as nursery:
-                if self.stop_signal:  # it came before trio took over the signals
-                    self._stopping(nursery)
-                async for signum in signals:
-                    if not self.stop_signal:
-                        self.stop_signal = signum
-                    self._stopping(nursery)
-
-    def _stopping(self, nursery: trio.Nursery) -> None:
+    async def _on_stop(self, first: bool, nursery: trio.Nursery) -> None:
         if not self._signalled:  # the first signal (serving, or about to)
             self._signalled = True
             log.info("%s: landing what is written, then unmounting",
-                     signal.Signals(self.stop_signal).name)  # fmt: skip
+                     signal.Signals(self.life.stop_signal).name)  # fmt: skip
             if not self._deadline:
                 self._deadline = trio.current_time() + self.cfg.drain
             nursery.start_soon(self._stop)
