@@ -5,6 +5,9 @@ mount point, --local, and where they lie to each other) runs before anything is 
 an MPI launcher all ranks agree on the verdict, so they fail together. Then the mount serves
 while the lander (lander.py) lands, first what dead daemons left for this DEST in the same
 --local (recover.py), then the mount's own journal (journal.py, kept on the node as it goes).
+The skeleton (stop signals, the MPI world, the start-up agreement, the mount, MPI's end) is
+fanfs/lifecycle.py's, shared with the dataset daemon; the wing's parts are built in one
+place, assemble.py.
 
 A stop signal (SIGTERM from Slurm's time limit or `scancel`; `fanfs umount`, which has
 drained first) ends the daemon within --drain seconds:
@@ -42,16 +45,12 @@ import trio
 from fanfs import mounts, native
 from fanfs.errors import FanfsError, MountpointError, NotLanded, UsageError
 from fanfs.lifecycle import STOP_SIGNALS, Lifecycle, check_mountpoint, expand, node_name
-from fanfs.native import lib
 from fanfs.node import fuse_ops
 from fanfs.node.staging import StagingDir, default_parent
-from fanfs.output import fs, recover
+from fanfs.output import assemble, fs, recover
 from fanfs.output.dest import Dest, LandingError
-from fanfs.output.journal import Journal, Log
+from fanfs.output.journal import Journal
 from fanfs.output.lander import Lander, Source
-from fanfs.output.replicas import MAX_HELD, Replicas
-from fanfs.output.tree import Tree
-from fanfs.output.view import View
 
 log = logging.getLogger(__name__)
 
@@ -111,43 +110,18 @@ class OutputDaemon:
         self.mountpoint = Path(cfg.mountpoint or ".")
         self.dest = Path(cfg.dest)
         self.staging: StagingDir | None = None
-        self.tree: Tree | None = None
-        self.journal: Journal | None = None
-        self.lander: Lander | None = None
-        self.view: View | None = None
-        self.replicas: Any = None  # replicas.Replicas under MPI with --replicas 2
-        self._front = False  # the front's threads answer WRITEs
+        self.wing: assemble.Wing | None = None  # every part of the daemon, once built
         self._hurry = trio.Event()  # a second signal: stop waiting
         self._signalled = False  # a first signal was handled
         self._deadline = 0.0
         self._serve_scope = trio.CancelScope()  # the FUSE loop, cut short if it will not end
 
-    def status(self) -> dict[str, Any]:
-        assert self.lander is not None and self.tree is not None and self.view is not None
-        out = {
-            "kind": "output", "pid": os.getpid(), "rank": self.rank, "size": self.size,
-            "node": node_name(self.rank), "mountpoint": str(self.mountpoint),
-            "dest": str(self.dest), "serving": self.phase == "serving", "phase": self.phase,
-            "staging": str(self.staging.path) if self.staging else "",
-            "uptime_s": round(time.time() - self.started, 1), "files": self.tree.files,
-            "written_bytes": self.view.bytes_written + _front_written(),
-            "front": self._front_status(),
-            **self.view.statistics(),
-            "landing": self.lander.statistics(),
-        }  # fmt: skip
-        if self.replicas is not None:
-            out["replicas"] = self.replicas.statistics()
-        return out
-
-    def _front_status(self) -> dict[str, Any]:
-        """Whether the front answers WRITEs in C, the kernel's FUSE protocol, and why not."""
-        protocol, why = native.front_kernel()
-        if fuse_ops.RECEIVER is None:
-            why = "pyfuse3 is not fanfs's patched build (run `make setup`)"
-        elif not self._front and not why:
-            why = "its threads could not start"
-        return {"running": self._front, "protocol": protocol, "off": why,
-                "written": _front_written()}  # fmt: skip
+    def status(self) -> assemble.OutputStatus:
+        assert self.wing is not None
+        return assemble.report(self.wing, rank=self.rank, size=self.size,
+                               node=node_name(self.rank), mountpoint=str(self.mountpoint),
+                               dest=str(self.dest), phase=self.phase,
+                               started=self.started)  # fmt: skip
 
     @property
     def rank(self) -> int:
@@ -162,7 +136,8 @@ class OutputDaemon:
 
     def _gone(self) -> Collection[int]:
         """The partners known dead (MPI is not finalized with them)."""
-        return self.replicas.dead if self.replicas is not None else ()
+        rep = self.wing.replicas if self.wing is not None else None
+        return rep.dead if rep is not None else ()
 
     def _paths(self) -> Path:
         """This rank's mount point, DEST and --local, checked; the --local parent."""
@@ -201,106 +176,64 @@ class OutputDaemon:
         # This daemon's name in DEST (temporary names, the replicas' marker): pids repeat
         # across nodes.
         token = f"{self.rank}-{secrets.token_hex(4)}"
-        on_enqueued: Any = None
-        self.tree = tree = Tree(staging.fd, mode=0o777 & ~_umask())
-        if cfg.replicas > 1:
-            assert self.life.world is not None  # checked first in _run
-            # A start-up collective: each rank learns its owner's token and DEST (which may
-            # differ per node: {node}), to land the owner's files there if it dies.
-            peers = self.life.world.allgather((token, str(self.dest)))
-            owner_token, owner_dest = peers[(self.rank - 1) % self.size]
-            self.replicas = Replicas(self.life.world, staging, tree.open_local_or_none,
-                                     owner_dest, owner_token, cfg.peer_timeout,
-                                     on_sent=self._sent)  # fmt: skip
-            on_enqueued = self.replicas.enqueued
-        # With replicas, no more pending changes than the partner holds for us.
-        max_ops = cfg.max_ops if self.replicas is None else min(cfg.max_ops, MAX_HELD)
-        journal_log = Log(staging.fd, {
-            "dest": str(self.dest), "token": token, "pid": os.getpid(),
-            "mountpoint": str(self.mountpoint), "started": time.time(),
-            "replicas": self.replicas is not None})  # fmt: skip
-        stack.callback(journal_log.close)
-        self.journal = journal = Journal(journal_log, max_ops, on_enqueued)
-        own = Source("this mount", token, tree.open_local_or_none, journal.note)
-        self.lander = lander = Lander(dest, journal, own, recovering=dead,
-                                      marker=self.replicas is not None,
-                                      on_landed=self._landed, on_dropped=self._dropped,
-                                      on_skipped=self._skipped)  # fmt: skip
-        self.view = view = View(
-            tree, journal, lander, dest, front=False,
-            replicate=self.replicas.replicate if self.replicas is not None else None,
+        place = assemble.Place(self.life.world, self.rank, self.size, str(self.mountpoint),
+                               str(self.dest), token)  # fmt: skip
+        self.wing = wing = assemble.build(
+            stack, place, dest, staging, dead, replicas=cfg.replicas,
+            peer_timeout=cfg.peer_timeout, max_ops=cfg.max_ops,
+            status=lambda: self.status().to_json(),
         )  # fmt: skip
         if cfg.mountpoint is None:
             self._recover_only()
             return
-        ops = fs.OutputOperations(view, self.status)
-        self.life.mount(stack, ops, self.mountpoint, fs.mount_options(str(staging.path)),
-                        before_unmount=self._before_unmount)  # fmt: skip
-        self._front = _start_front(stack)
-        view.front = self._front
+        self.life.mount(stack, wing.ops, self.mountpoint, fs.mount_options(str(staging.path)),
+                        before_unmount=wing.front.stop)  # fmt: skip
+        wing.front.start(stack)
         log.info("output %s: files land at %s, local %s", self.mountpoint, self.dest,
                  staging.path)  # fmt: skip
         trio.run(self._serve)
         self._verdict()
 
-    # The lander's and the replicas' hooks, handed to them at construction: they reach the
-    # view, which is built after them, through the daemon.
-    def _landed(self, op: Any, result: Any) -> None:
-        assert self.view is not None
-        self.view.landed(op, result)
-        if self.replicas is not None:
-            self.replicas.landed(op)
-
-    def _dropped(self, op: Any) -> None:
-        assert self.view is not None
-        self.view.dropped(op)
-
-    def _skipped(self, op: Any) -> None:
-        assert self.view is not None
-        self.view.skipped(op)
-
-    def _sent(self, node: int, data: int, size: int) -> None:
-        assert self.view is not None
-        self.view.sent(node, data, size)
-
     def _verdict(self) -> None:
         """NotLanded, naming what, if anything written is not at DEST."""
-        assert self.view is not None and self.lander is not None and self.staging is not None
+        w = self.wing
+        assert w is not None
         why = []
-        left = sorted(self.view.unlanded())
-        if left or not self.lander.idle():
+        left = sorted(w.view.unlanded())
+        if left or not w.lander.idle():
             named = ", ".join(left[:10]) + (" ..." if len(left) > 10 else "")
-            why.append(f"{len(left)} files not at {self.dest}, kept in {self.staging.path} "
+            why.append(f"{len(left)} files not at {self.dest}, kept in {w.staging.path} "
                        f"(kept.json names each; `fanfs output --recover {self.dest}` lands "
                        f"them): {named or '(renames and removals only)'}")  # fmt: skip
-        failed = self.view.failed_files()
+        failed = w.view.failed_files()
         if failed:
             why.append(f"{len(failed)} files whose last write failed, not landed (DEST keeps "
                        f"their last good version): {', '.join(failed[:10])}")  # fmt: skip
-        if self.replicas is not None and self.replicas.failed:
-            why.append(f"rank {self.replicas.owner}'s changes held here not landed "
-                       f"({self.replicas.failed}), kept in {self.staging.path}")  # fmt: skip
-        skipped = self.view.skipped_files()
+        if w.replicas is not None and w.replicas.failed:
+            why.append(f"rank {w.replicas.owner}'s changes held here not landed "
+                       f"({w.replicas.failed}), kept in {w.staging.path}")  # fmt: skip
+        skipped = w.view.skipped_files()
         if skipped:
             log.warning("not landed, as asked (fanfs sync --skip): %s; kept in %s (kept.json "
                         "names each)", ", ".join(sorted(skipped)[:10]),
-                        self.staging.path)  # fmt: skip
+                        w.staging.path)  # fmt: skip
         if why:
             raise NotLanded("; ".join(why))
 
     def _recover_only(self) -> None:
         """`fanfs output --recover DEST` without a mount point: land what dead daemons left."""
-        assert self.lander is not None
-        if not self.lander.recovering:
+        assert self.wing is not None
+        if not self.wing.lander.recovering:
             log.info("nothing left by a dead daemon for %s", self.dest)
             return
-        land_dead(self.lander)
+        land_dead(self.wing.lander)
 
     def _close_staging(self, staging: StagingDir) -> None:
         """However the daemon ends (an exception too): what did not land is kept, named."""
-        if self.view is not None and self.journal is not None:
-            files, skipped = self.view.unlanded(), self.view.skipped_files()
-            if files or skipped or self.journal.head() is not None:
+        w = self.wing
+        if w is not None:
+            files, skipped = w.view.unlanded(), w.view.skipped_files()
+            if files or skipped or w.journal.head() is not None:
                 staging.keep_contents()
                 try:
                     _write_json(staging.fd, recover.KEPT, {"dest": str(self.dest),
@@ -308,7 +241,7 @@ class OutputDaemon:
                                                            "skipped": skipped})  # fmt: skip
                 except OSError as e:
                     log.error("kept.json not written in %s: %s", staging.path, e.strerror)
-        rep = self.replicas
+        rep = w.replicas if w is not None else None
         if rep is not None and rep.holding and (staging.keep or rep.failed):
             staging.keep_contents()
             try:  # a dead or slow partner's copies, and where they belong
@@ -325,25 +258,22 @@ class OutputDaemon:
                         os.unlink(name, dir_fd=staging.fd)
         staging.close()
 
-    def _before_unmount(self) -> None:
-        if self._front:
-            self._front = False
-            _stop_front()
-
     async def _after_init(self) -> None:
         await trio.sleep(1.0)  # the kernel's INIT is answered by fuse_ops.serve, first
-        f = self._front_status()
-        native.log_front(f["protocol"], f["off"], "WRITEs")
+        if self.wing is not None:
+            f = self.wing.front.statistics()
+            native.log_front(f.protocol, f.off, "WRITEs")
 
     async def _serve(self) -> None:
-        assert self.lander is not None and self.view is not None
+        w = self.wing
+        assert w is not None
         async with trio.open_nursery() as nursery:
             await nursery.start(self.life.watch_signals, self._on_stop)
-            nursery.start_soon(self.lander.run)
+            nursery.start_soon(w.lander.run)
             nursery.start_soon(self._periodic)
             nursery.start_soon(self._after_init)
-            if self.replicas is not None:
-                await nursery.start(self.replicas.run)
+            if w.replicas is not None:
+                await nursery.start(w.replicas.run)
             self.phase = "serving"
             with self._serve_scope:
                 await fuse_ops.serve()
@@ -351,8 +281,8 @@ class OutputDaemon:
                 self._deadline = trio.current_time() + self.cfg.drain
             self.phase = "draining"
             self.life.unmount()
-            await self.view.put_all()  # what was written while the mount stopped
-            self.lander.poke()
+            await w.view.put_all()  # what was written while the mount stopped
+            w.lander.poke()
             with trio.move_on_at(self._deadline) as scope:
                 give_up = 0
                 if self._hurry.is_set():  # land what lands at once: one more try of a failing op
@@ -360,16 +290,14 @@ class OutputDaemon:
                 else:
                     nursery.start_soon(self._cancel_on_hurry, scope)
                 with contextlib.suppress(Exception):
-                    await self.lander.wait_landed(self.journal.enqueued if self.journal else 0,
-                                                  give_up_after_failures=give_up)  # fmt: skip
-            if self.replicas is not None:
-                left = not self.lander.idle()
+                    await w.lander.wait_landed(w.journal.enqueued, give_up_after_failures=give_up)
+            if w.replicas is not None:
+                left = not w.lander.idle()
                 with trio.CancelScope() as scope:
                     nursery.start_soon(self._cancel_on_hurry, scope)
-                    await self.replicas.finish(self.cfg.drain, not left, self.journal.landed_seq()
-                                               if self.journal else 0)  # fmt: skip
-                if not left and self.replicas.partner in self.replicas.dead:
-                    self.lander.forget_marker()  # no partner left to read it (or remove it)
+                    await w.replicas.finish(self.cfg.drain, not left, w.journal.landed_seq())
+                if not left and w.replicas.partner in w.replicas.dead:
+                    w.lander.forget_marker()  # no partner left to read it (or remove it)
             self.phase = "closing"
             nursery.cancel_scope.cancel()
 
@@ -378,26 +306,28 @@ class OutputDaemon:
 
     async def _periodic(self) -> None:
         """Files open for appending (logs) land every `interval` seconds, as appends."""
-        assert self.view is not None
+        assert self.wing is not None
+        view = self.wing.view
         while True:
             await trio.sleep(self.cfg.interval)
             if self.phase == "serving":
-                await self.view.put_all(cond=True, appending=True)
+                await view.put_all(cond=True, appending=True)
 
     async def _stop(self) -> None:
         """Steps 1 and 2 of a stop (module docstring); then the mount goes."""
-        assert self.view is not None and self.lander is not None
+        w = self.wing
+        assert w is not None
         now = trio.current_time()
-        await self.view.put_all()
-        self.lander.poke()
+        await w.view.put_all()
+        w.lander.poke()
         with trio.move_on_at(now + self.cfg.drain * SERVE_SHARE) as scope:
             if self._hurry.is_set():
                 scope.cancel()
-            while self.view.writers_open() or not self.lander.idle():
+            while w.view.writers_open() or not w.lander.idle():
                 await trio.sleep(POLL_S)
                 if self._hurry.is_set():
                     break
-        self.view.stop_waiting()  # an fsync waiting for DEST answers now
+        w.view.stop_waiting()  # an fsync waiting for DEST answers now
         fuse_ops.terminate()
         # The loop returns once the requests in it are answered; one that will not be (a
         # read stuck in a hung DEST) is cancelled, and the kernel fails it at the unmount.
@@ -475,45 +405,3 @@ def _write_json(dir_fd: int, name: str, obj: Any) -> None:
                  dir_fd=dir_fd)  # fmt: skip
     with os.fdopen(fd, "w") as f:
         json.dump(obj, f, indent=1)
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-# -- the front: C threads answering WRITEs (fanfs/csrc/front.c, writes.c) ----------------------
-# One thread takes requests (a WRITE costs it a buffer swap and an answer); its writer thread
-# does the pwrites. Polling the device after a request (spin) did not help writes: no spin.
-FRONT_THREADS = 1
-
-
-def _start_front(stack: contextlib.ExitStack) -> bool:
-    """Let the front's C threads answer WRITEs (after the mount); False (and a warning) if
-    they cannot: pyfuse3 then reads every request itself."""
-    if fuse_ops.RECEIVER is None:
-        return False
-    install, session_fd = fuse_ops.RECEIVER
-    try:
-        lib.front_writes(True)
-        lib.front_pretend(native.pretend_protocol())
-        ready = lib.front_start(session_fd(), FRONT_THREADS, 0)
-    except OSError as e:
-        log.warning("front threads unavailable, writes go through the event loop: %s", e)
-        return False
-    stack.callback(lib.front_close)  # after trio is done with the receiver's fd
-    install(lib.receiver(), ready)
-    return True
-
-
-def _stop_front() -> None:
-    """Before the unmount: pyfuse3 reads the device again, the threads stop."""
-    assert fuse_ops.RECEIVER is not None
-    fuse_ops.RECEIVER[0](None, -1)
-    lib.front_stop()
-
-
-def _front_written() -> int:
-    """Bytes the front wrote."""
-    return int(lib.front_written())

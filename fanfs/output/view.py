@@ -48,6 +48,7 @@ import trio
 from fanfs.native import lib
 from fanfs.output import dest as dst
 from fanfs.output.dest import Dest, LandingError, Result
+from fanfs.output.front import WriteFront
 from fanfs.output.journal import ATTR, MKDIR, PUT, RENAME, RMDIR, UNLINK, Journal, Op
 from fanfs.output.lander import Lander
 from fanfs.output.tree import ROOT, Node, Tree, TreeError
@@ -73,13 +74,13 @@ class Handle:
 
 class View:
     def __init__(self, tree: Tree, journal: Journal, lander: Lander, dest: Dest, *,
-                 front: bool, reserve_fraction: float = RESERVE_FRACTION,
+                 front: WriteFront, reserve_fraction: float = RESERVE_FRACTION,
                  replicate: Callable[[int], Awaitable[None]] | None = None):  # fmt: skip
         self.tree = tree
         self.journal = journal
         self.lander = lander
         self.dest = dest
-        self.front = front  # the front's C threads write WRITEs behind (else all come here)
+        self._front = front  # its C threads may write WRITEs behind (else all come here)
         self.reserve_fraction = reserve_fraction
         self.replicate = replicate  # replicas.py: return once the partner holds put `seq`
         self.handles: dict[int, Handle] = {}
@@ -97,6 +98,12 @@ class View:
         self.bytes_written = 0  # through this module (the front counts its own)
 
     # -- helpers ---------------------------------------------------------------------------
+
+    @property
+    def _behind(self) -> bool:
+        """The front's threads wrote WRITEs behind in this mount (they did from its start;
+        after they stop, what they wrote is still collected)."""
+        return self._front.started
 
     def _lock(self, n: Node) -> trio.Lock:
         lock = self._locks.get(n.ino)
@@ -116,14 +123,14 @@ class View:
 
     def _hold(self, n: Node) -> None:
         """Tell the front which WRITEs of `n` must come here: those below its held bytes."""
-        if self.front:
+        if self._behind:
             below = self.tree.held_below(n.data) if n.data else 0
             for fh in self._writers(n):
                 lib.front_hold(fh, below)
 
     def _freeze(self, n: Node) -> None:
         """Every WRITE of `n` comes here from now on, and those answered are in the file."""
-        writers = self._writers(n) if self.front else []
+        writers = self._writers(n) if self._behind else []
         for fh in writers:
             lib.front_hold(fh, EVERY_WRITE)
         if writers:
@@ -134,7 +141,7 @@ class View:
         bytes written (from which offset), a write that failed (the node is poisoned)."""
         h = self.handles.get(fh)
         n = self.tree.nodes.get(h.node) if h is not None else None
-        if not self.front or n is None:
+        if not self._behind or n is None:
             return n
         low = lib.front_take_written(fh)
         if low is not None:
@@ -194,7 +201,7 @@ class View:
         if write:
             if not any(self.handles[f].write for f in self.fhs(n) if f != fh):
                 self.journal.note({"writing": n.ino})  # recover.py: kept if it dies now
-            if self.front:
+            if self._behind:
                 lib.front_hold(fh, self.tree.held_below(n.data))
             self.room()
         return fh
@@ -247,7 +254,7 @@ class View:
         n.changed(size)
         if size == 0 and n.failed:  # nothing left of a failed write: its marks go too
             for fh in self.fhs(n):
-                if self.front:
+                if self._behind:
                     lib.front_take_error(fh)
             n.poison(0)
             self.poisoned.discard(n.ino)
@@ -450,7 +457,7 @@ class View:
     async def release(self, fh: int) -> None:
         n = self.collect(fh)
         h = self.handles.pop(fh, None)
-        if self.front:
+        if self._behind:
             lib.front_hold(fh, 0)  # the fd number's next user starts with no hold
         os.close(fh)
         if n is None:
