@@ -30,9 +30,10 @@ LAYERS = {
     "lifecycle": 7, "node.daemon": 8,
     # the output wing: everything that runs inside `fanfs output`
     "output": 2, "output.journal": 2, "output.dest": 2, "output.tree": 2, "output.front": 2,
+    "output.apply": 2, "output.held": 3, "output.room": 4, "output.files": 4,
     "output.messages": 3, "output.lander": 3, "output.replicas": 4, "output.recover": 4,
     "output.view": 5, "output.fs": 6,
-    "output.assemble": 7, "output.daemon": 8,
+    "output.assemble": 7, "output.salvage": 7, "output.daemon": 8,
     "bench.data": 3, "bench.loader": 0, "bench.squashfs": 2,
     "bench.launch": 8, "bench.epoch": 8, "bench.passes": 8, "bench.report": 8,
     "bench.runs": 9, "bench": 10, "bench.calibrate": 10,

@@ -31,10 +31,11 @@ from fanfs.output import front as wfront
 from fanfs.output import fs
 from fanfs.output.dest import Dest, Result
 from fanfs.output.front import FrontInfo, WriteFront
+from fanfs.output.held import MAX_HELD
 from fanfs.output.journal import Journal, Log, Op
 from fanfs.output.lander import Lander, Source
 from fanfs.output.recover import Dead
-from fanfs.output.replicas import MAX_HELD, Replicas
+from fanfs.output.replicas import Replicas
 from fanfs.output.tree import Tree
 from fanfs.output.view import View
 from fanfs.world import World

@@ -44,17 +44,16 @@ import trio
 
 from fanfs import mounts, native
 from fanfs.errors import FanfsError, MountpointError, NotLanded, UsageError
-from fanfs.lifecycle import STOP_SIGNALS, Lifecycle, check_mountpoint, expand, node_name
+from fanfs.lifecycle import Lifecycle, check_mountpoint, expand, node_name
 from fanfs.node import fuse_ops
 from fanfs.node.staging import StagingDir, default_parent
 from fanfs.output import assemble, fs, recover
-from fanfs.output.dest import Dest, LandingError
-from fanfs.output.journal import Journal
-from fanfs.output.lander import Lander, Source
+from fanfs.output.dest import Dest
+from fanfs.output.salvage import cancel_on, land_dead
+from fanfs.output.salvage import recover_dir as recover_dir  # cli/mount.py imports it from here
 
 log = logging.getLogger(__name__)
 
-GIVE_UP = 3  # failed attempts of one op after which a recovery without a mount gives up
 SERVE_SHARE = 0.75  # of the drain time, spent serving open writers before the unmount
 POLL_S = 0.05  # while stopping: how often open writers and the lander are looked at
 TERMINATE_S = 5.0  # requests in flight at the stop get this long to be answered
@@ -302,7 +301,7 @@ class OutputDaemon:
             nursery.cancel_scope.cancel()
 
     async def _cancel_on_hurry(self, scope: trio.CancelScope) -> None:
-        await _cancel_on(self._hurry, scope)
+        await cancel_on(self._hurry, scope)
 
     async def _periodic(self) -> None:
         """Files open for appending (logs) land every `interval` seconds, as appends."""
@@ -345,59 +344,6 @@ class OutputDaemon:
         elif not self._hurry.is_set():
             log.info("a second signal: not waiting any more, keeping what has not landed")
             self._hurry.set()
-
-
-def land_dead(lander: Lander) -> None:
-    """Land `lander.recovering` (what dead daemons left) and nothing else; NotLanded naming
-    what is left if an op fails GIVE_UP times (about 3 s) or a stop signal comes."""
-
-    async def land() -> None:
-        hurry = trio.Event()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(lander.run)
-            with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
-                nursery.start_soon(_set_on_signal, signals, hurry)
-                with trio.CancelScope() as scope:
-                    nursery.start_soon(_cancel_on, hurry, scope)
-                    with contextlib.suppress(LandingError):
-                        await lander.wait_landed(0, give_up_after_failures=GIVE_UP)
-                nursery.cancel_scope.cancel()
-
-    trio.run(land)
-    left = lander.recovering
-    if left:
-        failing = lander.statistics()["failing"]
-        raise NotLanded(f"{sum(len(d.pending) for d in left)} changes left by a dead daemon "
-                        f"did not land at {lander.dest.path}"
-                        + (f" ({failing['op']} {failing['path']}: {failing['error']})"
-                           if failing else "")
-                        + f"; they stay in {', '.join(str(d.path) for d in left)}")  # fmt: skip
-
-
-async def _set_on_signal(signals: Any, event: trio.Event) -> None:
-    async for _ in signals:
-        event.set()
-
-
-async def _cancel_on(event: trio.Event, scope: trio.CancelScope) -> None:
-    await event.wait()
-    scope.cancel()
-
-
-def recover_dir(path: Path) -> None:
-    """What the dead daemon whose staging directory is `path` left, landed (umount of its
-    mount); NotLanded if it cannot be (read, or landed)."""
-    dead = recover.open_dead(path)
-    if dead is None:
-        raise NotLanded(f"{path}: what its daemon left cannot be read (or it is still alive)")
-    try:
-        dest = Dest(str(dead.header.get("dest")))
-    except OSError as e:
-        dead.close()
-        raise NotLanded(f"{path}: its DEST {dead.header.get('dest')}: {e.strerror}; what it "
-                        "left stays there") from None  # fmt: skip
-    own = Source("recovery", "r", lambda data: None, lambda record: None)
-    land_dead(Lander(dest, Journal(None), own, recovering=[dead]))
 
 
 def _write_json(dir_fd: int, name: str, obj: Any) -> None:
