@@ -62,6 +62,7 @@ from fanfs.output.messages import (
     decode,
     encode,
 )
+from fanfs.world import World
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ IDLE_SLEEP_S = (0.0005, 0.02)  # the MPI thread's poll: quick while busy, backin
 
 
 class Replicas:
-    def __init__(self, world: Any, staging: StagingDir, open_local: Callable[[int], int | None],
+    def __init__(self, world: World, staging: StagingDir, open_local: Callable[[int], int | None],
                  owner_dest: str, owner_token: str, peer_timeout: float,
                  on_sent: Callable[[int, int, int], None] = lambda node, data, size: None,
                  ):  # fmt: skip
