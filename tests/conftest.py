@@ -46,6 +46,7 @@ TIERS = {
     "test_read_pieces": "adapter",
     "test_hostile": "adapter",
     "test_fuse_ops": "adapter",
+    "test_output_ops": "adapter",
     "test_kernels": "adapter",
     "test_sanitizers": "sanitizers",
     "test_remote": "adapter",

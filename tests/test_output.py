@@ -481,7 +481,7 @@ def test_a_holder_skips_what_its_dead_owner_landed(tmp_path: Path) -> None:
            (3, "put", b"new.pt", b""), (4, "put", b"newest.pt", b"")]  # fmt: skip
     for seq, kind, path, new in ops:
         if kind == "put":
-            rep._hold_piece(seq, path, 0o644, 0, 1, memoryview(f"{seq}".encode()))
+            rep.held.piece(seq, path, 0o644, 0, 1, memoryview(f"{seq}".encode()))
         else:
             rep._receive(0, (messages.M_OPS[kind], seq, 0, 0, 0, path, new, memoryview(b"")))
     lander.write_marker(lander.Dest(str(dest)), "0-abcd", 3)  # the owner landed 1-3

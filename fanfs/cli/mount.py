@@ -220,7 +220,7 @@ def cmd_umount(args: argparse.Namespace) -> int:
 def _land_what_it_left(entry: mounts.MountEntry) -> None:
     """An output mount whose daemon is gone: land what its journal says it left (NotLanded
     naming it if that cannot be done)."""
-    from fanfs.output.daemon import recover_dir
+    from fanfs.output.salvage import recover_dir
 
     staging = entry.source.partition(":")[2]
     if not staging:

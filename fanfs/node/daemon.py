@@ -1,4 +1,5 @@
-"""The mount daemon's lifecycle: validate, mount, serve, and always clean up.
+"""The mount daemon's lifecycle: validate, mount, serve, and always clean up (its skeleton,
+shared with the output daemon, is fanfs/lifecycle.py).
 
 Order (S3QL's mount.py): everything that can fail because of a user mistake (image, partitions,
 mount point) is checked before anything is mounted. Under an MPI launcher these checks are the
@@ -27,15 +28,16 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import trio
 
 from fanfs import mounts, native, placement
 from fanfs.catalog import Catalog
-from fanfs.errors import ExitCode, FanfsError, Interrupted, MountFailed, MountpointError
+from fanfs.errors import FanfsError
+from fanfs.lifecycle import Lifecycle, check_mountpoint, expand, failed, node_name
 from fanfs.node import assemble, fuse_ops
 from fanfs.node.staging import default_parent
 from fanfs.node.store import PartitionStore, check_partitions
@@ -46,9 +48,6 @@ log = logging.getLogger(__name__)
 # Readahead of the mount's bdi: with 1 MiB the kernel asks for big files in 1 MiB requests
 # instead of 128 KiB ones (+17 to 28 % on 2 to 8 MiB files here, docs/environment.md).
 READ_AHEAD_KB = 1024
-# The session loop's poll after a request (tools/pyfuse3_patch, README "Second, third"): long
-# enough to cover a reader copying a 2 MiB file out of the page cache between two opens.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,42 +66,6 @@ class MountConfig:
     linger: float = 60.0
 
 
-def node_name(rank: int) -> str:
-    """This daemon's node: from the launcher (Slurm), else its rank; never the hostname."""
-    return os.environ.get("SLURMD_NODENAME") or os.environ.get("SLURM_NODEID") or str(rank)
-
-
-def expand(template: str, rank: int, node: str) -> str:
-    return template.replace("{rank}", str(rank)).replace("{node}", node)
-
-
-def check_mountpoint(mountpoint: Path, nonempty: bool = False, image: Path | None = None) -> None:
-    if image is not None:
-        img = image.resolve()
-        if mountpoint == img or mountpoint in img.parents:
-            raise MountpointError(f"{mountpoint}: mounting there would hide the image {image}")
-        if img in mountpoint.parents:
-            raise MountpointError(f"{mountpoint}: the mount point is inside the image {image}")
-    if mounts.find(mountpoint) is not None:
-        raise MountpointError(f"{mountpoint}: already mounted")
-    if not mountpoint.exists():
-        raise MountpointError(f"{mountpoint}: mount point does not exist")
-    if not mountpoint.is_dir():
-        raise MountpointError(f"{mountpoint}: mount point is not a directory")
-    if not nonempty:
-        try:
-            with os.scandir(mountpoint) as it:
-                held = next(it, None)
-        except OSError as e:
-            raise MountpointError(f"{mountpoint}: cannot read mount point: {e.strerror}") from None
-        if held is not None:
-            # The mount would hide what is there (fusermount refused this for the same reason).
-            raise MountpointError(
-                f"{mountpoint}: mount point is not empty (holds {held.name!r}); "
-                "use --nonempty to mount over it anyway"
-            )
-
-
 def _tune_readahead(mountpoint: Path) -> None:
     entry = mounts.find(mountpoint)
     if entry is None:
@@ -114,27 +77,26 @@ def _tune_readahead(mountpoint: Path) -> None:
         log.debug("could not raise read_ahead_kb: %s", e)
 
 
-def _error(code: int, message: str) -> FanfsError:
-    err = FanfsError(message)
-    err.exit_code = ExitCode(code)
-    return err
-
-
 class Daemon:
     def __init__(self, cfg: MountConfig):
         self.cfg = cfg
         self.started = time.time()
         self.serving = False
-        self.rank = 0
-        self.size = 1
-        self.world: Any = None
+        self.life = Lifecycle(log, noted="%s: stopping",
+                              interrupted="stopped by {signal} before serving")  # fmt: skip
         self.node: assemble.Node | None = None  # every part of the daemon, once built
         self.plan_socket = ""
         self.mountpoint = Path(cfg.mountpoint)
-        self._mounted = False
         self.phase = "starting"  # starting, serving, lingering, closing
-        self.stop_signal = 0  # the first stop signal received
         self._linger_scope = trio.CancelScope()
+
+    @property
+    def rank(self) -> int:
+        return self.life.rank
+
+    @property
+    def size(self) -> int:
+        return self.life.size
 
     def status(self) -> Status:
         assert self.node is not None
@@ -147,16 +109,10 @@ class Daemon:
 
     # -- start-up --------------------------------------------------------------------------
 
-    def _start_world(self) -> None:
-        from fanfs import world as mpi
-
-        self.world = mpi.join(dict(os.environ))
-        if self.world is not None:
-            self.rank, self.size = self.world.rank, self.world.size
-
     def _load_catalog(self) -> Catalog:
         """Rank 0 reads and checks the image; everyone gets the catalog or rank 0's error."""
-        if self.world is None:
+        world = self.life.world
+        if world is None:
             single, _ = Catalog.load(self.cfg.image)
             check_partitions(self.cfg.image, single, range(single.n_partitions))
             return single
@@ -168,115 +124,71 @@ class Daemon:
                 check_partitions(self.cfg.image, catalog, range(catalog.n_partitions))
             except FanfsError as e:
                 verdict = (int(e.exit_code), str(e))
-        verdict = self.world.bcast(verdict)
+        verdict = world.bcast(verdict)
         if verdict is not None:
-            raise _error(*verdict)
-        raw = self.world.bcast_bytes(raw)
+            raise failed(*verdict)
+        raw = world.bcast_bytes(raw)
         if catalog is None:
             catalog = Catalog.from_bytes(raw, f"{self.cfg.image} (broadcast)")
         log.info("catalog: %d entries, %d bytes broadcast", catalog.n_entries, len(raw))
         return catalog
 
-    def _agree(self, error: FanfsError | None) -> None:
-        """Raise if this rank or any other failed a start-up step (a start-up collective), or
-        was asked to stop meanwhile: all ranks fail together, none waits for another."""
-        if error is None and self.stop_signal:
-            error = Interrupted(f"stopped by {signal.Signals(self.stop_signal).name} "
-                                "before serving")  # fmt: skip
-        if self.world is None:
-            if error is not None:
-                raise error
-            return
-        verdicts = self.world.allgather(
-            None if error is None else (int(error.exit_code), str(error))
-        )
-        if error is not None:
-            raise error
-        for rank, verdict in enumerate(verdicts):
-            if verdict is not None:
-                raise _error(verdict[0], f"rank {rank} failed to start: {verdict[1]}")
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        """Outside trio (start-up, clean-up): note the first stop signal, never raise."""
-        if not self.stop_signal:
-            self.stop_signal = signum
-            log.info("%s: stopping", signal.Signals(signum).name)
-
     def run(self) -> None:
-        cfg = self.cfg
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
         try:
-            self._start_world()
-            self._run_in_world()
+            self.life.run(self._run, self._gone)
         finally:
             self.phase = "closing"
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-        log.debug("daemon for %s done", cfg.mountpoint)
+        log.debug("daemon for %s done", self.cfg.mountpoint)
 
-    def _run_in_world(self) -> None:
-        try:
-            self._run()
-        finally:
-            self.phase = "closing"
-            if self.world is not None:
-                transport = self.node.transport if self.node is not None else None
-                if transport is not None and transport.dead:
-                    # A dead peer can make MPI_Finalize wait forever: leave without it.
-                    log.warning("not finalizing MPI: ranks %s are gone", sorted(transport.dead))
-                else:
-                    self.world.finalize()
+    def _gone(self) -> Collection[int]:
+        """The peers known dead (MPI is not finalized with them)."""
+        transport = self.node.transport if self.node is not None else None
+        return transport.dead if transport is not None else ()
 
-    def _run(self) -> None:
+    def _closing(self) -> None:
+        self.phase = "closing"
+
+    def _run(self, stack: contextlib.ExitStack) -> None:
         cfg = self.cfg
+        stack.callback(self._closing)  # after every part below is gone, before MPI ends
         node = node_name(self.rank)
         self.mountpoint = Path(mounts.canonical(expand(cfg.mountpoint, self.rank, node)))
         local = Path(os.path.abspath(expand(cfg.local or default_parent(), self.rank, node)))
         catalog = self._load_catalog()
         owners = assemble.owners_of(catalog, self.size, cfg.replicas)
         owned = placement.owned_by(owners, self.rank)
-        with contextlib.ExitStack() as stack:
-            error = None
-            try:
-                check_mountpoint(self.mountpoint, cfg.nonempty, cfg.image)
-                keep = Path(expand(cfg.keep, self.rank, node)) if cfg.keep else None
-                store = PartitionStore(cfg.image, catalog, local, owned, cfg.keep_local, keep,
-                                       cfg.keep_size)  # fmt: skip
-                stack.callback(store.close)
-            except FanfsError as e:
-                error = e
-            self._agree(error)  # every rank fails together, or none
-            self.node = assemble.build(catalog, store, owners, self.rank, self.world, cfg,
-                                       lambda: self.status().to_json())  # fmt: skip
-            error = None
-            try:
-                fuse_ops.mount(self.node.ops, str(self.mountpoint))
-                self._mounted = True
-                stack.callback(self._unmount)
-            except RuntimeError as e:
-                error = MountFailed(f"{self.mountpoint}: cannot mount: {e}")
-            self._agree(error)
-            self.node.pool.start(stack)  # stopped before the unmount (the stack is LIFO)
-            log.info(
-                "rank %d/%d: %d of %d partitions here (%d bytes), mount %s, local %s",
-                self.rank, self.size, len(owned), catalog.n_partitions,
-                sum(int(catalog.part_size[p]) for p in owned), self.mountpoint, local,
-            )  # fmt: skip
-            trio.run(self._serve)
+        error = None
+        try:
+            check_mountpoint(self.mountpoint, cfg.nonempty, cfg.image)
+            keep = Path(expand(cfg.keep, self.rank, node)) if cfg.keep else None
+            store = PartitionStore(cfg.image, catalog, local, owned, cfg.keep_local, keep,
+                                   cfg.keep_size)  # fmt: skip
+            stack.callback(store.close)
+        except FanfsError as e:
+            error = e
+        self.life.agree(error)  # every rank fails together, or none
+        self.node = assemble.build(catalog, store, owners, self.rank, self.life.world, cfg,
+                                   lambda: self.status().to_json())  # fmt: skip
+        self.life.mount(stack, self.node.ops, self.mountpoint,
+                        before_unmount=self._before_unmount)  # fmt: skip
+        self.node.pool.start(stack)  # stopped before the unmount (the stack is LIFO)
+        log.info(
+            "rank %d/%d: %d of %d partitions here (%d bytes), mount %s, local %s",
+            self.rank, self.size, len(owned), catalog.n_partitions,
+            sum(int(catalog.part_size[p]) for p in owned), self.mountpoint, local,
+        )  # fmt: skip
+        trio.run(self._serve)
 
-    def _unmount(self) -> None:
-        if self._mounted:
-            self._mounted = False
-            log.info("unmounting %s", self.mountpoint)
-            if self.node is not None:
-                self.node.pool.stop()  # it answers what is queued while the session exists
-            fuse_ops.unmount()
+    def _before_unmount(self) -> None:
+        log.info("unmounting %s", self.mountpoint)
+        if self.node is not None:
+            self.node.pool.stop()  # it answers what is queued while the session exists
 
     async def _serve(self) -> None:
         assert self.node is not None
         n = self.node
         async with trio.open_nursery() as nursery:
-            await nursery.start(self._watch_signals)
+            await nursery.start(self.life.watch_signals, self._on_stop)
             if n.transport is not None:
                 await nursery.start(n.transport.run)
             nursery.start_soon(self._after_init)
@@ -294,7 +206,7 @@ class Daemon:
             self.serving = False
             await self._stop_reading_ahead()  # before the session goes (pushers use it)
             self.phase = "lingering"
-            self._unmount()
+            self.life.unmount()
             if n.transport is not None:
                 with self._linger_scope:
                     await n.transport.linger(self.cfg.linger)
@@ -315,16 +227,10 @@ class Daemon:
             f = self.node.pool.front_status()
             native.log_front(f.protocol, f.off, "requests")
 
-    async def _watch_signals(self, *, task_status: trio.TaskStatus[None]) -> None:
-        with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
-            task_status.started()
-            if self.stop_signal:  # it came before trio took over the signals
-                await self._stop()
-            async for signum in signals:
-                if not self.stop_signal:
-                    self.stop_signal = signum
-                    log.info("%s: shutting down", signal.Signals(signum).name)
-                await self._stop()
+    async def _on_stop(self, first: bool, nursery: trio.Nursery) -> None:
+        if first:
+            log.info("%s: shutting down", signal.Signals(self.life.stop_signal).name)
+        await self._stop()
 
     async def _stop(self) -> None:
         """A stop signal, inside trio: end the FUSE session (read-ahead first, while READs

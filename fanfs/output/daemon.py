@@ -5,6 +5,9 @@ mount point, --local, and where they lie to each other) runs before anything is 
 an MPI launcher all ranks agree on the verdict, so they fail together. Then the mount serves
 while the lander (lander.py) lands, first what dead daemons left for this DEST in the same
 --local (recover.py), then the mount's own journal (journal.py, kept on the node as it goes).
+The skeleton (stop signals, the MPI world, the start-up agreement, the mount, MPI's end) is
+fanfs/lifecycle.py's, shared with the dataset daemon; the wing's parts are built in one
+place, assemble.py.
 
 A stop signal (SIGTERM from Slurm's time limit or `scancel`; `fanfs umount`, which has
 drained first) ends the daemon within --drain seconds:
@@ -32,6 +35,7 @@ import secrets
 import signal
 import stat
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,30 +43,16 @@ from typing import Any
 import trio
 
 from fanfs import mounts, native
-from fanfs.errors import (
-    ExitCode,
-    FanfsError,
-    Interrupted,
-    MountFailed,
-    MountpointError,
-    NotLanded,
-    UsageError,
-)
-from fanfs.native import lib
+from fanfs.errors import FanfsError, MountpointError, NotLanded, UsageError
+from fanfs.lifecycle import Lifecycle, check_mountpoint, expand, node_name
 from fanfs.node import fuse_ops
-from fanfs.node.daemon import STOP_SIGNALS, check_mountpoint, expand, node_name
 from fanfs.node.staging import StagingDir, default_parent
-from fanfs.output import fs, recover
-from fanfs.output.dest import Dest, LandingError
-from fanfs.output.journal import Journal, Log
-from fanfs.output.lander import Lander, Source
-from fanfs.output.replicas import MAX_HELD, Replicas
-from fanfs.output.tree import Tree
-from fanfs.output.view import View
+from fanfs.output import assemble, fs, recover
+from fanfs.output.dest import Dest
+from fanfs.output.salvage import cancel_on, land_dead
 
 log = logging.getLogger(__name__)
 
-GIVE_UP = 3  # failed attempts of one op after which a recovery without a mount gives up
 SERVE_SHARE = 0.75  # of the drain time, spent serving open writers before the unmount
 POLL_S = 0.05  # while stopping: how often open writers and the lander are looked at
 TERMINATE_S = 5.0  # requests in flight at the stop get this long to be answered
@@ -113,99 +103,39 @@ class OutputDaemon:
     def __init__(self, cfg: OutputConfig):
         self.cfg = cfg
         self.started = time.time()
-        self.rank, self.size = 0, 1
-        self.world: Any = None
+        self.life = Lifecycle(log, noted=None, interrupted="stopped before serving")
         self.phase = "starting"
-        self.stop_signal = 0
         self.mountpoint = Path(cfg.mountpoint or ".")
         self.dest = Path(cfg.dest)
         self.staging: StagingDir | None = None
-        self.tree: Tree | None = None
-        self.journal: Journal | None = None
-        self.lander: Lander | None = None
-        self.view: View | None = None
-        self.replicas: Any = None  # replicas.Replicas under MPI with --replicas 2
-        self._mounted = False
-        self._front = False  # the front's threads answer WRITEs
-        self._native_front: lib.Front | None = None  # the front, this wing's own once made
+        self.wing: assemble.Wing | None = None  # every part of the daemon, once built
         self._hurry = trio.Event()  # a second signal: stop waiting
         self._signalled = False  # a first signal was handled
         self._deadline = 0.0
         self._serve_scope = trio.CancelScope()  # the FUSE loop, cut short if it will not end
 
-    def status(self) -> dict[str, Any]:
-        assert self.lander is not None and self.tree is not None and self.view is not None
-        out = {
-            "kind": "output", "pid": os.getpid(), "rank": self.rank, "size": self.size,
-            "node": node_name(self.rank), "mountpoint": str(self.mountpoint),
-            "dest": str(self.dest), "serving": self.phase == "serving", "phase": self.phase,
-            "staging": str(self.staging.path) if self.staging else "",
-            "uptime_s": round(time.time() - self.started, 1), "files": self.tree.files,
-            "written_bytes": self.view.bytes_written + _front_written(self._native_front),
-            "front": self._front_status(),
-            **self.view.statistics(),
-            "landing": self.lander.statistics(),
-        }  # fmt: skip
-        if self.replicas is not None:
-            out["replicas"] = self.replicas.statistics()
-        return out
+    def status(self) -> assemble.OutputStatus:
+        assert self.wing is not None
+        return assemble.report(self.wing, rank=self.rank, size=self.size,
+                               node=node_name(self.rank), mountpoint=str(self.mountpoint),
+                               dest=str(self.dest), phase=self.phase,
+                               started=self.started)  # fmt: skip
 
-    def _front_status(self) -> dict[str, Any]:
-        """Whether the front answers WRITEs in C, the kernel's FUSE protocol, and why not."""
-        protocol, why = native.front_kernel(self._native_front)
-        if fuse_ops.RECEIVER is None:
-            why = "pyfuse3 is not fanfs's patched build (run `make setup`)"
-        elif not self._front and not why:
-            why = "its threads could not start"
-        return {"running": self._front, "protocol": protocol, "off": why,
-                "written": _front_written(self._native_front)}  # fmt: skip
+    @property
+    def rank(self) -> int:
+        return self.life.rank
 
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        if not self.stop_signal:
-            self.stop_signal = signum
+    @property
+    def size(self) -> int:
+        return self.life.size
 
     def run(self) -> None:
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
-        try:
-            self._start_world()
-            try:
-                self._run()
-            finally:
-                if self.world is not None:
-                    if self.replicas is not None and self.replicas.dead:
-                        log.warning("not finalizing MPI: ranks %s are gone",
-                                    sorted(self.replicas.dead))  # fmt: skip
-                    else:
-                        self.world.finalize()
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+        self.life.run(self._run, self._gone)
 
-    def _start_world(self) -> None:
-        from fanfs import world as mpi
-
-        self.world = mpi.join(dict(os.environ))
-        if self.world is None:
-            if self.cfg.replicas > 1:
-                raise UsageError("--replicas 2 needs an MPI launcher (mpirun, srun --mpi=pmix) "
-                                 "with at least 2 ranks")  # fmt: skip
-            return
-        self.rank, self.size = self.world.rank, self.world.size
-
-    def _agree(self, error: FanfsError | None) -> None:
-        if error is None and self.stop_signal:
-            error = Interrupted("stopped before serving")
-        if self.world is not None:
-            verdicts = self.world.allgather(
-                None if error is None else (int(error.exit_code), str(error))
-            )
-            if error is None:
-                for rank, verdict in enumerate(verdicts):
-                    if verdict is not None:
-                        error = FanfsError(f"rank {rank} failed to start: {verdict[1]}")
-                        error.exit_code = ExitCode(verdict[0])
-        if error is not None:
-            raise error
+    def _gone(self) -> Collection[int]:
+        """The partners known dead (MPI is not finalized with them)."""
+        rep = self.wing.replicas if self.wing is not None else None
+        return rep.dead if rep is not None else ()
 
     def _paths(self) -> Path:
         """This rank's mount point, DEST and --local, checked; the --local parent."""
@@ -220,134 +150,88 @@ class OutputDaemon:
         check_dest(self.dest, self.mountpoint if cfg.mountpoint is not None else None, local)
         return local
 
-    def _run(self) -> None:
+    def _run(self, stack: contextlib.ExitStack) -> None:
         cfg = self.cfg
+        if self.life.world is None and cfg.replicas > 1:
+            raise UsageError("--replicas 2 needs an MPI launcher (mpirun, srun --mpi=pmix) "
+                             "with at least 2 ranks")  # fmt: skip
         if cfg.replicas > 1 and self.size < 2:
-            self._agree(UsageError("--replicas 2 needs at least 2 ranks"))
-        with contextlib.ExitStack() as stack:
-            error = None
-            try:
-                local = self._paths()
-                dest = Dest(str(self.dest))
-                self.staging = staging = StagingDir(local)
-                stack.callback(self._close_staging, staging)
-            except FanfsError as e:
-                error = e
-            except OSError as e:
-                error = MountpointError(f"{self.dest}: output destination: {e.strerror or e}")
-            self._agree(error)
-            dead = recover.find(local, str(self.dest))
-            for d in dead:
-                stack.callback(d.close)
-            # This daemon's name in DEST (temporary names, the replicas' marker): pids repeat
-            # across nodes.
-            token = f"{self.rank}-{secrets.token_hex(4)}"
-            on_enqueued: Any = None
-            self.tree = tree = Tree(staging.fd, mode=0o777 & ~_umask())
-            if cfg.replicas > 1:
-                # A start-up collective: each rank learns its owner's token and DEST (which may
-                # differ per node: {node}), to land the owner's files there if it dies.
-                peers = self.world.allgather((token, str(self.dest)))
-                owner_token, owner_dest = peers[(self.rank - 1) % self.size]
-                self.replicas = Replicas(self.world, staging, tree.open_local_or_none,
-                                         owner_dest, owner_token, cfg.peer_timeout,
-                                         on_sent=self._sent)  # fmt: skip
-                on_enqueued = self.replicas.enqueued
-            # With replicas, no more pending changes than the partner holds for us.
-            max_ops = cfg.max_ops if self.replicas is None else min(cfg.max_ops, MAX_HELD)
-            journal_log = Log(staging.fd, {
-                "dest": str(self.dest), "token": token, "pid": os.getpid(),
-                "mountpoint": str(self.mountpoint), "started": time.time(),
-                "replicas": self.replicas is not None})  # fmt: skip
-            stack.callback(journal_log.close)
-            self.journal = journal = Journal(journal_log, max_ops, on_enqueued)
-            own = Source("this mount", token, tree.open_local_or_none, journal.note)
-            self.lander = lander = Lander(dest, journal, own, recovering=dead,
-                                          marker=self.replicas is not None,
-                                          on_landed=self._landed, on_dropped=self._dropped,
-                                          on_skipped=self._skipped)  # fmt: skip
-            self.view = view = View(
-                tree, journal, lander, dest, front=None,
-                replicate=self.replicas.replicate if self.replicas is not None else None,
-            )  # fmt: skip
-            if cfg.mountpoint is None:
-                self._recover_only()
-                return
-            ops = fs.OutputOperations(view, self.status)
-            error = None
-            try:
-                fuse_ops.mount(ops, str(self.mountpoint), fs.mount_options(str(staging.path)))
-                self._mounted = True
-                stack.callback(self._unmount)
-            except RuntimeError as e:
-                error = MountFailed(f"{self.mountpoint}: cannot mount: {e}")
-            self._agree(error)
-            self._native_front = _start_front(stack)
-            self._front = self._native_front is not None
-            view.front = self._native_front
-            log.info("output %s: files land at %s, local %s", self.mountpoint, self.dest,
-                     staging.path)  # fmt: skip
-            trio.run(self._serve)
-            self._verdict()
-
-    # The lander's and the replicas' hooks, handed to them at construction: they reach the
-    # view, which is built after them, through the daemon.
-    def _landed(self, op: Any, result: Any) -> None:
-        assert self.view is not None
-        self.view.landed(op, result)
-        if self.replicas is not None:
-            self.replicas.landed(op)
-
-    def _dropped(self, op: Any) -> None:
-        assert self.view is not None
-        self.view.dropped(op)
-
-    def _skipped(self, op: Any) -> None:
-        assert self.view is not None
-        self.view.skipped(op)
-
-    def _sent(self, node: int, data: int, size: int) -> None:
-        assert self.view is not None
-        self.view.sent(node, data, size)
+            self.life.agree(UsageError("--replicas 2 needs at least 2 ranks"))
+        error = None
+        try:
+            local = self._paths()
+            dest = Dest(str(self.dest))
+            self.staging = staging = StagingDir(local)
+            stack.callback(self._close_staging, staging)
+        except FanfsError as e:
+            error = e
+        except OSError as e:
+            error = MountpointError(f"{self.dest}: output destination: {e.strerror or e}")
+        self.life.agree(error)
+        dead = recover.find(local, str(self.dest))
+        for d in dead:
+            stack.callback(d.close)
+        # This daemon's name in DEST (temporary names, the replicas' marker): pids repeat
+        # across nodes.
+        token = f"{self.rank}-{secrets.token_hex(4)}"
+        place = assemble.Place(self.life.world, self.rank, self.size, str(self.mountpoint),
+                               str(self.dest), token)  # fmt: skip
+        self.wing = wing = assemble.build(
+            stack, place, dest, staging, dead, replicas=cfg.replicas,
+            peer_timeout=cfg.peer_timeout, max_ops=cfg.max_ops,
+            status=lambda: self.status().to_json(),
+        )  # fmt: skip
+        if cfg.mountpoint is None:
+            self._recover_only()
+            return
+        self.life.mount(stack, wing.ops, self.mountpoint, fs.mount_options(str(staging.path)),
+                        before_unmount=wing.front.stop)  # fmt: skip
+        wing.front.start(stack)
+        log.info("output %s: files land at %s, local %s", self.mountpoint, self.dest,
+                 staging.path)  # fmt: skip
+        trio.run(self._serve)
+        self._verdict()
 
     def _verdict(self) -> None:
         """NotLanded, naming what, if anything written is not at DEST."""
-        assert self.view is not None and self.lander is not None and self.staging is not None
+        w = self.wing
+        assert w is not None
         why = []
-        left = sorted(self.view.unlanded())
-        if left or not self.lander.idle():
+        left = sorted(w.view.unlanded())
+        if left or not w.lander.idle():
             named = ", ".join(left[:10]) + (" ..." if len(left) > 10 else "")
-            why.append(f"{len(left)} files not at {self.dest}, kept in {self.staging.path} "
+            why.append(f"{len(left)} files not at {self.dest}, kept in {w.staging.path} "
                        f"(kept.json names each; `fanfs output --recover {self.dest}` lands "
                        f"them): {named or '(renames and removals only)'}")  # fmt: skip
-        failed = self.view.failed_files()
+        failed = w.view.failed_files()
         if failed:
             why.append(f"{len(failed)} files whose last write failed, not landed (DEST keeps "
                        f"their last good version): {', '.join(failed[:10])}")  # fmt: skip
-        if self.replicas is not None and self.replicas.failed:
-            why.append(f"rank {self.replicas.owner}'s changes held here not landed "
-                       f"({self.replicas.failed}), kept in {self.staging.path}")  # fmt: skip
-        skipped = self.view.skipped_files()
+        if w.replicas is not None and w.replicas.failed:
+            why.append(f"rank {w.replicas.owner}'s changes held here not landed "
+                       f"({w.replicas.failed}), kept in {w.staging.path}")  # fmt: skip
+        skipped = w.view.skipped_files()
         if skipped:
             log.warning("not landed, as asked (fanfs sync --skip): %s; kept in %s (kept.json "
                         "names each)", ", ".join(sorted(skipped)[:10]),
-                        self.staging.path)  # fmt: skip
+                        w.staging.path)  # fmt: skip
         if why:
             raise NotLanded("; ".join(why))
 
     def _recover_only(self) -> None:
         """`fanfs output --recover DEST` without a mount point: land what dead daemons left."""
-        assert self.lander is not None
-        if not self.lander.recovering:
+        assert self.wing is not None
+        if not self.wing.lander.recovering:
             log.info("nothing left by a dead daemon for %s", self.dest)
             return
-        land_dead(self.lander)
+        land_dead(self.wing.lander)
 
     def _close_staging(self, staging: StagingDir) -> None:
         """However the daemon ends (an exception too): what did not land is kept, named."""
-        if self.view is not None and self.journal is not None:
-            files, skipped = self.view.unlanded(), self.view.skipped_files()
-            if files or skipped or self.journal.head() is not None:
+        w = self.wing
+        if w is not None:
+            files, skipped = w.view.unlanded(), w.view.skipped_files()
+            if files or skipped or w.journal.head() is not None:
                 staging.keep_contents()
                 try:
                     _write_json(staging.fd, recover.KEPT, {"dest": str(self.dest),
@@ -355,7 +239,7 @@ class OutputDaemon:
                                                            "skipped": skipped})  # fmt: skip
                 except OSError as e:
                     log.error("kept.json not written in %s: %s", staging.path, e.strerror)
-        rep = self.replicas
+        rep = w.replicas if w is not None else None
         if rep is not None and rep.holding and (staging.keep or rep.failed):
             staging.keep_contents()
             try:  # a dead or slow partner's copies, and where they belong
@@ -372,38 +256,31 @@ class OutputDaemon:
                         os.unlink(name, dir_fd=staging.fd)
         staging.close()
 
-    def _unmount(self) -> None:
-        if self._mounted:
-            self._mounted = False
-            if self._front:
-                self._front = False
-                assert self._native_front is not None
-                _stop_front(self._native_front)
-            fuse_ops.unmount()
-
     async def _after_init(self) -> None:
         await trio.sleep(1.0)  # the kernel's INIT is answered by fuse_ops.serve, first
-        f = self._front_status()
-        native.log_front(f["protocol"], f["off"], "WRITEs")
+        if self.wing is not None:
+            f = self.wing.front.statistics()
+            native.log_front(f.protocol, f.off, "WRITEs")
 
     async def _serve(self) -> None:
-        assert self.lander is not None and self.view is not None
+        w = self.wing
+        assert w is not None
         async with trio.open_nursery() as nursery:
-            await nursery.start(self._watch_signals)
-            nursery.start_soon(self.lander.run)
+            await nursery.start(self.life.watch_signals, self._on_stop)
+            nursery.start_soon(w.lander.run)
             nursery.start_soon(self._periodic)
             nursery.start_soon(self._after_init)
-            if self.replicas is not None:
-                await nursery.start(self.replicas.run)
+            if w.replicas is not None:
+                await nursery.start(w.replicas.run)
             self.phase = "serving"
             with self._serve_scope:
                 await fuse_ops.serve()
             if not self._deadline:  # unmounted from outside, without a signal
                 self._deadline = trio.current_time() + self.cfg.drain
             self.phase = "draining"
-            self._unmount()
-            await self.view.put_all()  # what was written while the mount stopped
-            self.lander.poke()
+            self.life.unmount()
+            await w.view.put_all()  # what was written while the mount stopped
+            w.lander.poke()
             with trio.move_on_at(self._deadline) as scope:
                 give_up = 0
                 if self._hurry.is_set():  # land what lands at once: one more try of a failing op
@@ -411,66 +288,55 @@ class OutputDaemon:
                 else:
                     nursery.start_soon(self._cancel_on_hurry, scope)
                 with contextlib.suppress(Exception):
-                    await self.lander.wait_landed(self.journal.enqueued if self.journal else 0,
-                                                  give_up_after_failures=give_up)  # fmt: skip
-            if self.replicas is not None:
-                left = not self.lander.idle()
+                    await w.lander.wait_landed(w.journal.enqueued, give_up_after_failures=give_up)
+            if w.replicas is not None:
+                left = not w.lander.idle()
                 with trio.CancelScope() as scope:
                     nursery.start_soon(self._cancel_on_hurry, scope)
-                    await self.replicas.finish(self.cfg.drain, not left, self.journal.landed_seq()
-                                               if self.journal else 0)  # fmt: skip
-                if not left and self.replicas.partner in self.replicas.dead:
-                    self.lander.forget_marker()  # no partner left to read it (or remove it)
+                    await w.replicas.finish(self.cfg.drain, not left, w.journal.landed_seq())
+                if not left and w.replicas.partner in w.replicas.dead:
+                    w.lander.forget_marker()  # no partner left to read it (or remove it)
             self.phase = "closing"
             nursery.cancel_scope.cancel()
 
     async def _cancel_on_hurry(self, scope: trio.CancelScope) -> None:
-        await _cancel_on(self._hurry, scope)
+        await cancel_on(self._hurry, scope)
 
     async def _periodic(self) -> None:
         """Files open for appending (logs) land every `interval` seconds, as appends."""
-        assert self.view is not None
+        assert self.wing is not None
+        view = self.wing.view
         while True:
             await trio.sleep(self.cfg.interval)
             if self.phase == "serving":
-                await self.view.put_all(cond=True, appending=True)
+                await view.put_all(cond=True, appending=True)
 
     async def _stop(self) -> None:
         """Steps 1 and 2 of a stop (module docstring); then the mount goes."""
-        assert self.view is not None and self.lander is not None
+        w = self.wing
+        assert w is not None
         now = trio.current_time()
-        await self.view.put_all()
-        self.lander.poke()
+        await w.view.put_all()
+        w.lander.poke()
         with trio.move_on_at(now + self.cfg.drain * SERVE_SHARE) as scope:
             if self._hurry.is_set():
                 scope.cancel()
-            while self.view.writers_open() or not self.lander.idle():
+            while w.view.writers_open() or not w.lander.idle():
                 await trio.sleep(POLL_S)
                 if self._hurry.is_set():
                     break
-        self.view.stop_waiting()  # an fsync waiting for DEST answers now
+        w.view.stop_waiting()  # an fsync waiting for DEST answers now
         fuse_ops.terminate()
         # The loop returns once the requests in it are answered; one that will not be (a
         # read stuck in a hung DEST) is cancelled, and the kernel fails it at the unmount.
         await trio.sleep(TERMINATE_S)
         self._serve_scope.cancel()
 
-    async def _watch_signals(self, *, task_status: trio.TaskStatus[None]) -> None:
-        with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
-            task_status.started()
-            async with trio.open_nursery() as nursery:
-                if self.stop_signal:  # it came before trio took over the signals
-                    self._stopping(nursery)
-                async for signum in signals:
-                    if not self.stop_signal:
-                        self.stop_signal = signum
-                    self._stopping(nursery)
-
-    def _stopping(self, nursery: trio.Nursery) -> None:
+    async def _on_stop(self, first: bool, nursery: trio.Nursery) -> None:
         if not self._signalled:  # the first signal (serving, or about to)
             self._signalled = True
             log.info("%s: landing what is written, then unmounting",
-                     signal.Signals(self.stop_signal).name)  # fmt: skip
+                     signal.Signals(self.life.stop_signal).name)  # fmt: skip
             if not self._deadline:
                 self._deadline = trio.current_time() + self.cfg.drain
             nursery.start_soon(self._stop)
@@ -479,103 +345,8 @@ class OutputDaemon:
             self._hurry.set()
 
 
-def land_dead(lander: Lander) -> None:
-    """Land `lander.recovering` (what dead daemons left) and nothing else; NotLanded naming
-    what is left if an op fails GIVE_UP times (about 3 s) or a stop signal comes."""
-
-    async def land() -> None:
-        hurry = trio.Event()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(lander.run)
-            with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
-                nursery.start_soon(_set_on_signal, signals, hurry)
-                with trio.CancelScope() as scope:
-                    nursery.start_soon(_cancel_on, hurry, scope)
-                    with contextlib.suppress(LandingError):
-                        await lander.wait_landed(0, give_up_after_failures=GIVE_UP)
-                nursery.cancel_scope.cancel()
-
-    trio.run(land)
-    left = lander.recovering
-    if left:
-        failing = lander.statistics()["failing"]
-        raise NotLanded(f"{sum(len(d.pending) for d in left)} changes left by a dead daemon "
-                        f"did not land at {lander.dest.path}"
-                        + (f" ({failing['op']} {failing['path']}: {failing['error']})"
-                           if failing else "")
-                        + f"; they stay in {', '.join(str(d.path) for d in left)}")  # fmt: skip
-
-
-async def _set_on_signal(signals: Any, event: trio.Event) -> None:
-    async for _ in signals:
-        event.set()
-
-
-async def _cancel_on(event: trio.Event, scope: trio.CancelScope) -> None:
-    await event.wait()
-    scope.cancel()
-
-
-def recover_dir(path: Path) -> None:
-    """What the dead daemon whose staging directory is `path` left, landed (umount of its
-    mount); NotLanded if it cannot be (read, or landed)."""
-    dead = recover.open_dead(path)
-    if dead is None:
-        raise NotLanded(f"{path}: what its daemon left cannot be read (or it is still alive)")
-    try:
-        dest = Dest(str(dead.header.get("dest")))
-    except OSError as e:
-        dead.close()
-        raise NotLanded(f"{path}: its DEST {dead.header.get('dest')}: {e.strerror}; what it "
-                        "left stays there") from None  # fmt: skip
-    own = Source("recovery", "r", lambda data: None, lambda record: None)
-    land_dead(Lander(dest, Journal(None), own, recovering=[dead]))
-
-
 def _write_json(dir_fd: int, name: str, obj: Any) -> None:
     fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600,
                  dir_fd=dir_fd)  # fmt: skip
     with os.fdopen(fd, "w") as f:
         json.dump(obj, f, indent=1)
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-# -- the front: C threads answering WRITEs (fanfs/csrc/front.c, writes.c) ----------------------
-# One thread takes requests (a WRITE costs it a buffer swap and an answer); its writer thread
-# does the pwrites. Polling the device after a request (spin) did not help writes: no spin.
-FRONT_THREADS = 1
-
-
-def _start_front(stack: contextlib.ExitStack) -> lib.Front | None:
-    """This wing's front, its C threads answering WRITEs (after the mount); None (and a
-    warning) if they cannot start: pyfuse3 then reads every request itself."""
-    if fuse_ops.RECEIVER is None:
-        return None
-    install, session_fd = fuse_ops.RECEIVER
-    front = lib.Front(writes=True)
-    try:
-        front.pretend(native.pretend_protocol())
-        ready = front.start(session_fd(), FRONT_THREADS, 0)
-    except OSError as e:
-        log.warning("front threads unavailable, writes go through the event loop: %s", e)
-        return None
-    stack.callback(front.close)  # after trio is done with the receiver's fd
-    install(front.receiver(), ready)
-    return front
-
-
-def _stop_front(front: lib.Front) -> None:
-    """Before the unmount: pyfuse3 reads the device again, the threads stop."""
-    assert fuse_ops.RECEIVER is not None
-    fuse_ops.RECEIVER[0](None, -1)
-    front.stop()
-
-
-def _front_written(front: lib.Front | None) -> int:
-    """Bytes the front wrote."""
-    return int(front.written()) if front is not None else 0

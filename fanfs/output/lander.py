@@ -14,7 +14,7 @@ on the node, named (view.py keeps them), and the rest lands. Its error and attem
 What fanfs landed: `idents` maps each node (the mount's inode) to what is at DEST for it
 (dest.Ident), so renames and removals touch only that, and a file that grew is appended to.
 
-Concurrency: the trio thread (`run`, and the hooks it calls); `dest.apply` in worker threads.
+Concurrency: the trio thread (`run`, and the hooks it calls); `apply` (apply.py) in worker threads.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import Any
 import trio
 
 from fanfs.output import dest as dst
+from fanfs.output.apply import apply, remove_partial
 from fanfs.output.dest import Dest, Ident, LandingError, Outcome, Result
 from fanfs.output.journal import PUT, RENAME, RMDIR, UNLINK, Journal, Op
 
@@ -168,7 +169,7 @@ class Lander:
         litter, self._litter = self._litter, []
         for path, token, seq in litter:
             try:
-                await trio.to_thread.run_sync(dst.remove_partial, self.dest, path, token, seq,
+                await trio.to_thread.run_sync(remove_partial, self.dest, path, token, seq,
                                               abandon_on_cancel=True)  # fmt: skip
             except (OSError, LandingError):
                 self._litter.append((path, token, seq))
@@ -219,7 +220,7 @@ class Lander:
                 replaced = source.idents.get(op.replaced) if op.replaced else None
                 try:
                     result = await trio.to_thread.run_sync(
-                        dst.apply, self.dest, op, source.open_local, source.token, expect,
+                        apply, self.dest, op, source.open_local, source.token, expect,
                         source.strict, replaced, abandon_on_cancel=True,
                     )  # fmt: skip
                 except (OSError, LandingError) as e:

@@ -37,6 +37,7 @@ from typing import Any
 
 from fanfs.node.staging import PREFIX
 from fanfs.output import dest as dst
+from fanfs.output.apply import remove_partial
 from fanfs.output.dest import Dest, Ident
 from fanfs.output.journal import NAME, PUT, RENAME, UNLINK, Op, read
 from fanfs.output.lander import Source, track
@@ -195,7 +196,7 @@ class Dead:
                 dst.remove_marker(dest, self.source.token)
             for op in self.dropped:  # a partial its last attempt could not remove, if any
                 with contextlib.suppress(OSError, dst.LandingError):
-                    dst.remove_partial(dest, op.path, self.source.token, op.seq)
+                    remove_partial(dest, op.path, self.source.token, op.seq)
         kept = self.kept()
         keep = {*kept["files"].values(), *kept["skipped"].values()}
         for name in os.listdir(self.fd):

@@ -18,18 +18,14 @@ the partner sees them in the journal's order. A close (FLUSH) that enqueued a pu
 its "held" (fs.py awaits `replicate`), for at
 most the peer timeout plus the time the bytes take at REPLICATE_MB_S: a partner that does not
 answer is taken for dead, the file is landed from here as always, and `statistics()` says
-copies are no longer kept. A holder keeps an owner's ops in order, each put's bytes in its
-staging directory (`r<rank>-<seq>`), and forgets them as "landed" comes.
+copies are no longer kept. A holder keeps an owner's ops (held.py) and forgets them as
+"landed" comes.
 
 At the end (`finish`): ops of an owner still not landed are landed by the holder itself, in
 their order, into the owner's DEST (every rank's DEST and token are exchanged at start-up),
 once the owner is gone (dead: silent for the peer timeout) or has not said "bye" within the
-drain time. A sequence of ops is not safe to apply twice (unlink old, rename new to old: again,
-and the wrong file is gone), so the owner records at DEST how far it has landed, after each op
-(dest.py's marker), and the holder skips every op up to that record, read again before each
-op; only the op the owner was applying when it died may be applied twice, and each op alone
-is idempotent. A put whose pieces did not all arrive was never closed by its writer (the close
-waits for "held"): it is skipped.
+drain time; the owner records at DEST how far it has landed, after each op (dest.py's
+marker), so the holder skips what it landed (held.py).
 
 Concurrency: the MPI thread owns every MPI call; trio tasks hand it messages through a
 thread-safe queue and it hands back what trio needs with `trio.from_thread.run_sync`. The
@@ -51,7 +47,7 @@ from typing import Any
 import trio
 
 from fanfs.node.staging import StagingDir
-from fanfs.output.dest import Dest, LandingError, apply, read_marker, remove_marker
+from fanfs.output.held import Held
 from fanfs.output.journal import ATTR, PUT, Op
 from fanfs.output.messages import (
     M_BYE,
@@ -63,18 +59,14 @@ from fanfs.output.messages import (
     MESSAGE_MAX,
     OPS_M,
     PIECE,
-    BadMessage,
     decode,
     encode,
 )
+from fanfs.world import World
 
 log = logging.getLogger(__name__)
 
 TAG = 71  # the output daemons' messages (no other traffic shares their communicator)
-# Ops held for the owner, and their paths' bytes at most: a peer cannot grow our memory without
-# bound (an owner's journal is capped at MAX_HELD with replicas: more changes fail ENOSPC).
-MAX_HELD = 1 << 14
-HELD_PATH_BYTES = 64 << 20
 
 
 IN_FLIGHT = 4  # pieces posted and not delivered at most: MPI buffers at most 32 MiB of them
@@ -84,7 +76,7 @@ IDLE_SLEEP_S = (0.0005, 0.02)  # the MPI thread's poll: quick while busy, backin
 
 
 class Replicas:
-    def __init__(self, world: Any, staging: StagingDir, open_local: Callable[[int], int | None],
+    def __init__(self, world: World, staging: StagingDir, open_local: Callable[[int], int | None],
                  owner_dest: str, owner_token: str, peer_timeout: float,
                  on_sent: Callable[[int, int, int], None] = lambda node, data, size: None,
                  ):  # fmt: skip
@@ -95,8 +87,7 @@ class Replicas:
         self.staging = staging
         self._open_local = open_local
         self.on_sent = on_sent  # a put's bytes were read for the partner: (node, data, size)
-        self.owner_dest = owner_dest  # where the owner's files land, and its name there
-        self.owner_token = owner_token
+        self.owner_dest = owner_dest  # where the owner's files land
         self.peer_timeout = peer_timeout
         self.failed = ""  # why the owner's ops could not all be landed from here
         self.dead: set[int] = set()
@@ -106,13 +97,15 @@ class Replicas:
         self._thread: threading.Thread | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         # The MPI thread's (then finish's): the owner's ops not landed, in order.
-        self.holding: list[Op] = []
-        self._held_bytes = 0
-        self._incomplete: dict[int, int] = {}  # put seq -> pieces still to come
+        self.held = Held(staging, self.owner, owner_dest, owner_token)
         self.owner_heard = time.monotonic()
         self.owner_done = False
-        self.owner_landed = 0
         self.sent_bytes = 0
+
+    @property
+    def holding(self) -> list[Op]:
+        """The owner's ops held here, not landed, in order."""
+        return self.held.ops
 
     # -- trio side -------------------------------------------------------------------------
 
@@ -181,7 +174,7 @@ class Replicas:
             await trio.to_thread.run_sync(self._thread.join)
         if self.owner_done or not self.holding:
             with contextlib.suppress(OSError):
-                await trio.to_thread.run_sync(self._remove_owner_marker)
+                await trio.to_thread.run_sync(self.held.remove_marker)
             return
         if self.owner not in self.dead:
             log.warning("rank %d is still landing %d changes: its copies stay in %s (held.json)",
@@ -194,9 +187,6 @@ class Replicas:
             self.failed = f"not done within {drain_s:g} s"
         if self.failed:
             self.staging.keep_contents()
-
-    def _remove_owner_marker(self) -> None:
-        remove_marker(Dest(self.owner_dest), self.owner_token)
 
     # -- the MPI thread --------------------------------------------------------------------
 
@@ -313,96 +303,27 @@ class Replicas:
         if src != self.owner:
             return
         self.owner_heard = time.monotonic()
-        if (kind in OPS_M or (kind == M_PUT and part == 0)) and (
-            len(self.holding) >= MAX_HELD or self._held_bytes > HELD_PATH_BYTES
-        ):
-            raise BadMessage(f"more than {MAX_HELD} changes or {HELD_PATH_BYTES} bytes of "
-                             "paths not landed")  # fmt: skip
         if kind in OPS_M or (kind == M_PUT and part == 0):
-            self._held_bytes += len(path) + len(new)
+            self.held.check_room(path, new)
         try:
             if kind == M_PUT:
-                self._hold_piece(seq, path, mode, part, parts, data)
+                if self.held.piece(seq, path, mode, part, parts, data):
+                    self._out.put(("held", seq))  # from the loop: no post inside a receive
             elif kind in OPS_M:
-                self.holding.append(Op(seq, OPS_M[kind], path, new))
+                self.held.add(Op(seq, OPS_M[kind], path, new))
             elif kind == M_LANDED:
-                self._forget(seq)
+                self.held.forget(seq)
             elif kind == M_BYE:
-                self._forget(seq)
+                self.held.forget(seq)
                 self.owner_done = True
         except OSError as e:
             log.warning("rank %d: a copy could not be kept (%s)", src, e)
 
-    def _name(self, seq: int) -> str:
-        return f"r{self.owner}-{seq}"
-
-    def _hold_piece(self, seq: int, path: bytes, mode: int, part: int, parts: int,
-                    data: memoryview) -> None:  # fmt: skip
-        flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-        if part == 0:
-            flags |= os.O_CREAT | os.O_TRUNC
-            self.holding.append(Op(seq, PUT, path, data=seq, mode=mode))
-            self._incomplete[seq] = parts
-        elif self._incomplete.get(seq, 0) != parts - part:
-            raise BadMessage(f"piece {part} of {parts} of {seq} out of order")
-        fd = os.open(self._name(seq), flags, 0o600, dir_fd=self.staging.fd)
-        try:
-            os.pwrite(fd, data, part * PIECE)
-        finally:
-            os.close(fd)
-        op = next(op for op in reversed(self.holding) if op.seq == seq)
-        op.grew(part * PIECE + len(data))
-        self._incomplete[seq] -= 1
-        if self._incomplete[seq] == 0:
-            del self._incomplete[seq]
-            self._out.put(("held", seq))  # from the loop: no post inside a receive
-
-    def _forget(self, seq: int) -> None:
-        self.owner_landed = max(self.owner_landed, seq)
-        keep = []
-        for op in self.holding:
-            if op.seq <= seq:
-                if op.kind == PUT:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(self._name(op.seq), dir_fd=self.staging.fd)
-            else:
-                keep.append(op)
-        self.holding = keep
-        self._held_bytes = sum(len(op.path) + len(op.new) for op in keep)
-
-    def _open_copy(self, seq: int) -> int | None:
-        if seq in self._incomplete:
-            return None  # never closed by its writer: the close waited for all of it
-        try:
-            return os.open(self._name(seq), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                           dir_fd=self.staging.fd)  # fmt: skip
-        except FileNotFoundError:
-            return None
-
     def _land_owners(self) -> None:
-        """In a worker thread, after the MPI thread stopped: the owner's ops it did not land,
-        into the owner's DEST, skipping what its marker says it landed."""
-        log.warning("rank %d left %d changes not at DEST: landing them from the copies here",
-                    self.owner, len(self.holding))  # fmt: skip
-        try:
-            dest = Dest(self.owner_dest)
-        except OSError as e:
-            self.failed = f"{self.owner_dest}: {e.strerror}"
-            log.error("rank %d's DEST cannot be opened from here (%s): its changes are kept in %s",
-                      self.owner, self.failed, self.staging.path)  # fmt: skip
-            return
-        while self.holding:
-            op = self.holding[0]
-            try:
-                if op.seq > (read_marker(dest, self.owner_token) or 0):
-                    apply(dest, op, self._open_copy, f"{self.owner_token}-r", None, strict=False)
-            except (OSError, LandingError) as e:
-                self.failed = f"{op.kind} {op.describe()}: {e}"
-                log.error("rank %d's %s could not land from here; kept in %s",
-                          self.owner, self.failed, self.staging.path)  # fmt: skip
-                return
-            self._forget(op.seq)
-        remove_marker(dest, self.owner_token)
+        """In a worker thread, after the MPI thread stopped: what the owner did not land."""
+        failed = self.held.land()
+        if failed:  # (a thread `finish` gave up on may end later: it says why, never "")
+            self.failed = failed
 
     def statistics(self) -> dict[str, Any]:
         return {"partner": self.partner, "holding_for": self.owner,

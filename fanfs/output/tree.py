@@ -152,6 +152,10 @@ class Tree:
             raise TreeError(errno.ENOENT)
         return self.nodes[ino]
 
+    def describe(self, n: Node) -> str:
+        """`n` in a message: its path, or "a removed file"."""
+        return os.fsdecode(self.path(n.ino)) if n.linked else "a removed file"
+
     def path(self, ino: int) -> bytes:
         """Relative to the root (and to DEST): b"a/b/c"."""
         parts = []

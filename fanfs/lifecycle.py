@@ -1,0 +1,193 @@
+"""The skeleton both daemons share (`fanfs mount`'s, node/daemon.py, and `fanfs output`'s,
+output/daemon.py): stop signals, the MPI world, the start-up agreement, the mount, the end.
+
+Order (S3QL's mount.py): `Lifecycle.run` takes the stop signals, joins the MPI world and
+hands the daemon's body one exit stack, on which every resource registers its teardown the
+moment it exists: the signal handlers first, then MPI's finalize, then whatever the body
+builds (the mount among it). So the stack unwinds in the reverse order, whatever ends the
+daemon: the body's parts (the mount goes before the staged copies), MPI, and last the
+signals, which are therefore handled during the whole clean-up too.
+
+Start-up: every check a user mistake can fail runs before anything is mounted; `agree` is
+the start-up collective after each step: all ranks learn whether any failed (or was asked to
+stop), so they fail together with one clear line instead of some hanging. After start-up no
+collective runs (a dead rank must not block one), and MPI is not finalized when a peer is
+gone (MPI_Finalize can wait for it forever).
+
+Signals (SIGTERM, SIGINT, SIGHUP) mean "stop", whenever they come, never Python's defaults
+(which would kill the daemon without cleaning up): outside trio the first one is noted (and
+the next `agree` fails every rank together, exit 130); inside trio `watch_signals` hands
+each one to the daemon, which decides what stopping means for it.
+
+Concurrency: the main thread, outside trio (run, agree, mount, unmount) or in it
+(watch_signals); the signal handler only notes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import Awaitable, Callable, Collection
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import trio
+
+from fanfs import mounts
+from fanfs import world as mpi
+from fanfs.errors import ExitCode, FanfsError, Interrupted, MountFailed, MountpointError
+from fanfs.node import fuse_ops
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def node_name(rank: int) -> str:
+    """This daemon's node: from the launcher (Slurm), else its rank; never the hostname."""
+    return os.environ.get("SLURMD_NODENAME") or os.environ.get("SLURM_NODEID") or str(rank)
+
+
+def expand(template: str, rank: int, node: str) -> str:
+    return template.replace("{rank}", str(rank)).replace("{node}", node)
+
+
+def check_mountpoint(mountpoint: Path, nonempty: bool = False, image: Path | None = None) -> None:
+    if image is not None:
+        img = image.resolve()
+        if mountpoint == img or mountpoint in img.parents:
+            raise MountpointError(f"{mountpoint}: mounting there would hide the image {image}")
+        if img in mountpoint.parents:
+            raise MountpointError(f"{mountpoint}: the mount point is inside the image {image}")
+    if mounts.find(mountpoint) is not None:
+        raise MountpointError(f"{mountpoint}: already mounted")
+    if not mountpoint.exists():
+        raise MountpointError(f"{mountpoint}: mount point does not exist")
+    if not mountpoint.is_dir():
+        raise MountpointError(f"{mountpoint}: mount point is not a directory")
+    if not nonempty:
+        try:
+            with os.scandir(mountpoint) as it:
+                held = next(it, None)
+        except OSError as e:
+            raise MountpointError(f"{mountpoint}: cannot read mount point: {e.strerror}") from None
+        if held is not None:
+            # The mount would hide what is there (fusermount refused this for the same reason).
+            raise MountpointError(
+                f"{mountpoint}: mount point is not empty (holds {held.name!r}); "
+                "use --nonempty to mount over it anyway"
+            )
+
+
+def failed(code: int, message: str) -> FanfsError:
+    """The error a rank reports for another's failed start-up step, with that one's code."""
+    err = FanfsError(message)
+    err.exit_code = ExitCode(code)
+    return err
+
+
+class Lifecycle:
+    """One daemon's life around its body. `log` is the daemon's logger (its lines keep their
+    name); `noted`, if not None, is the line logged (with the signal's name) when a stop signal
+    comes outside trio; `interrupted` the message of a start-up cut short by one (with
+    `{signal}`, its name)."""
+
+    def __init__(self, log: logging.Logger, *, noted: str | None, interrupted: str):
+        self.log = log
+        self.noted = noted
+        self.interrupted = interrupted
+        self.rank, self.size = 0, 1
+        self.world: mpi.World | None = None
+        self.stop_signal = 0  # the first stop signal received
+        self._mounted: Path | None = None  # the mount point, while mounted
+        self._before_unmount: Callable[[], None] = lambda: None
+
+    def run(self, body: Callable[[contextlib.ExitStack], None],
+            gone: Callable[[], Collection[int]]) -> None:  # fmt: skip
+        """Run `body` with the signals taken and the world joined, handing it the exit stack
+        its parts register their teardown on; `gone()`: the ranks known dead at the end."""
+        with contextlib.ExitStack() as stack:
+            for sig in STOP_SIGNALS:
+                stack.callback(signal.signal, sig, signal.signal(sig, self._on_signal))
+            self.world = mpi.join(dict(os.environ))
+            if self.world is not None:
+                self.rank, self.size = self.world.rank, self.world.size
+                stack.callback(self._finalize, self.world, gone)
+            body(stack)
+
+    def _finalize(self, world: mpi.World, gone: Callable[[], Collection[int]]) -> None:
+        dead = gone()
+        if dead:  # a dead peer can make MPI_Finalize wait forever: leave without it
+            self.log.warning("not finalizing MPI: ranks %s are gone", sorted(dead))
+        else:
+            world.finalize()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        """Outside trio (start-up, clean-up): note the first stop signal, never raise."""
+        if not self.stop_signal:
+            self.stop_signal = signum
+            if self.noted is not None:
+                self.log.info(self.noted, signal.Signals(signum).name)
+
+    def agree(self, error: FanfsError | None) -> None:
+        """Raise if this rank or any other failed a start-up step (a start-up collective), or
+        was asked to stop meanwhile: all ranks fail together, none waits for another."""
+        if error is None and self.stop_signal:
+            name = signal.Signals(self.stop_signal).name
+            error = Interrupted(self.interrupted.format(signal=name))
+        if self.world is None:
+            if error is not None:
+                raise error
+            return
+        verdicts = self.world.allgather(
+            None if error is None else (int(error.exit_code), str(error))
+        )
+        if error is not None:
+            raise error
+        for rank, verdict in enumerate(verdicts):
+            if verdict is not None:
+                raise failed(verdict[0], f"rank {rank} failed to start: {verdict[1]}")
+
+    def mount(self, stack: contextlib.ExitStack, ops: Any, mountpoint: Path,
+              options: set[str] | None = None,
+              before_unmount: Callable[[], None] = lambda: None) -> None:  # fmt: skip
+        """Mount `ops` at `mountpoint` (all ranks agree it worked, or fail together) and
+        register the unmount; `before_unmount` runs first (what still answers requests in
+        the session stops)."""
+        error = None
+        try:
+            if options is None:
+                fuse_ops.mount(ops, str(mountpoint))
+            else:
+                fuse_ops.mount(ops, str(mountpoint), options)
+            self._mounted = mountpoint
+            self._before_unmount = before_unmount
+            stack.callback(self.unmount)
+        except RuntimeError as e:
+            error = MountFailed(f"{mountpoint}: cannot mount: {e}")
+        self.agree(error)
+
+    def unmount(self) -> None:
+        """The mount goes (idempotent): the daemon's own step first, then the session."""
+        if self._mounted is not None:
+            self._mounted = None
+            self._before_unmount()
+            fuse_ops.unmount()
+
+    async def watch_signals(self, on_stop: Callable[[bool, trio.Nursery], Awaitable[None]], *,
+                            task_status: trio.TaskStatus[None]) -> None:  # fmt: skip
+        """Inside trio: hand every stop signal to `on_stop(first, nursery)` (`first`: the
+        first stop signal of the daemon's life, which `stop_signal` now names; `nursery`:
+        where the daemon may start what stopping takes), one after the other, one noted
+        before trio took over the signals first."""
+        with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
+            task_status.started()
+            async with trio.open_nursery() as nursery:
+                if self.stop_signal:  # it came before trio took over the signals
+                    await on_stop(False, nursery)
+                async for signum in signals:
+                    first = not self.stop_signal
+                    if first:
+                        self.stop_signal = signum
+                    await on_stop(first, nursery)

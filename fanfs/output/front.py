@@ -1,0 +1,116 @@
+"""The output mount's front: the C threads answering WRITEs (fanfs/csrc/front.c, writes.c),
+started after the mount and stopped before the unmount, in one place.
+
+One thread takes requests (a WRITE costs it a buffer swap and an answer); its writer thread
+does the pwrites into the file's local data through the handle (view.py). Every other request
+is handed to pyfuse3's session loop through its receiver hook. Without fanfs's patched
+pyfuse3 (no receiver) or when the threads cannot start, pyfuse3 reads every request itself:
+slower writes, the same file system.
+
+Concurrency: start, stop and statistics run in the main thread (start and stop outside trio,
+stop also from trio at the unmount); the C threads keep their own state (front.c).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fanfs import native
+from fanfs.native import lib
+
+log = logging.getLogger(__name__)
+
+# One thread, and no polling of the device after a request (spin 0): polling did not help
+# writes.
+THREADS = 1
+SPIN_US = 0
+
+# pyfuse3's receiver hook (node/fuse_ops.RECEIVER): install(receiver, fd) hands it the front's
+# receiver (None: removes it), session_fd() is the FUSE session's fd.
+Receiver = tuple[Callable[[Any, int], None], Callable[[], int]]
+
+
+@dataclass(frozen=True, slots=True)
+class FrontInfo:
+    """Whether the front answers WRITEs in C, the kernel's FUSE protocol, why not (""), and
+    the bytes it wrote."""
+
+    running: bool
+    protocol: str  # the kernel's FUSE protocol, "7.N" ("" before its INIT)
+    off: str
+    written: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"running": self.running, "protocol": self.protocol, "off": self.off,
+                "written": self.written}  # fmt: skip
+
+
+class WriteFront:
+    """The front of one output mount; `receiver`: pyfuse3's hook, None without it."""
+
+    def __init__(self, receiver: Receiver | None):
+        self.receiver = receiver
+        self.running = False  # its threads answer WRITEs now
+        self.started = False  # they did since the mount: what they wrote is collected (view.py)
+        self.native: lib.Front | None = None  # this wing's own C front, once made (start)
+
+    def start(self, stack: contextlib.ExitStack) -> bool:
+        """Let the threads answer WRITEs (after the mount); False (and a warning) if they
+        cannot: pyfuse3 then reads every request itself."""
+        if self.receiver is None:
+            return False
+        install, session_fd = self.receiver
+        front = lib.Front(writes=True)
+        try:
+            front.pretend(native.pretend_protocol())
+            ready = front.start(session_fd(), THREADS, SPIN_US)
+        except OSError as e:
+            log.warning("front threads unavailable, writes go through the event loop: %s", e)
+            return False
+        self.native = front
+        stack.callback(front.close)  # after trio is done with the receiver's fd
+        install(front.receiver(), ready)
+        self.running = self.started = True
+        return True
+
+    def stop(self) -> None:
+        """Before the unmount: pyfuse3 reads the device again, the threads stop."""
+        if self.running and self.receiver is not None:
+            self.running = False
+            self.receiver[0](None, -1)
+            self._c().stop()
+
+    def statistics(self) -> FrontInfo:
+        protocol, why = native.front_kernel(self.native)
+        if self.receiver is None:
+            why = "pyfuse3 is not fanfs's patched build (run `make setup`)"
+        elif not self.running and not why:
+            why = "its threads could not start"
+        return FrontInfo(self.running, protocol, why, self.written())
+
+    def written(self) -> int:
+        """Bytes the front wrote (the C counts them)."""
+        return int(self.native.written()) if self.native is not None else 0
+
+    # What the view asks of the threads once they started (files.py): which WRITEs of a
+    # handle come to Python (`hold`), what they wrote and the errors they met through it.
+
+    def _c(self) -> lib.Front:
+        assert self.native is not None, "the front never started"
+        return self.native
+
+    def hold(self, fh: int, below: int) -> None:
+        self._c().hold(fh, below)
+
+    def settle(self) -> None:
+        self._c().settle()
+
+    def take_written(self, fh: int) -> int | None:
+        return self._c().take_written(fh)
+
+    def take_error(self, fh: int) -> int:
+        return self._c().take_error(fh)
