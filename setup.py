@@ -25,11 +25,11 @@ def fuse3(flag: str) -> list[str]:
 cflags = fuse3("--cflags")
 native = Extension(
     "fanfs._native",
-    ["fanfs/_native.pyx", "fanfs/csrc/codec.c", "fanfs/csrc/pool.c", "fanfs/csrc/front.c",
-     "fanfs/csrc/writes.c"],
+    ["fanfs/_native.pyx", "fanfs/csrc/codec.c", "fanfs/csrc/pieces.c", "fanfs/csrc/pool.c",
+     "fanfs/csrc/front.c", "fanfs/csrc/writes.c"],
     include_dirs=["fanfs/csrc", *(f[2:] for f in cflags if f.startswith("-I"))],
     extra_compile_args=[f for f in cflags if not f.startswith("-I")] + ["-O2", "-Wall"],
     extra_link_args=fuse3("--libs") + ["-ldl", "-lpthread"],
-    depends=["fanfs/csrc/fanfs_native.h"],
+    depends=["fanfs/csrc/fanfs_native.h", "fanfs/csrc/pieces.h", "fanfs/csrc/pool_int.h"],
 )
 setup(ext_modules=cythonize([native], language_level=3, quiet=True))

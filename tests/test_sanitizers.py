@@ -70,7 +70,8 @@ def test_the_native_tests_pass_with_the_extension_under_address_sanitizer(
         ["gcc", "-shared", "-fPIC", "-O0", "-g", "-fno-omit-frame-pointer",
          "-fsanitize=address,undefined", "-fno-sanitize-recover=all", f"-I{csrc}",
          f"-I{sysconfig.get_paths()['include']}", *_fuse3("--cflags"), str(generated),
-         *(str(csrc / f) for f in ("codec.c", "pool.c", "front.c", "writes.c")), "-o", str(ext),
+         *(str(csrc / f) for f in ("codec.c", "pieces.c", "pool.c", "front.c", "writes.c")),
+         "-o", str(ext),
          *_fuse3("--libs"), "-ldl", "-lpthread"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
@@ -95,7 +96,7 @@ def test_the_native_tests_pass_with_the_extension_under_address_sanitizer(
     assert "Sanitizer" not in ran.stderr and "runtime error" not in ran.stderr, out
 
 
-@pytest.mark.parametrize("source", ["front.c", "pool.c", "writes.c", "codec.c"])
+@pytest.mark.parametrize("source", ["front.c", "pieces.c", "pool.c", "writes.c", "codec.c"])
 def test_the_c_builds_with_rhel_8s_kernel_headers(source: str, tmp_path: Path) -> None:
     csrc, native = ROOT / "fanfs" / "csrc", ROOT / "tests" / "native"
     unit = tmp_path / "unit.c"
@@ -175,7 +176,7 @@ def test_the_pool_under_sanitizers(stress_data: Path, tmp_path: Path, sanitizer:
         pytest.skip("no gcc")
     exe = tmp_path / f"pool_stress_{sanitizer}"
     harness = [NATIVE / "pool_stress.c", NATIVE / "front_stress.c"]
-    sources = [*harness, CSRC / "codec.c", CSRC / "front.c", CSRC / "writes.c"]
+    sources = [*harness, *(CSRC / f for f in ("codec.c", "pieces.c", "front.c", "writes.c"))]
     cmd = ["gcc", "-g", "-O1", "-fno-omit-frame-pointer", *SANITIZERS[sanitizer],
            f"-I{CSRC}", *_fuse3("--cflags"), *map(str, sources), "-o", str(exe),
            *_fuse3("--libs"), "-ldl", "-lpthread"]  # fmt: skip

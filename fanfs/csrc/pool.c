@@ -34,35 +34,12 @@
 #include <unistd.h>
 
 #include "fanfs_native.h"
+#include "pieces.h"
+#include "pool_int.h"
 
 #define MAX_THREADS 64
 #define AHEAD_MAX 64 /* queued read-aheads at most; beyond, the stalest is dropped */
-#define SLOTS 32
-#define CACHE_BYTES (64u << 20)
-#define SPARES 8          /* freed piece buffers kept for the next piece: pages mapped already */
-/* A spare is kept only up to one compressed piece (4 MiB, plus a direct read's alignment) and
- * SPARE_BYTES in all: a larger buffer is rarely asked for again, and a spare is memory that
- * the cache's budget does not see. */
-#define SPARE_MAX ((4u << 20) + 2 * FANFS_DIRECT_ALIGN)
-#define SPARE_BYTES (16u << 20)
 #define PUSH_MAX 64       /* queued pushes; beyond, a piece is not pushed (the kernel READs it) */
-#define WAITING (1 << 30) /* piece_get: the job was hung on a piece being read */
-
-/* Where a READ's answer goes: through libfuse (`req`, a request pyfuse3 took), or written to
- * the FUSE device `fd` for request `unique` (one the front took itself). */
-struct target {
-    struct fuse_session *se; /* for pushes through libfuse; NULL with `fd` */
-    fuse_req_t req;
-    int fd;
-    uint64_t unique;
-};
-
-struct qjob {
-    struct qjob *next;
-    struct target t; /* t.req NULL and t.fd < 0: a read-ahead */
-    int lookahead;   /* a read-ahead started at LOOKUP: run only while its READ is to come */
-    struct fanfs_job j;
-};
 
 static int is_read(const struct qjob *qj) { return qj->t.req != NULL || qj->t.fd >= 0; }
 
@@ -80,38 +57,8 @@ static void reply_err(const struct target *t, int err) {
         fanfs_raw_reply(t->fd, t->unique, err, NULL, 0);
 }
 
-/* -- the cache of decoded pieces ---------------------------------------------------------- */
-struct slot {
-    int fd;
-    int64_t off;
-    uint32_t len, crc, size;
-    uint8_t kind;          /* the key: where the stored piece is, and what it is */
-    char *buf;             /* its allocation (NULL: an empty slot, or pending) */
-    uint32_t cap;
-    uint32_t charge;       /* bytes counted for it in cache.bytes: its allocation's, once made */
-    const char *data;      /* its decoded bytes, inside buf */
-    int refs;              /* replies and pushes using it: never evicted while > 0 */
-    int pending;           /* a thread is reading it */
-    int unpushed;          /* read ahead with no push: the first READ of it pushes the rest */
-    int ahead;             /* a peer's piece reserved at a LOOKUP, counted in cache.ahead */
-    uint64_t used;
-    struct qjob *waiters;  /* READs hung on it until it is read */
-};
-
-static struct {
-    pthread_mutex_t lock;
-    pthread_cond_t ready; /* a pending slot was filled or given up (synchronous callers) */
-    struct slot slot[SLOTS];
-    struct {
-        char *buf;
-        uint32_t cap;
-    } spare[SPARES];
-    uint64_t spare_bytes; /* their caps */
-    uint64_t clock, hits, misses;
-    uint64_t bytes; /* what the slots hold or will: their charges (about CACHE_BYTES at most) */
-    int ahead;   /* pending peers' pieces reserved at LOOKUP (at most LA_REMOTE_MAX) */
-    int waiting; /* READs of the front waiting for a peer's piece (at most rq.max_waiting) */
-} cache = {.lock = PTHREAD_MUTEX_INITIALIZER, .ready = PTHREAD_COND_INITIALIZER};
+/* -- the cache of decoded pieces (pieces.h) ---------------------------------------------- */
+static struct pieces cache = PIECES_INIT;
 
 static struct {
     pthread_mutex_t lock;
@@ -167,93 +114,6 @@ static void thread_buffers_trim(void) {
     }
 }
 
-/* A buffer of at least `size` bytes for a piece: a spare one if one is big enough, else new. */
-static char *piece_alloc(uint64_t size, uint32_t *cap) {
-    int i, best = -1;
-    char *buf = NULL;
-    pthread_mutex_lock(&cache.lock);
-    for (i = 0; i < SPARES; i++) /* (one much larger than asked would be charged in full) */
-        if (cache.spare[i].buf != NULL && cache.spare[i].cap >= size &&
-            cache.spare[i].cap <= 2 * size + 2 * FANFS_DIRECT_ALIGN &&
-            (best < 0 || cache.spare[i].cap < cache.spare[best].cap))
-            best = i;
-    if (best >= 0) {
-        buf = cache.spare[best].buf;
-        *cap = cache.spare[best].cap;
-        cache.spare[best].buf = NULL;
-        cache.spare_bytes -= *cap;
-    }
-    pthread_mutex_unlock(&cache.lock);
-    return buf != NULL ? buf : fanfs_alloc(size, cap);
-}
-
-/* Give a piece's buffer back: kept as a spare while there is room. Cache lock held. */
-static void piece_free_locked(char *buf, uint32_t cap) {
-    int i;
-    if (buf == NULL)
-        return;
-    if (cap <= SPARE_MAX && cache.spare_bytes + cap <= SPARE_BYTES)
-        for (i = 0; i < SPARES; i++)
-            if (cache.spare[i].buf == NULL) {
-                cache.spare[i].buf = buf;
-                cache.spare[i].cap = cap;
-                cache.spare_bytes += cap;
-                return;
-            }
-    free(buf);
-}
-
-static void piece_free(char *buf, uint32_t cap) {
-    pthread_mutex_lock(&cache.lock);
-    piece_free_locked(buf, cap);
-    pthread_mutex_unlock(&cache.lock);
-}
-
-/* What a piece's buffer will take, as counted before it is allocated: its decoded size in
- * whole pages (a raw piece's buffer also holds a direct read's alignment). Settled at the
- * allocation's own size when the slot is filled. */
-static uint32_t piece_charge(const struct fanfs_piece *p) {
-    uint64_t n = p->kind == FANFS_KIND_RAW ? (uint64_t)p->len + 2 * FANFS_DIRECT_ALIGN : p->size;
-    return (uint32_t)((n + FANFS_DIRECT_ALIGN - 1) / FANFS_DIRECT_ALIGN * FANFS_DIRECT_ALIGN);
-}
-
-static int slot_is(const struct slot *s, int fd, const struct fanfs_piece *p) {
-    return (s->buf != NULL || s->pending) && s->fd == fd && s->off == p->off &&
-           s->len == p->len && s->crc == p->crc && s->size == p->size && s->kind == p->kind;
-}
-
-/* A slot for `size` more bytes, cache lock held: settled pieces nobody uses are evicted least
- * recently used first until the bytes allow `size` more and a slot is free; -1 when every
- * piece is in use (or `size` alone is more than the cache holds). */
-static int slot_room(uint32_t size) {
-    int i, empty, victim;
-    struct slot *s;
-    for (;;) {
-        empty = victim = -1;
-        for (i = 0; i < SLOTS; i++) {
-            s = &cache.slot[i];
-            if (s->refs != 0 || s->pending)
-                continue;
-            if (s->buf == NULL) {
-                if (empty < 0)
-                    empty = i;
-            } else if (victim < 0 || s->used < cache.slot[victim].used) {
-                victim = i;
-            }
-        }
-        if (empty >= 0 && cache.bytes + size <= CACHE_BYTES)
-            return empty;
-        if (victim < 0)
-            return -1;
-        s = &cache.slot[victim];
-        cache.bytes -= s->charge;
-        s->charge = 0;
-        piece_free_locked(s->buf, s->cap);
-        s->buf = NULL;
-        s->data = NULL;
-    }
-}
-
 /* Put READs hung on a piece back at the front of the queue (their piece is there now, or
  * failed: they read it themselves). */
 static void requeue(struct qjob *w) {
@@ -271,46 +131,8 @@ static void requeue(struct qjob *w) {
     pthread_mutex_unlock(&pool.lock);
 }
 
-/* Settle a pending slot with its decoded bytes (buf NULL: reading it failed, the slot is
- * given up) and wake the threads waiting for it, cache lock held; the READs hung on it are
- * returned, for requeue() once the lock is let go. The caller keeps its reference when it
- * filled it. */
-static struct qjob *slot_fill_locked(int i, char *buf, uint32_t cap, const char *data) {
-    struct slot *s = &cache.slot[i];
-    struct qjob *w = s->waiters;
-    s->pending = 0;
-    s->buf = buf;
-    s->cap = cap;
-    s->data = data;
-    if (buf == NULL) {
-        cache.bytes -= s->charge;
-        s->charge = 0;
-        s->refs = 0;
-    } else { /* what it allocated, counted from now on */
-        cache.bytes += (uint64_t)cap - s->charge;
-        s->charge = cap;
-    }
-    if (s->ahead) {
-        s->ahead = 0;
-        cache.ahead--;
-    }
-    s->waiters = NULL;
-    pthread_cond_broadcast(&cache.ready);
-    return w;
-}
-
 static void slot_fill(int i, char *buf, uint32_t cap, const char *data) {
-    struct qjob *w;
-    pthread_mutex_lock(&cache.lock);
-    w = slot_fill_locked(i, buf, cap, data);
-    pthread_mutex_unlock(&cache.lock);
-    requeue(w);
-}
-
-static void slot_release(int i) {
-    pthread_mutex_lock(&cache.lock);
-    cache.slot[i].refs--;
-    pthread_mutex_unlock(&cache.lock);
+    requeue(pieces_ready(&cache, i, buf, cap, data));
 }
 
 /* -- pieces ------------------------------------------------------------------------------- */
@@ -326,7 +148,7 @@ static int load_piece(const struct fanfs_job *j, const struct fanfs_piece *p,
     if (p->kind == FANFS_KIND_RAW) {
         if (p->len != p->size)
             return FANFS_EBADDATA;
-        *buf = piece_alloc((uint64_t)p->len + 2 * FANFS_DIRECT_ALIGN, cap);
+        *buf = pieces_alloc(&cache, (uint64_t)p->len + 2 * FANFS_DIRECT_ALIGN, cap);
         if (*buf == NULL)
             return ENOMEM;
         err = fanfs_read_stored(j->fd, j->dfd, p, buf, cap, &at);
@@ -338,7 +160,7 @@ static int load_piece(const struct fanfs_job *j, const struct fanfs_piece *p,
     err = fanfs_read_stored(j->fd, j->dfd, p, &t->stored.buf, &t->stored.cap, &at);
     if (err != 0)
         return err;
-    *buf = piece_alloc(p->size, cap);
+    *buf = pieces_alloc(&cache, p->size, cap);
     if (*buf == NULL)
         return ENOMEM;
     *data = *buf;
@@ -356,140 +178,90 @@ struct got {
 
 static int remote_piece(const struct fanfs_job *j, const struct fanfs_piece *p, struct got *g);
 
+/* A piece asked for whole and not cached: read and decoded into the thread's own buffers
+ * (several pieces: a buffer of its own each). */
+static int piece_alone(const struct fanfs_job *j, const struct fanfs_piece *p,
+                       const struct fanfs_dicts *dicts, struct got *g) {
+    struct fanfs_tls *t;
+    const char *at;
+    uint32_t cap = 0;
+    int err;
+    if ((t = fanfs_tls()) == NULL)
+        return ENOMEM;
+    err = fanfs_read_stored(j->fd, j->dfd, p, &t->stored.buf, &t->stored.cap, &at);
+    if (err != 0)
+        return err;
+    g->fresh = 1;
+    if (p->kind == FANFS_KIND_RAW) {
+        g->data = at;
+        return p->len == p->size ? 0 : FANFS_EBADDATA;
+    }
+    if (j->npieces == 1) {
+        if (p->size > t->out.cap || t->out.buf == NULL) {
+            char *n = fanfs_alloc(p->size, &cap);
+            if (n == NULL)
+                return ENOMEM;
+            free(t->out.buf); /* (its count is redone when it is settled) */
+            t->out.buf = n;
+            t->out.cap = cap;
+        }
+        g->data = t->out.buf;
+    } else {
+        if ((g->own = pieces_alloc(&cache, p->size, &g->cap)) == NULL)
+            return ENOMEM;
+        g->data = g->own;
+    }
+    return fanfs_decode(dicts, p, (const unsigned char *)at, (unsigned char *)g->data);
+}
+
 /* Piece k of job j: 0 with *g filled, an errno, or WAITING when `qj` (a READ of the pool) was
  * hung on the piece because another thread is reading it. Without `qj` the caller waits. */
 static int piece_get(struct qjob *qj, const struct fanfs_job *j, int k,
                      const struct fanfs_dicts *dicts, struct got *g) {
     const struct fanfs_piece *p = &j->pieces[k];
-    int i, found, err;
+    struct pieces_wait how = {.hang = qj};
+    int i = -1, err, got, unpushed;
     char *buf = NULL;
     uint32_t cap = 0;
-    const char *data = NULL, *at;
-    struct fanfs_tls *t;
+    const char *data = NULL;
 
     g->slot = -1;
     g->own = NULL;
     g->fresh = 0;
     if (j->fd <= FANFS_REMOTE_FD(0))
         return remote_piece(j, p, g); /* a peer's file: the MPI thread fetches it */
-    if (!p->cache) {
-        /* A file asked for whole: nobody asks for it again (the kernel keeps it), so it is not
-         * cached, unless it is there already (read ahead at its LOOKUP). */
-        pthread_mutex_lock(&cache.lock);
-        for (;;) {
-            found = -1;
-            for (i = 0; i < SLOTS; i++)
-                if (slot_is(&cache.slot[i], j->fd, p))
-                    found = i;
-            if (found < 0 || !cache.slot[found].pending)
-                break;
-            if (qj != NULL) {
-                qj->next = cache.slot[found].waiters;
-                cache.slot[found].waiters = qj;
-                pthread_mutex_unlock(&cache.lock);
-                return WAITING;
-            }
-            pthread_cond_wait(&cache.ready, &cache.lock);
-        }
-        if (found >= 0) {
-            struct slot *s = &cache.slot[found];
-            s->refs++;
-            s->used = ++cache.clock;
-            s->unpushed = 0;
-            cache.hits++;
-            pthread_mutex_unlock(&cache.lock);
-            g->slot = found;
-            g->data = s->data;
-            return 0;
-        }
-        pthread_mutex_unlock(&cache.lock);
-        if ((t = fanfs_tls()) == NULL)
-            return ENOMEM;
-        err = fanfs_read_stored(j->fd, j->dfd, p, &t->stored.buf, &t->stored.cap, &at);
-        if (err != 0)
-            return err;
-        g->fresh = 1;
-        if (p->kind == FANFS_KIND_RAW) {
-            g->data = at;
-            return p->len == p->size ? 0 : FANFS_EBADDATA;
-        }
-        if (j->npieces == 1) {
-            if (p->size > t->out.cap || t->out.buf == NULL) {
-                char *n = fanfs_alloc(p->size, &cap);
-                if (n == NULL)
-                    return ENOMEM;
-                free(t->out.buf); /* (its count is redone when it is settled) */
-                t->out.buf = n;
-                t->out.cap = cap;
-            }
-            g->data = t->out.buf;
-        } else {
-            if ((g->own = piece_alloc(p->size, &g->cap)) == NULL)
-                return ENOMEM;
-            g->data = g->own;
-        }
-        return fanfs_decode(dicts, p, (const unsigned char *)at, (unsigned char *)g->data);
-    }
     pthread_mutex_lock(&cache.lock);
-    for (;;) {
-        found = -1;
-        for (i = 0; i < SLOTS; i++)
-            if (slot_is(&cache.slot[i], j->fd, p))
-                found = i;
-        if (found < 0 || !cache.slot[found].pending)
-            break;
-        if (qj != NULL) {
-            qj->next = cache.slot[found].waiters;
-            cache.slot[found].waiters = qj;
-            pthread_mutex_unlock(&cache.lock);
-            return WAITING;
-        }
-        pthread_cond_wait(&cache.ready, &cache.lock);
-    }
-    if (found >= 0) {
-        struct slot *s = &cache.slot[found];
-        s->refs++;
-        s->used = ++cache.clock;
-        g->fresh = s->unpushed; /* read ahead at LOOKUP: this first READ pushes the rest */
-        s->unpushed = 0;
-        cache.hits++;
-        pthread_mutex_unlock(&cache.lock);
-        g->slot = found;
-        g->data = s->data;
-        return 0;
-    }
-    cache.misses++;
-    found = slot_room(piece_charge(p));
-    if (found >= 0) {
-        struct slot *s = &cache.slot[found];
-        s->fd = j->fd;
-        s->off = p->off;
-        s->len = p->len;
-        s->crc = p->crc;
-        s->size = p->size;
-        s->kind = p->kind;
-        s->used = ++cache.clock;
-        s->pending = 1;
-        s->unpushed = 0;
-        s->refs = 1; /* ours */
-        s->waiters = NULL;
-        s->charge = piece_charge(p);
-        cache.bytes += s->charge; /* counted now: the room is taken */
+    got = pieces_get_locked(&cache, j->fd, p, &how, &i, &unpushed);
+    if (got == PIECES_ABSENT && p->cache) {
+        cache.misses++;
+        i = pieces_reserve_locked(&cache, j->fd, p, 1, 0, 0); /* -1: no room, read alone */
     }
     pthread_mutex_unlock(&cache.lock);
+    if (got == PIECES_HUNG)
+        return WAITING;
+    if (got == PIECES_HIT) {
+        /* A piece read ahead at LOOKUP: this first READ pushes the rest. (One asked for whole
+         * is there only when read ahead at its LOOKUP: the kernel keeps it, nothing to push.) */
+        g->fresh = p->cache ? unpushed : 0;
+        g->slot = i;
+        g->data = cache.slot[i].data;
+        return 0;
+    }
+    if (!p->cache) /* a file asked for whole: nobody asks for it again (the kernel keeps it) */
+        return piece_alone(j, p, dicts, g);
     err = load_piece(j, p, dicts, &buf, &cap, &data);
     if (err != 0) {
         if (buf != NULL)
-            piece_free(buf, cap);
-        if (found >= 0)
-            slot_fill(found, NULL, 0, NULL);
+            pieces_free(&cache, buf, cap);
+        if (i >= 0)
+            slot_fill(i, NULL, 0, NULL);
         return err;
     }
     g->fresh = 1;
     g->data = data;
-    if (found >= 0) {
-        slot_fill(found, buf, cap, data);
-        g->slot = found;
+    if (i >= 0) {
+        slot_fill(i, buf, cap, data);
+        g->slot = i;
     } else {
         g->own = buf; /* no room in the cache: this reply's alone */
         g->cap = cap;
@@ -499,9 +271,9 @@ static int piece_get(struct qjob *qj, const struct fanfs_job *j, int k,
 
 static void piece_done(struct got *g) {
     if (g->slot >= 0)
-        slot_release(g->slot);
+        pieces_release(&cache, g->slot);
     else if (g->own != NULL)
-        piece_free(g->own, g->cap);
+        pieces_free(&cache, g->own, g->cap);
 }
 
 /* -- pushes ------------------------------------------------------------------------------- */
@@ -516,9 +288,7 @@ static void push_queue(const struct target *t, uint64_t ino, int i, int64_t pos,
         struct push *q = &push.q[(push.first + push.n) % PUSH_MAX];
         *q = (struct push){t->se, t->fd, ino, i, pos, from, to};
         push.n++;
-        pthread_mutex_lock(&cache.lock);
-        cache.slot[i].refs++;
-        pthread_mutex_unlock(&cache.lock);
+        pieces_ref(&cache, i);
         pthread_cond_signal(&push.cond);
     } else {
         push.skipped++;
@@ -552,7 +322,7 @@ static void *pusher_main(void *arg) {
             push.bytes += q.to - q.from;
             pthread_mutex_unlock(&push.lock);
         }
-        slot_release(q.slot);
+        pieces_release(&cache, q.slot);
         pthread_mutex_lock(&push.lock);
     }
     pthread_mutex_unlock(&push.lock);
@@ -668,7 +438,7 @@ static struct {
 
 /* Queue the fetch of slot i's piece (cache lock held: the lock order is cache, then rq); 0,
  * or -1 when the queue is full or the remote path is off. */
-static int rq_push(int i, const struct fanfs_job *j, const struct fanfs_piece *p, int ahead) {
+static int rq_push_locked(int i, const struct fanfs_job *j, const struct fanfs_piece *p, int ahead) {
     uint64_t one = 1;
     ssize_t w;
     uint32_t part = (uint32_t)(FANFS_REMOTE_FD(0) - j->fd);
@@ -701,59 +471,28 @@ static int rq_push(int i, const struct fanfs_job *j, const struct fanfs_piece *p
  * a failed push gave it up). The slot's index, or -1 (no room, the queue is full, or the pool
  * is stopping). Nobody holds a reference to it: a READ waiting for it takes one once it is
  * filled, as for any piece. */
-static int remote_reserve(const struct fanfs_job *j, const struct fanfs_piece *p, int ahead) {
+static int remote_reserve_locked(const struct fanfs_job *j, const struct fanfs_piece *p,
+                                 int ahead) {
     int i;
-    struct slot *s;
     if (!__atomic_load_n(&fast.on, __ATOMIC_ACQUIRE)) /* a stop gave up what was pending */
         return -1;
-    if ((i = slot_room(piece_charge(p))) < 0)
+    /* Nobody pushed it: its first READ pushes the rest. */
+    if ((i = pieces_reserve_locked(&cache, j->fd, p, 0, 1, ahead)) < 0)
         return -1;
-    s = &cache.slot[i];
-    s->fd = j->fd;
-    s->off = p->off;
-    s->len = p->len;
-    s->crc = p->crc;
-    s->size = p->size;
-    s->kind = p->kind;
-    s->used = ++cache.clock;
-    s->pending = 1;
-    s->unpushed = 1; /* nobody pushed it: its first READ pushes the rest */
-    s->ahead = ahead;
-    s->refs = 0;
-    s->waiters = NULL;
-    s->charge = piece_charge(p);
-    cache.bytes += s->charge;
-    cache.ahead += ahead;
-    if (rq_push(i, j, p, ahead) != 0) {
-        slot_fill_locked(i, NULL, 0, NULL); /* nobody could hang on it meanwhile */
+    if (rq_push_locked(i, j, p, ahead) != 0) {
+        pieces_ready_locked(&cache, i, NULL, 0, NULL); /* nobody could hang on it meanwhile */
         return -1;
     }
     return i;
 }
 
-/* Whether one more READ may wait for a peer's piece (cache lock held). */
-static int rq_may_wait(void) {
-    int most = __atomic_load_n(&rq.max_waiting, __ATOMIC_RELAXED);
-    return most <= 0 || cache.waiting < most;
-}
-
-/* Wait for a pending slot to settle, cache lock held: 0, or ETIMEDOUT past `deadline`. */
-static int slot_wait(const struct timespec *deadline) {
-    int err;
-    cache.waiting++;
-    err = deadline != NULL
-              ? pthread_cond_clockwait(&cache.ready, &cache.lock, CLOCK_MONOTONIC, deadline)
-              : pthread_cond_wait(&cache.ready, &cache.lock);
-    cache.waiting--;
-    return err;
-}
-
 /* A peer's piece for a READ of the front (which may wait, within the limits above):
  * FANFS_EREMOTE when it cannot be had here in time (the READ then goes to Python). */
 static int remote_piece(const struct fanfs_job *j, const struct fanfs_piece *p, struct got *g) {
-    int i, found, mine = -1;
+    int i, got, unpushed, mine = -1;
     int64_t wait_ns = __atomic_load_n(&rq.wait_ns, __ATOMIC_RELAXED), end;
     struct timespec deadline;
+    struct pieces_wait how = {.counted = 1, .deadline = wait_ns > 0 ? &deadline : NULL};
     if (wait_ns > 0) { /* on CLOCK_MONOTONIC: a wall clock's step changes nothing */
         clock_gettime(CLOCK_MONOTONIC, &deadline);
         end = (int64_t)deadline.tv_sec * 1000000000 + deadline.tv_nsec + wait_ns;
@@ -762,33 +501,22 @@ static int remote_piece(const struct fanfs_job *j, const struct fanfs_piece *p, 
     }
     pthread_mutex_lock(&cache.lock);
     for (;;) {
-        found = -1;
-        for (i = 0; i < SLOTS; i++)
-            if (slot_is(&cache.slot[i], j->fd, p))
-                found = i;
-        if (found >= 0 && cache.slot[found].pending) {
-            if (!rq_may_wait() || slot_wait(wait_ns > 0 ? &deadline : NULL) == ETIMEDOUT)
-                break;
-            continue;
-        }
-        if (found >= 0) {
-            struct slot *s = &cache.slot[found];
-            s->refs++;
-            s->used = ++cache.clock;
-            g->fresh = s->unpushed;
-            s->unpushed = 0;
-            cache.hits++;
+        how.limit = __atomic_load_n(&rq.max_waiting, __ATOMIC_RELAXED);
+        got = pieces_get_locked(&cache, j->fd, p, &how, &i, &unpushed);
+        if (got == PIECES_HIT) {
             pthread_mutex_unlock(&cache.lock);
-            g->slot = found;
-            g->data = s->data;
+            g->fresh = unpushed;
+            g->slot = i;
+            g->data = cache.slot[i].data;
             return 0;
         }
-        /* Ours was given up (no holder could give it) or, rarely, evicted; or nobody may
-         * wait: Python answers (as when the pool is stopping: remote_reserve refuses). */
-        if (mine >= 0 || !rq_may_wait())
+        /* Not had in time, or ours was given up (no holder could give it) or, rarely,
+         * evicted; or nobody may wait: Python answers (as when the pool is stopping:
+         * remote_reserve_locked refuses). */
+        if (got == PIECES_GAVE_UP || mine >= 0 || !pieces_may_wait_locked(&cache, how.limit))
             break;
         cache.misses++;
-        if ((mine = remote_reserve(j, p, 0)) < 0)
+        if ((mine = remote_reserve_locked(j, p, 0)) < 0)
             break;
     }
     pthread_mutex_unlock(&cache.lock);
@@ -800,9 +528,9 @@ static void remote_fail_pending(void) {
     struct qjob *w = NULL, *more, *last;
     int i;
     pthread_mutex_lock(&cache.lock);
-    for (i = 0; i < SLOTS; i++)
+    for (i = 0; i < PIECES_SLOTS; i++)
         if (cache.slot[i].pending && cache.slot[i].fd <= FANFS_REMOTE_FD(0)) {
-            more = slot_fill_locked(i, NULL, 0, NULL);
+            more = pieces_ready_locked(&cache, i, NULL, 0, NULL);
             if (more != NULL) {
                 for (last = more; last->next != NULL; last = last->next)
                     ;
@@ -844,9 +572,9 @@ int fanfs_remote_take(struct fanfs_rreq *out, int max) {
 }
 
 /* Whether slot r->slot still waits for r's piece (cache lock held). */
-static int rq_pending(const struct fanfs_rreq *r) {
-    const struct slot *s;
-    if (r->slot < 0 || r->slot >= SLOTS)
+static int rq_pending_locked(const struct fanfs_rreq *r) {
+    const struct pieces_slot *s;
+    if (r->slot < 0 || r->slot >= PIECES_SLOTS)
         return 0;
     s = &cache.slot[r->slot];
     return s->pending && s->fd == FANFS_REMOTE_FD(r->part) && s->off == r->off &&
@@ -860,7 +588,7 @@ int fanfs_remote_fill(const struct fanfs_rreq *r, const char *stored, uint32_t l
     uint32_t cap = 0;
     int err;
     pthread_mutex_lock(&cache.lock);
-    err = rq_pending(r) ? 0 : ESTALE;
+    err = rq_pending_locked(r) ? 0 : ESTALE;
     if (err == 0) {
         p.off = r->off;
         p.len = r->len;
@@ -876,7 +604,7 @@ int fanfs_remote_fill(const struct fanfs_rreq *r, const char *stored, uint32_t l
         return FANFS_EBADDATA;
     if (fanfs_crc32(0, stored, len) != r->crc)
         return FANFS_EBADCRC; /* a bad copy: the MPI thread asks another holder */
-    buf = piece_alloc(p.size, &cap);
+    buf = pieces_alloc(&cache, p.size, &cap);
     if (buf == NULL)
         return ENOMEM;
     if (p.kind == FANFS_KIND_RAW) {
@@ -887,17 +615,17 @@ int fanfs_remote_fill(const struct fanfs_rreq *r, const char *stored, uint32_t l
         fanfs_dicts_free(dicts);
     }
     if (err != 0) {
-        piece_free(buf, cap);
+        pieces_free(&cache, buf, cap);
         return err;
     }
     /* Checked again: a hedged fetch's other copy, or a stop, may have settled it meanwhile. */
     pthread_mutex_lock(&cache.lock);
-    if (!rq_pending(r)) {
-        piece_free_locked(buf, cap);
+    if (!rq_pending_locked(r)) {
+        pieces_free_locked(&cache, buf, cap);
         pthread_mutex_unlock(&cache.lock);
         return ESTALE;
     }
-    w = slot_fill_locked(r->slot, buf, cap, buf);
+    w = pieces_ready_locked(&cache, r->slot, buf, cap, buf);
     pthread_mutex_unlock(&cache.lock);
     requeue(w);
     __atomic_add_fetch(&rq.fetched, 1, __ATOMIC_RELAXED);
@@ -907,7 +635,7 @@ int fanfs_remote_fill(const struct fanfs_rreq *r, const char *stored, uint32_t l
 int fanfs_remote_pending(const struct fanfs_rreq *r) {
     int pending;
     pthread_mutex_lock(&cache.lock);
-    pending = rq_pending(r);
+    pending = rq_pending_locked(r);
     pthread_mutex_unlock(&cache.lock);
     return pending;
 }
@@ -915,8 +643,8 @@ int fanfs_remote_pending(const struct fanfs_rreq *r) {
 void fanfs_remote_fail(const struct fanfs_rreq *r) {
     struct qjob *w = NULL;
     pthread_mutex_lock(&cache.lock);
-    if (rq_pending(r)) {
-        w = slot_fill_locked(r->slot, NULL, 0, NULL);
+    if (rq_pending_locked(r)) {
+        w = pieces_ready_locked(&cache, r->slot, NULL, 0, NULL);
         __atomic_add_fetch(&rq.failed, 1, __ATOMIC_RELAXED);
     }
     pthread_mutex_unlock(&cache.lock);
@@ -1017,7 +745,7 @@ int fanfs_pool_fast_answer(int fd, uint64_t unique, uint64_t ino, int64_t off, u
 /* A read-ahead: decode each piece nobody holds into the cache (and push it, if asked). */
 static void run_ahead(struct qjob *qj) {
     const struct fanfs_job *j = &qj->j;
-    int k, i, held, slot;
+    int k, slot;
     int64_t pos = j->base;
     struct fanfs_dicts *dicts;
     if (qj->lookahead && !lookahead_wanted(j->ino)) {
@@ -1031,37 +759,21 @@ static void run_ahead(struct qjob *qj) {
         uint32_t cap = 0;
         const char *data = NULL;
         pthread_mutex_lock(&cache.lock);
-        held = 0;
-        for (i = 0; i < SLOTS; i++)
-            held |= slot_is(&cache.slot[i], j->fd, p);
-        slot = held ? -1 : slot_room(piece_charge(p));
-        if (slot >= 0) {
-            struct slot *s = &cache.slot[slot];
-            s->fd = j->fd;
-            s->off = p->off;
-            s->len = p->len;
-            s->crc = p->crc;
-            s->size = p->size;
-            s->kind = p->kind;
-            s->used = ++cache.clock;
-            s->pending = 1;
-            s->unpushed = !(j->flags & FANFS_JOB_PUSH) || j->ino == 0;
-            s->refs = 1;
-            s->waiters = NULL;
-            s->charge = piece_charge(p);
-            cache.bytes += s->charge;
-        }
+        slot = -1;
+        if (pieces_find_locked(&cache, j->fd, p) < 0)
+            slot = pieces_reserve_locked(&cache, j->fd, p, 1,
+                                         !(j->flags & FANFS_JOB_PUSH) || j->ino == 0, 0);
         pthread_mutex_unlock(&cache.lock);
         if (slot >= 0) {
             if (load_piece(j, p, dicts, &buf, &cap, &data) != 0) {
                 if (buf != NULL)
-                    piece_free(buf, cap);
+                    pieces_free(&cache, buf, cap);
                 slot_fill(slot, NULL, 0, NULL); /* its READ reads it and reports it */
             } else {
                 slot_fill(slot, buf, cap, data);
                 if ((j->flags & FANFS_JOB_PUSH) && j->ino != 0)
                     push_queue(&qj->t, j->ino, slot, pos, 0, p->size);
-                slot_release(slot);
+                pieces_release(&cache, slot);
             }
         }
         pos += p->size;
@@ -1115,15 +827,6 @@ static struct qjob *next_job(void) {
     return qj;
 }
 
-static int piece_busy(void) {
-    int i, busy = 0;
-    pthread_mutex_lock(&cache.lock);
-    for (i = 0; i < SLOTS; i++) /* (no READ of the pool is hung on a peer's piece) */
-        busy |= cache.slot[i].pending && cache.slot[i].fd > FANFS_REMOTE_FD(0);
-    pthread_mutex_unlock(&cache.lock);
-    return busy;
-}
-
 static void *thread_main(void *arg) {
     (void)arg;
     for (;;) {
@@ -1137,7 +840,7 @@ static void *thread_main(void *arg) {
             /* Stopping with nothing queued: leave, unless a piece is being read (the READs
              * hung on it come back to the queue when it is). */
             pthread_mutex_unlock(&pool.lock);
-            if (!piece_busy()) {
+            if (!pieces_busy(&cache)) {
                 pthread_mutex_lock(&pool.lock);
                 if (pool.head == NULL)
                     break;
@@ -1251,30 +954,13 @@ int fanfs_pool_read_ahead(const struct fanfs_job *job) {
     return enqueue(&t, 0, job);
 }
 
-void fanfs_pool_drop(void) {
-    int i;
-    pthread_mutex_lock(&cache.lock);
-    for (i = 0; i < SLOTS; i++) {
-        struct slot *s = &cache.slot[i];
-        if (s->buf != NULL && s->refs == 0 && !s->pending) {
-            cache.bytes -= s->charge;
-            s->charge = 0;
-            piece_free_locked(s->buf, s->cap);
-            s->buf = NULL;
-            s->data = NULL;
-        }
-    }
-    pthread_mutex_unlock(&cache.lock);
-}
+void fanfs_pool_drop(void) { pieces_drop(&cache); }
 
 void fanfs_pool_counters(struct fanfs_pool_stats *out) {
     pthread_mutex_lock(&pool.lock);
     out->jobs = pool.jobs;
     pthread_mutex_unlock(&pool.lock);
-    pthread_mutex_lock(&cache.lock);
-    out->hits = cache.hits;
-    out->misses = cache.misses;
-    pthread_mutex_unlock(&cache.lock);
+    pieces_counters(&cache, &out->hits, &out->misses);
     pthread_mutex_lock(&push.lock);
     out->pushes = push.pushes;
     out->pushed_bytes = push.bytes;
@@ -1299,7 +985,7 @@ void fanfs_pool_stop(void) {
     if (push.running) {
         /* Pushes not made are only speed lost: drop them. */
         while (push.n > 0) {
-            slot_release(push.q[push.first].slot);
+            pieces_release(&cache, push.q[push.first].slot);
             push.first = (push.first + 1) % PUSH_MAX;
             push.n--;
         }
@@ -1312,17 +998,7 @@ void fanfs_pool_stop(void) {
     }
     pool.errfd = -1;
     __atomic_store_n(&last_session, NULL, __ATOMIC_RELAXED);
-    pthread_mutex_lock(&cache.lock);
-    for (i = 0; i < SLOTS; i++) {
-        free(cache.slot[i].buf);
-        memset(&cache.slot[i], 0, sizeof cache.slot[i]);
-    }
-    for (i = 0; i < SPARES; i++) {
-        free(cache.spare[i].buf);
-        cache.spare[i].buf = NULL;
-    }
-    cache.bytes = cache.spare_bytes = 0;
-    pthread_mutex_unlock(&cache.lock);
+    pieces_clear(&cache);
 }
 
 /* -- READs answered with no Python ------------------------------------------------------- */
@@ -1566,11 +1242,10 @@ static void looked_up(uint64_t ino) {
     if (fast_build(ino, 0, field64(fast.t.size, e), &j) != 0)
         return;
     if (j.fd <= FANFS_REMOTE_FD(0)) { /* a peer's: the MPI thread fetches it, no pool thread */
-        int k, held = 0, started;
+        int started;
         pthread_mutex_lock(&cache.lock);
-        for (k = 0; k < SLOTS; k++)
-            held |= slot_is(&cache.slot[k], j.fd, &j.pieces[0]);
-        started = !held && cache.ahead < LA_REMOTE_MAX && remote_reserve(&j, &j.pieces[0], 1) >= 0;
+        started = pieces_find_locked(&cache, j.fd, &j.pieces[0]) < 0 &&
+                  cache.ahead < LA_REMOTE_MAX && remote_reserve_locked(&j, &j.pieces[0], 1) >= 0;
         pthread_mutex_unlock(&cache.lock);
         if (started) {
             __atomic_add_fetch(&rq.looked_up, 1, __ATOMIC_RELAXED);

@@ -207,10 +207,10 @@ static void check_cache(void) {
     if (!on("cache"))
         return;
     pthread_mutex_lock(&cache.lock);
-    for (i = 0; i < SLOTS; i++)
+    for (i = 0; i < PIECES_SLOTS; i++)
         if (cache.slot[i].buf != NULL)
             filled += cache.slot[i].cap;
-    for (i = 0; i < SPARES; i++)
+    for (i = 0; i < PIECES_SPARES; i++)
         if (cache.spare[i].buf != NULL) {
             spares += cache.spare[i].cap;
             if (cache.spare[i].cap > SPARE_LIMIT)
