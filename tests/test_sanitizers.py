@@ -98,14 +98,24 @@ def test_the_native_tests_pass_with_the_extension_under_address_sanitizer(
     assert "Sanitizer" not in ran.stderr and "runtime error" not in ran.stderr, out
 
 
+# Every C file compiles clean with -Wall -Wextra (-Werror: a warning fails it), but those named
+# here, which are checked with -Wall until their warnings are fixed, each with why.
+WEXTRA_PENDING = {
+    "front.c": "being split by the front's half of issue 40, which fixes its -Wextra warnings",
+}
+
+
 @pytest.mark.parametrize("source", [p.name for p in C_SOURCES])
 def test_the_c_builds_with_rhel_8s_kernel_headers(source: str, tmp_path: Path) -> None:
+    """With -Wall -Wextra -Werror too: a warning is an error in the C (not in setup.py's build,
+    since Cython's generated C warns)."""
     csrc, native = ROOT / "fanfs" / "csrc", ROOT / "tests" / "native"
     unit = tmp_path / "unit.c"
     poisoned = native / "fuse_7_27.h"
     unit.write_text(f'#define _GNU_SOURCE\n#include <linux/fuse.h>\n#include "{poisoned}"\n'
                     f'#include "{csrc / source}"\n')  # fmt: skip
-    built = subprocess.run(["gcc", "-fsyntax-only", "-Wall", f"-I{csrc}", *_fuse3("--cflags"),
+    warnings = ["-Wall"] if source in WEXTRA_PENDING else ["-Wall", "-Wextra", "-Werror"]
+    built = subprocess.run(["gcc", "-fsyntax-only", *warnings, f"-I{csrc}", *_fuse3("--cflags"),
                             str(unit)], capture_output=True, text=True, timeout=120)  # fmt: skip
     assert built.returncode == 0 and "poisoned" not in built.stderr, built.stderr[-4000:]
 
