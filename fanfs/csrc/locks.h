@@ -43,8 +43,8 @@
  *                                                 wb.cond: a job queued, done, or a buffer
  *                                                 free. A leaf.
  *
- * codec.c has no mutex: its libraries are loaded once (pthread_once), its buffers are each
- * thread's own (__thread), and its counters are atomic.
+ * codec.c and stored.c have no mutex: the libraries are loaded once (pthread_once), the
+ * buffers are each thread's own (__thread), and the counters are atomic.
  *
  * Neither side calls into the other with a lock held: the front calls the pool
  * (fanfs_pool_fast_answer, fanfs_pool_looked_up) holding none, and the pool calls the front's
