@@ -42,6 +42,7 @@ TIERS = {
     "test_plans": "unit",
     "test_codec": "adapter",
     "test_native": "unit",
+    "test_native_layout": "unit",
     "test_usage": "mount",
     "test_read_pieces": "adapter",
     "test_hostile": "adapter",

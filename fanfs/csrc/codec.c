@@ -6,7 +6,8 @@
  * crc32_gzip_refl computes zlib's CRC with carry-less multiplication, about ten times faster
  * (60 against 6 GB/s here). Otherwise from zlib. zstd from libzstd.so.1. All three are
  * dlopen'ed: no -dev package or link flag, and a missing libzstd only means compressed pieces
- * are decoded by the zstandard package instead (fanfs/codec.py).
+ * are decoded by the zstandard package instead (fanfs/codec.py). Reading the stored bytes is
+ * stored.c's.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -26,7 +27,7 @@ typedef uint32_t (*isal_crc32_fn)(uint32_t, const unsigned char *, uint64_t);
 
 typedef struct zstd_dctx zstd_dctx;
 typedef struct zstd_ddict zstd_ddict;
-static struct {
+struct zstd_lib { /* libzstd's functions (all NULL: no libzstd) */
     zstd_dctx *(*create_dctx)(void);
     void (*free_dctx)(zstd_dctx *);
     size_t (*decompress_dctx)(zstd_dctx *, void *, size_t, const void *, size_t);
@@ -37,11 +38,19 @@ static struct {
     unsigned (*is_error)(size_t);
     unsigned (*dict_id)(const void *, size_t);
     int (*error_code)(size_t); /* optional: ENOMEM is told from bad bytes with it */
-} zstd;
+};
 #define ZSTD_ERROR_MEMORY_ALLOCATION 64 /* zstd_errors.h's ZSTD_error_memory_allocation */
 
-static isal_crc32_fn isal_crc32;
-static zlib_crc32_fn zlib_crc32;
+/* The codec's one object: the libraries, loaded once for the process, and what all threads'
+ * own buffers share. */
+static struct {
+    struct zstd_lib zstd;     /* immutable once loaded (`loaded`) */
+    isal_crc32_fn isal_crc32; /* immutable once loaded */
+    zlib_crc32_fn zlib_crc32; /* immutable once loaded */
+    pthread_key_t tls_key;    /* immutable once made (`tls_once`) */
+    int tls_key_ok;           /* immutable once made */
+    uint64_t tls_kept;        /* atomic: bytes all threads keep */
+} codec;
 static pthread_once_t loaded = PTHREAD_ONCE_INIT;
 
 struct fanfs_dicts {
@@ -51,45 +60,46 @@ struct fanfs_dicts {
 };
 
 static void load(void) {
+    struct zstd_lib *z = &codec.zstd;
     void *lib = dlopen("libisal.so.2", RTLD_NOW | RTLD_LOCAL);
     if (lib != NULL)
-        isal_crc32 = (isal_crc32_fn)dlsym(lib, "crc32_gzip_refl");
+        codec.isal_crc32 = (isal_crc32_fn)dlsym(lib, "crc32_gzip_refl");
     lib = dlopen("libz.so.1", RTLD_NOW | RTLD_LOCAL);
     if (lib != NULL)
-        zlib_crc32 = (zlib_crc32_fn)dlsym(lib, "crc32");
+        codec.zlib_crc32 = (zlib_crc32_fn)dlsym(lib, "crc32");
     lib = dlopen("libzstd.so.1", RTLD_NOW | RTLD_LOCAL);
     if (lib == NULL)
         return;
-    *(void **)&zstd.create_dctx = dlsym(lib, "ZSTD_createDCtx");
-    *(void **)&zstd.free_dctx = dlsym(lib, "ZSTD_freeDCtx");
-    *(void **)&zstd.decompress_dctx = dlsym(lib, "ZSTD_decompressDCtx");
-    *(void **)&zstd.decompress_ddict = dlsym(lib, "ZSTD_decompress_usingDDict");
-    *(void **)&zstd.create_ddict = dlsym(lib, "ZSTD_createDDict");
-    *(void **)&zstd.free_ddict = dlsym(lib, "ZSTD_freeDDict");
-    *(void **)&zstd.is_error = dlsym(lib, "ZSTD_isError");
-    *(void **)&zstd.dict_id = dlsym(lib, "ZSTD_getDictID_fromFrame");
-    *(void **)&zstd.error_code = dlsym(lib, "ZSTD_getErrorCode");
-    if (!(zstd.create_dctx && zstd.free_dctx && zstd.decompress_dctx && zstd.decompress_ddict &&
-          zstd.create_ddict && zstd.free_ddict && zstd.is_error && zstd.dict_id))
-        memset(&zstd, 0, sizeof zstd);
+    *(void **)&z->create_dctx = dlsym(lib, "ZSTD_createDCtx");
+    *(void **)&z->free_dctx = dlsym(lib, "ZSTD_freeDCtx");
+    *(void **)&z->decompress_dctx = dlsym(lib, "ZSTD_decompressDCtx");
+    *(void **)&z->decompress_ddict = dlsym(lib, "ZSTD_decompress_usingDDict");
+    *(void **)&z->create_ddict = dlsym(lib, "ZSTD_createDDict");
+    *(void **)&z->free_ddict = dlsym(lib, "ZSTD_freeDDict");
+    *(void **)&z->is_error = dlsym(lib, "ZSTD_isError");
+    *(void **)&z->dict_id = dlsym(lib, "ZSTD_getDictID_fromFrame");
+    *(void **)&z->error_code = dlsym(lib, "ZSTD_getErrorCode");
+    if (!(z->create_dctx && z->free_dctx && z->decompress_dctx && z->decompress_ddict &&
+          z->create_ddict && z->free_ddict && z->is_error && z->dict_id))
+        memset(z, 0, sizeof *z);
 }
 
 int fanfs_codec_init(void) {
     pthread_once(&loaded, load);
-    return isal_crc32 != NULL || zlib_crc32 != NULL ? 0 : -ENOENT;
+    return codec.isal_crc32 != NULL || codec.zlib_crc32 != NULL ? 0 : -ENOENT;
 }
 
-const char *fanfs_crc_name(void) { return isal_crc32 != NULL ? "isa-l" : "zlib"; }
+const char *fanfs_crc_name(void) { return codec.isal_crc32 != NULL ? "isa-l" : "zlib"; }
 
-int fanfs_can_decode(void) { return zstd.create_dctx != NULL; }
+int fanfs_can_decode(void) { return codec.zstd.create_dctx != NULL; }
 
 uint32_t fanfs_crc32(uint32_t crc, const void *buf, size_t len) {
     const unsigned char *p = buf;
-    if (isal_crc32 != NULL)
-        return isal_crc32(crc, p, len);
+    if (codec.isal_crc32 != NULL)
+        return codec.isal_crc32(crc, p, len);
     while (len > 0) { /* zlib takes at most 4 GiB - 1 at a time */
         unsigned int n = len > (1u << 30) ? 1u << 30 : (unsigned int)len;
-        crc = (uint32_t)zlib_crc32(crc, p, n);
+        crc = (uint32_t)codec.zlib_crc32(crc, p, n);
         p += n;
         len -= n;
     }
@@ -105,7 +115,7 @@ struct fanfs_dicts *fanfs_dicts_new(int n, const char *const *dicts, const size_
         *err = EINVAL;
         return NULL;
     }
-    if (n > 0 && zstd.create_ddict == NULL) {
+    if (n > 0 && codec.zstd.create_ddict == NULL) {
         *err = ENOSYS;
         return NULL;
     }
@@ -115,7 +125,7 @@ struct fanfs_dicts *fanfs_dicts_new(int n, const char *const *dicts, const size_
         return NULL;
     }
     for (i = 0; i < n; i++) {
-        d->d[i] = zstd.create_ddict(dicts[i], lens[i]);
+        d->d[i] = codec.zstd.create_ddict(dicts[i], lens[i]);
         if (d->d[i] == NULL) {
             fanfs_dicts_free(d);
             *err = ENOMEM;
@@ -138,7 +148,7 @@ void fanfs_dicts_free(struct fanfs_dicts *d) {
     if (d == NULL || __atomic_sub_fetch(&d->refs, 1, __ATOMIC_ACQ_REL) > 0)
         return;
     for (i = 0; i < d->n; i++)
-        zstd.free_ddict(d->d[i]);
+        codec.zstd.free_ddict(d->d[i]);
     free(d);
 }
 
@@ -159,20 +169,17 @@ char *fanfs_alloc(uint64_t size, uint32_t *cap) {
 /* -- a thread's own buffers -----------------------------------------------------------------
  * Kept between calls (a fresh one per piece costs page faults: glibc maps blocks of 128 KiB and
  * more straight from the kernel), each up to TLS_KEEP_ONE, and all threads' together up to
- * TLS_KEEP_ALL (`tls_kept`): with 64 threads, per-thread buffers kept at their largest would
- * hold about 1 GiB. What a thread holds goes with it: a pthread key's destructor frees it
+ * TLS_KEEP_ALL (`codec.tls_kept`): with 64 threads, per-thread buffers kept at their largest
+ * would hold about 1 GiB. What a thread holds goes with it: a pthread key's destructor frees it
  * when the thread ends (trio's worker threads end after 10 s idle). */
 #define TLS_KEEP_ONE (4u << 20)
 #define TLS_KEEP_ALL (64u << 20)
 
-static pthread_key_t tls_key;
 static pthread_once_t tls_once = PTHREAD_ONCE_INIT;
-static int tls_key_ok;
 static __thread struct fanfs_tls *tls; /* (the key's value, without a call to get it) */
-static uint64_t tls_kept;              /* bytes all threads keep (atomic) */
 
 static void tbuf_free(struct fanfs_tbuf *b) {
-    __atomic_sub_fetch(&tls_kept, b->counted, __ATOMIC_RELAXED);
+    __atomic_sub_fetch(&codec.tls_kept, b->counted, __ATOMIC_RELAXED);
     free(b->buf);
     b->buf = NULL;
     b->cap = b->counted = 0;
@@ -184,21 +191,23 @@ static void tls_end(void *arg) {
     tbuf_free(&t->out);
     tbuf_free(&t->scratch);
     if (t->dctx != NULL)
-        zstd.free_dctx(t->dctx);
+        codec.zstd.free_dctx(t->dctx);
     free(t);
     tls = NULL;
 }
 
-static void tls_key_make(void) { tls_key_ok = pthread_key_create(&tls_key, tls_end) == 0; }
+static void tls_key_make(void) {
+    codec.tls_key_ok = pthread_key_create(&codec.tls_key, tls_end) == 0;
+}
 
 struct fanfs_tls *fanfs_tls(void) {
     struct fanfs_tls *t = tls;
     if (t != NULL)
         return t;
     pthread_once(&tls_once, tls_key_make);
-    if (!tls_key_ok || (t = calloc(1, sizeof *t)) == NULL)
+    if (!codec.tls_key_ok || (t = calloc(1, sizeof *t)) == NULL)
         return NULL;
-    if (pthread_setspecific(tls_key, t) != 0) {
+    if (pthread_setspecific(codec.tls_key, t) != 0) {
         free(t);
         return NULL;
     }
@@ -206,23 +215,23 @@ struct fanfs_tls *fanfs_tls(void) {
 }
 
 void fanfs_tbuf_settle(struct fanfs_tbuf *b) {
-    __atomic_sub_fetch(&tls_kept, b->counted, __ATOMIC_RELAXED);
+    __atomic_sub_fetch(&codec.tls_kept, b->counted, __ATOMIC_RELAXED);
     b->counted = 0;
     if (b->buf == NULL)
         return;
     if (b->cap <= TLS_KEEP_ONE &&
-        __atomic_add_fetch(&tls_kept, b->cap, __ATOMIC_RELAXED) <= TLS_KEEP_ALL) {
+        __atomic_add_fetch(&codec.tls_kept, b->cap, __ATOMIC_RELAXED) <= TLS_KEEP_ALL) {
         b->counted = b->cap;
         return;
     }
     if (b->cap <= TLS_KEEP_ONE)
-        __atomic_sub_fetch(&tls_kept, b->cap, __ATOMIC_RELAXED);
+        __atomic_sub_fetch(&codec.tls_kept, b->cap, __ATOMIC_RELAXED);
     free(b->buf);
     b->buf = NULL;
     b->cap = 0;
 }
 
-uint64_t fanfs_tls_kept(void) { return __atomic_load_n(&tls_kept, __ATOMIC_RELAXED); }
+uint64_t fanfs_tls_kept(void) { return __atomic_load_n(&codec.tls_kept, __ATOMIC_RELAXED); }
 
 /* The scratch for `len` filtered bytes (the thread's, grown to it), or NULL (ENOMEM). */
 static char *scratch_get(struct fanfs_tls *t, uint64_t len) {
@@ -381,19 +390,20 @@ static int64_t unzstd(struct fanfs_tls *t, const struct fanfs_dicts *dicts,
     unsigned id;
     size_t r;
     zstd_dctx *dctx = t->dctx;
-    if (dctx == NULL && (t->dctx = dctx = zstd.create_dctx()) == NULL)
+    if (dctx == NULL && (t->dctx = dctx = codec.zstd.create_dctx()) == NULL)
         return -ENOMEM;
-    id = zstd.dict_id(in, n);
+    id = codec.zstd.dict_id(in, n);
     if (id != 0) {
         if (dicts == NULL || id > (unsigned)dicts->n)
             return -1;
-        r = zstd.decompress_ddict(dctx, out, cap, in, n, dicts->d[id - 1]);
+        r = codec.zstd.decompress_ddict(dctx, out, cap, in, n, dicts->d[id - 1]);
     } else {
-        r = zstd.decompress_dctx(dctx, out, cap, in, n);
+        r = codec.zstd.decompress_dctx(dctx, out, cap, in, n);
     }
-    if (!zstd.is_error(r))
+    if (!codec.zstd.is_error(r))
         return (int64_t)r;
-    return zstd.error_code != NULL && zstd.error_code(r) == ZSTD_ERROR_MEMORY_ALLOCATION
+    return codec.zstd.error_code != NULL &&
+                   codec.zstd.error_code(r) == ZSTD_ERROR_MEMORY_ALLOCATION
                ? -ENOMEM
                : -1;
 }
@@ -414,7 +424,7 @@ int fanfs_decode(const struct fanfs_dicts *dicts, const struct fanfs_piece *p,
             memcpy(out, in, n);
         return 0;
     }
-    if (zstd.create_dctx == NULL)
+    if (codec.zstd.create_dctx == NULL)
         return ENOSYS;
     if ((t = fanfs_tls()) == NULL)
         return ENOMEM;
@@ -445,132 +455,4 @@ int fanfs_decode(const struct fanfs_dicts *dicts, const struct fanfs_piece *p,
                          : unfilter(fid, (unsigned char *)filtered, (uint64_t)got, out, p->size);
     fanfs_tbuf_settle(&t->scratch); /* kept for the next piece, or freed */
     return err;
-}
-
-/* -- reading ------------------------------------------------------------------------------ */
-
-static uint64_t n_cached, n_direct, n_buffered;
-
-void fanfs_read_counters(struct fanfs_read_stats *out) {
-    out->cached = __atomic_load_n(&n_cached, __ATOMIC_RELAXED);
-    out->direct = __atomic_load_n(&n_direct, __ATOMIC_RELAXED);
-    out->buffered = __atomic_load_n(&n_buffered, __ATOMIC_RELAXED);
-}
-
-int fanfs_direct_ok(int fd) {
-#ifdef STATX_DIOALIGN
-    struct statx st;
-    if (statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &st) != 0 || !(st.stx_mask & STATX_DIOALIGN))
-        return 0;
-    return st.stx_dio_offset_align != 0 && st.stx_dio_offset_align <= FANFS_DIRECT_ALIGN &&
-           st.stx_dio_mem_align != 0 && st.stx_dio_mem_align <= FANFS_DIRECT_ALIGN;
-#else
-    (void)fd;
-    return 0;
-#endif
-}
-
-/* Whether the page cache holds every page of [off, off + len) of fd: cachestat (Linux 6.5),
- * which starts no I/O (a read with RWF_NOWAIT would start readahead of what is missing). -1
- * when the kernel cannot tell. */
-#ifndef __NR_cachestat
-#define __NR_cachestat 451
-#endif
-struct cachestat_range {
-    uint64_t off, len;
-};
-struct cachestat {
-    uint64_t nr_cache, nr_dirty, nr_writeback, nr_evicted, nr_recently_evicted;
-};
-static int no_cachestat;
-
-static int all_cached(int fd, int64_t off, uint32_t len) {
-    struct cachestat_range r;
-    struct cachestat cs;
-    uint64_t first, last;
-    if (no_cachestat || len == 0)
-        return -1;
-    first = (uint64_t)off / 4096;
-    last = ((uint64_t)off + len - 1) / 4096;
-    r.off = first * 4096;
-    r.len = (last - first + 1) * 4096;
-    if (syscall(__NR_cachestat, fd, &r, &cs, 0) != 0) {
-        if (errno == ENOSYS || errno == EPERM || errno == EOPNOTSUPP)
-            __atomic_store_n(&no_cachestat, 1, __ATOMIC_RELAXED);
-        return -1;
-    }
-    return cs.nr_cache >= last - first + 1;
-}
-
-static int pread_all(int fd, char *buf, uint64_t len, int64_t off, uint64_t *got) {
-    uint64_t done = 0;
-    while (done < len) {
-        ssize_t n = pread(fd, buf + done, len - done, (off_t)(off + (int64_t)done));
-        if (n < 0 && errno == EINTR)
-            continue;
-        if (n < 0)
-            return errno;
-        if (n == 0)
-            break; /* the end of the file */
-        done += (uint64_t)n;
-    }
-    *got = done;
-    return 0;
-}
-
-static int grow(char **buf, uint32_t *cap, uint64_t need) {
-    char *p;
-    if (need <= *cap && *buf != NULL)
-        return 0;
-    p = fanfs_alloc(need, cap);
-    if (p == NULL)
-        return ENOMEM;
-    free(*buf);
-    *buf = p;
-    return 0;
-}
-
-int fanfs_read_stored(int fd, int dfd, const struct fanfs_piece *p, char **buf, uint32_t *cap,
-                      const char **at) {
-    int err;
-    uint64_t got;
-    int64_t start = p->off & ~(int64_t)(FANFS_DIRECT_ALIGN - 1);
-    uint64_t span = (uint64_t)(p->off - start) + p->len;
-    span = (span + FANFS_DIRECT_ALIGN - 1) & ~(uint64_t)(FANFS_DIRECT_ALIGN - 1);
-
-    if (p->off < 0)
-        return EINVAL;
-    if (dfd >= 0 && all_cached(fd, p->off, p->len) != 1) {
-        err = grow(buf, cap, span);
-        if (err != 0)
-            return err;
-        err = pread_all(dfd, *buf, span, start, &got);
-        if (err == 0) {
-            if (got < (uint64_t)(p->off - start) + p->len)
-                return EIO; /* the partition ends early */
-            *at = *buf + (p->off - start);
-            __atomic_add_fetch(&n_direct, 1, __ATOMIC_RELAXED);
-            goto check;
-        }
-        if (err != EINVAL)
-            return err;
-        /* EINVAL: this file refuses direct I/O after all; read it through the cache. */
-    } else if (dfd >= 0) {
-        __atomic_add_fetch(&n_cached, 1, __ATOMIC_RELAXED);
-    } else {
-        __atomic_add_fetch(&n_buffered, 1, __ATOMIC_RELAXED);
-    }
-    err = grow(buf, cap, p->len);
-    if (err != 0)
-        return err;
-    err = pread_all(fd, *buf, p->len, p->off, &got);
-    if (err != 0)
-        return err;
-    if (got < p->len)
-        return EIO;
-    *at = *buf;
-check:
-    if (fanfs_crc32(0, *at, p->len) != p->crc)
-        return FANFS_EBADCRC;
-    return 0;
 }

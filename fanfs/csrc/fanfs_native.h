@@ -108,6 +108,8 @@ void fanfs_dicts_free(struct fanfs_dicts *d);
 int fanfs_decode(const struct fanfs_dicts *dicts, const struct fanfs_piece *p,
                  const unsigned char *in, unsigned char *out);
 
+/* stored.c: reading a piece's stored bytes (the next two, and fanfs_read_counters), any
+ * thread; the rest of this section is codec.c's. */
 /* Whether `fd` can be read with O_DIRECT at FANFS_DIRECT_ALIGN (statx's dio alignment). */
 int fanfs_direct_ok(int fd);
 

@@ -5,1201 +5,169 @@
  * a thread hand-off (a trio worker thread, the GIL, a wake-up back to the loop) on top of the
  * disk read. Here the event loop only queues a job (pyfuse3's read hook, fanfs/_native.pyx)
  * and returns; threads that never touch the GIL read the stored pieces, check, decode and
- * reply themselves (libfuse replies are thread-safe).
+ * reply themselves (libfuse replies are thread-safe; jobs.c).
  *
  * Pieces asked for in parts (a file larger than one READ, the frames of a framed file) go
- * through a small cache of decoded pieces shared by the threads, so each is read and decoded
- * once. A READ that needs a piece another thread is reading does not wait for it: it is hung
- * on the piece and queued again when the piece is there, so the thread goes on with other
- * READs (four threads waiting for each other's disk reads would leave the disk idle).
+ * through a small cache of decoded pieces shared by the threads (pieces.h), so each is read
+ * and decoded once; what a READ did not ask for of a fresh piece is pushed into the kernel's
+ * page cache (push.c). The front answers READs of files stored whole in its own threads with
+ * the same code (fast.c), and peers' pieces come through the MPI thread (remote.c).
  *
- * Pushes: the kernel sends buffered READs of at most the mount's readahead (128 KiB unless
- * root raises it), so a 2 MiB file is 16 round trips. When a job decodes a piece afresh and
- * says so (FANFS_JOB_PUSH), what the READ did not ask for of that piece is pushed into the
- * kernel's page cache with notify_store, by one pusher thread: the rest of the file is then
- * read from the page cache with no round trip at all. The pusher is a thread of its own
- * because notify_store waits for page locks that the kernel holds for READs in flight, which
- * the pool's threads answer: a pool thread must never wait for it.
+ * This file: the pool's one object (its handle below), its threads and job queues, its start
+ * and stop. fanfs_pool_start and fanfs_pool_stop are called by one thread, the daemon's.
  */
 #define _GNU_SOURCE
-#define FUSE_USE_VERSION 35
-#include <endian.h>
 #include <errno.h>
-#include <fuse_lowlevel.h>
-#include <pthread.h>
 #include <signal.h>
 #include <stdlib.h>
-#include <string.h>
-#include <time.h>
 #include <unistd.h>
 
-#include "fanfs_native.h"
+#include "pool_int.h"
 
-#define MAX_THREADS 64
-#define AHEAD_MAX 64 /* queued read-aheads at most; beyond, the stalest is dropped */
-#define SLOTS 32
-#define CACHE_BYTES (64u << 20)
-#define SPARES 8          /* freed piece buffers kept for the next piece: pages mapped already */
-/* A spare is kept only up to one compressed piece (4 MiB, plus a direct read's alignment) and
- * SPARE_BYTES in all: a larger buffer is rarely asked for again, and a spare is memory that
- * the cache's budget does not see. */
-#define SPARE_MAX ((4u << 20) + 2 * FANFS_DIRECT_ALIGN)
-#define SPARE_BYTES (16u << 20)
-#define PUSH_MAX 64       /* queued pushes; beyond, a piece is not pushed (the kernel READs it) */
-#define WAITING (1 << 30) /* piece_get: the job was hung on a piece being read */
-
-/* Where a READ's answer goes: through libfuse (`req`, a request pyfuse3 took), or written to
- * the FUSE device `fd` for request `unique` (one the front took itself). */
-struct target {
-    struct fuse_session *se; /* for pushes through libfuse; NULL with `fd` */
-    fuse_req_t req;
-    int fd;
-    uint64_t unique;
+/* The live pool, built here in one place: the handle that every function of fanfs_native.h
+ * resolves, since they take none (fanfs/_native.pyx and front.c call them as they are). Its
+ * parts are handed to the functions of each file from here on. */
+static struct pool live = {
+    .pieces = PIECES_INIT,
+    .work = {.lock = PTHREAD_MUTEX_INITIALIZER, .cond = PTHREAD_COND_INITIALIZER, .errfd = -1,
+             .dlock = PTHREAD_MUTEX_INITIALIZER},
+    .push = {.lock = PTHREAD_MUTEX_INITIALIZER, .cond = PTHREAD_COND_INITIALIZER},
+    .remote = {.lock = PTHREAD_MUTEX_INITIALIZER, .wakefd = -1},
+    .la = {.lock = PTHREAD_MUTEX_INITIALIZER, .share = 256},
 };
 
-struct qjob {
-    struct qjob *next;
-    struct target t; /* t.req NULL and t.fd < 0: a read-ahead */
-    int lookahead;   /* a read-ahead started at LOOKUP: run only while its READ is to come */
-    struct fanfs_job j;
-};
+struct pool *pool_live(void) { return &live; }
 
-static int is_read(const struct qjob *qj) { return qj->t.req != NULL || qj->t.fd >= 0; }
-
-static void reply_iov(const struct target *t, const struct iovec *iov, int n) {
-    if (t->req != NULL)
-        fuse_reply_iov(t->req, iov, n);
-    else
-        fanfs_raw_reply(t->fd, t->unique, 0, iov, n);
-}
-
-static void reply_err(const struct target *t, int err) {
-    if (t->req != NULL)
-        fuse_reply_err(t->req, err);
-    else
-        fanfs_raw_reply(t->fd, t->unique, err, NULL, 0);
-}
-
-/* -- the cache of decoded pieces ---------------------------------------------------------- */
-struct slot {
-    int fd;
-    int64_t off;
-    uint32_t len, crc, size;
-    uint8_t kind;          /* the key: where the stored piece is, and what it is */
-    char *buf;             /* its allocation (NULL: an empty slot, or pending) */
-    uint32_t cap;
-    uint32_t charge;       /* bytes counted for it in cache.bytes: its allocation's, once made */
-    const char *data;      /* its decoded bytes, inside buf */
-    int refs;              /* replies and pushes using it: never evicted while > 0 */
-    int pending;           /* a thread is reading it */
-    int unpushed;          /* read ahead with no push: the first READ of it pushes the rest */
-    int ahead;             /* a peer's piece reserved at a LOOKUP, counted in cache.ahead */
-    uint64_t used;
-    struct qjob *waiters;  /* READs hung on it until it is read */
-};
-
-static struct {
-    pthread_mutex_t lock;
-    pthread_cond_t ready; /* a pending slot was filled or given up (synchronous callers) */
-    struct slot slot[SLOTS];
-    struct {
-        char *buf;
-        uint32_t cap;
-    } spare[SPARES];
-    uint64_t spare_bytes; /* their caps */
-    uint64_t clock, hits, misses;
-    uint64_t bytes; /* what the slots hold or will: their charges (about CACHE_BYTES at most) */
-    int ahead;   /* pending peers' pieces reserved at LOOKUP (at most LA_REMOTE_MAX) */
-    int waiting; /* READs of the front waiting for a peer's piece (at most rq.max_waiting) */
-} cache = {.lock = PTHREAD_MUTEX_INITIALIZER, .ready = PTHREAD_COND_INITIALIZER};
-
-static struct {
-    pthread_mutex_t lock;
-    pthread_cond_t cond;
-    struct qjob *head, *tail;             /* READs */
-    struct qjob *ahead_head, *ahead_tail; /* read-aheads: taken when no READ waits */
-    int nahead;
-    pthread_t threads[MAX_THREADS];
-    int nthreads, stopping, errfd;
-    uint64_t jobs;
-    /* The dictionaries (a reference of the pool's). A job takes a reference of its own for as
-     * long as it decodes (dicts_hold): a new set may come at any time. dlock is taken alone,
-     * never with another lock held. */
-    pthread_mutex_t dlock;
-    struct fanfs_dicts *dicts; /* protected by dlock */
-} pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .cond = PTHREAD_COND_INITIALIZER, .errfd = -1,
-          .dlock = PTHREAD_MUTEX_INITIALIZER};
-
-/* The dictionaries to decode with, held until fanfs_dicts_free. */
-static struct fanfs_dicts *dicts_hold(void) {
+struct fanfs_dicts *pool_dicts_hold(struct workers *w) {
     struct fanfs_dicts *d;
-    pthread_mutex_lock(&pool.dlock);
-    d = fanfs_dicts_ref(pool.dicts);
-    pthread_mutex_unlock(&pool.dlock);
+    pthread_mutex_lock(&w->dlock);
+    d = fanfs_dicts_ref(w->dicts);
+    pthread_mutex_unlock(&w->dlock);
     return d;
 }
 
-struct push {
-    struct fuse_session *se; /* through libfuse, or NULL: written to `fd` */
-    int fd;
-    uint64_t ino;
-    int slot;
-    int64_t pos; /* where the slot's decoded bytes start in the file */
-    uint32_t from, to;
-};
-
-static struct {
-    pthread_mutex_t lock;
-    pthread_cond_t cond;
-    struct push q[PUSH_MAX];
-    int first, n, running;
-    pthread_t thread;
-    uint64_t pushes, bytes, skipped;
-} push = {.lock = PTHREAD_MUTEX_INITIALIZER, .cond = PTHREAD_COND_INITIALIZER};
-
-/* After a job: the thread's own buffers (fanfs_tls: stored bytes read for a decode, a decoded
- * whole file) kept for the next within codec.c's bounds, or freed. */
-static void thread_buffers_trim(void) {
-    struct fanfs_tls *t = fanfs_tls();
-    if (t != NULL) {
-        fanfs_tbuf_settle(&t->stored);
-        fanfs_tbuf_settle(&t->out);
-    }
-}
-
-/* A buffer of at least `size` bytes for a piece: a spare one if one is big enough, else new. */
-static char *piece_alloc(uint64_t size, uint32_t *cap) {
-    int i, best = -1;
-    char *buf = NULL;
-    pthread_mutex_lock(&cache.lock);
-    for (i = 0; i < SPARES; i++) /* (one much larger than asked would be charged in full) */
-        if (cache.spare[i].buf != NULL && cache.spare[i].cap >= size &&
-            cache.spare[i].cap <= 2 * size + 2 * FANFS_DIRECT_ALIGN &&
-            (best < 0 || cache.spare[i].cap < cache.spare[best].cap))
-            best = i;
-    if (best >= 0) {
-        buf = cache.spare[best].buf;
-        *cap = cache.spare[best].cap;
-        cache.spare[best].buf = NULL;
-        cache.spare_bytes -= *cap;
-    }
-    pthread_mutex_unlock(&cache.lock);
-    return buf != NULL ? buf : fanfs_alloc(size, cap);
-}
-
-/* Give a piece's buffer back: kept as a spare while there is room. Cache lock held. */
-static void piece_free_locked(char *buf, uint32_t cap) {
-    int i;
-    if (buf == NULL)
-        return;
-    if (cap <= SPARE_MAX && cache.spare_bytes + cap <= SPARE_BYTES)
-        for (i = 0; i < SPARES; i++)
-            if (cache.spare[i].buf == NULL) {
-                cache.spare[i].buf = buf;
-                cache.spare[i].cap = cap;
-                cache.spare_bytes += cap;
-                return;
-            }
-    free(buf);
-}
-
-static void piece_free(char *buf, uint32_t cap) {
-    pthread_mutex_lock(&cache.lock);
-    piece_free_locked(buf, cap);
-    pthread_mutex_unlock(&cache.lock);
-}
-
-/* What a piece's buffer will take, as counted before it is allocated: its decoded size in
- * whole pages (a raw piece's buffer also holds a direct read's alignment). Settled at the
- * allocation's own size when the slot is filled. */
-static uint32_t piece_charge(const struct fanfs_piece *p) {
-    uint64_t n = p->kind == FANFS_KIND_RAW ? (uint64_t)p->len + 2 * FANFS_DIRECT_ALIGN : p->size;
-    return (uint32_t)((n + FANFS_DIRECT_ALIGN - 1) / FANFS_DIRECT_ALIGN * FANFS_DIRECT_ALIGN);
-}
-
-static int slot_is(const struct slot *s, int fd, const struct fanfs_piece *p) {
-    return (s->buf != NULL || s->pending) && s->fd == fd && s->off == p->off &&
-           s->len == p->len && s->crc == p->crc && s->size == p->size && s->kind == p->kind;
-}
-
-/* A slot for `size` more bytes, cache lock held: settled pieces nobody uses are evicted least
- * recently used first until the bytes allow `size` more and a slot is free; -1 when every
- * piece is in use (or `size` alone is more than the cache holds). */
-static int slot_room(uint32_t size) {
-    int i, empty, victim;
-    struct slot *s;
-    for (;;) {
-        empty = victim = -1;
-        for (i = 0; i < SLOTS; i++) {
-            s = &cache.slot[i];
-            if (s->refs != 0 || s->pending)
-                continue;
-            if (s->buf == NULL) {
-                if (empty < 0)
-                    empty = i;
-            } else if (victim < 0 || s->used < cache.slot[victim].used) {
-                victim = i;
-            }
-        }
-        if (empty >= 0 && cache.bytes + size <= CACHE_BYTES)
-            return empty;
-        if (victim < 0)
-            return -1;
-        s = &cache.slot[victim];
-        cache.bytes -= s->charge;
-        s->charge = 0;
-        piece_free_locked(s->buf, s->cap);
-        s->buf = NULL;
-        s->data = NULL;
-    }
-}
-
-/* Put READs hung on a piece back at the front of the queue (their piece is there now, or
- * failed: they read it themselves). */
-static void requeue(struct qjob *w) {
+void pool_requeue(struct workers *w, struct qjob *hung) {
+    /* At the front of the queue: their piece is there now, or failed (they read it
+     * themselves). */
     struct qjob *last;
-    if (w == NULL)
+    if (hung == NULL)
         return;
-    for (last = w; last->next != NULL; last = last->next)
+    for (last = hung; last->next != NULL; last = last->next)
         ;
-    pthread_mutex_lock(&pool.lock);
-    last->next = pool.head;
-    pool.head = w;
-    if (pool.tail == NULL)
-        pool.tail = last;
-    pthread_cond_broadcast(&pool.cond);
-    pthread_mutex_unlock(&pool.lock);
+    pthread_mutex_lock(&w->lock);
+    last->next = w->head;
+    w->head = hung;
+    if (w->tail == NULL)
+        w->tail = last;
+    pthread_cond_broadcast(&w->cond);
+    pthread_mutex_unlock(&w->lock);
 }
 
-/* Settle a pending slot with its decoded bytes (buf NULL: reading it failed, the slot is
- * given up) and wake the threads waiting for it, cache lock held; the READs hung on it are
- * returned, for requeue() once the lock is let go. The caller keeps its reference when it
- * filled it. */
-static struct qjob *slot_fill_locked(int i, char *buf, uint32_t cap, const char *data) {
-    struct slot *s = &cache.slot[i];
-    struct qjob *w = s->waiters;
-    s->pending = 0;
-    s->buf = buf;
-    s->cap = cap;
-    s->data = data;
-    if (buf == NULL) {
-        cache.bytes -= s->charge;
-        s->charge = 0;
-        s->refs = 0;
-    } else { /* what it allocated, counted from now on */
-        cache.bytes += (uint64_t)cap - s->charge;
-        s->charge = cap;
-    }
-    if (s->ahead) {
-        s->ahead = 0;
-        cache.ahead--;
-    }
-    s->waiters = NULL;
-    pthread_cond_broadcast(&cache.ready);
-    return w;
+void pool_settle(struct pool *P, int i, char *buf, uint32_t cap, const char *data) {
+    pool_requeue(&P->work, pieces_ready(&P->pieces, i, buf, cap, data));
 }
 
-static void slot_fill(int i, char *buf, uint32_t cap, const char *data) {
-    struct qjob *w;
-    pthread_mutex_lock(&cache.lock);
-    w = slot_fill_locked(i, buf, cap, data);
-    pthread_mutex_unlock(&cache.lock);
-    requeue(w);
-}
-
-static void slot_release(int i) {
-    pthread_mutex_lock(&cache.lock);
-    cache.slot[i].refs--;
-    pthread_mutex_unlock(&cache.lock);
-}
-
-/* -- pieces ------------------------------------------------------------------------------- */
-
-/* Read, check and decode a piece into a buffer of its own (*buf, from piece_alloc); *data
- * points at its decoded bytes. A raw piece is read straight into it (no copy). */
-static int load_piece(const struct fanfs_job *j, const struct fanfs_piece *p,
-                      const struct fanfs_dicts *dicts, char **buf, uint32_t *cap,
-                      const char **data) {
-    int err;
-    const char *at;
-    struct fanfs_tls *t;
-    if (p->kind == FANFS_KIND_RAW) {
-        if (p->len != p->size)
-            return FANFS_EBADDATA;
-        *buf = piece_alloc((uint64_t)p->len + 2 * FANFS_DIRECT_ALIGN, cap);
-        if (*buf == NULL)
-            return ENOMEM;
-        err = fanfs_read_stored(j->fd, j->dfd, p, buf, cap, &at);
-        *data = at;
-        return err;
-    }
-    if ((t = fanfs_tls()) == NULL)
-        return ENOMEM;
-    err = fanfs_read_stored(j->fd, j->dfd, p, &t->stored.buf, &t->stored.cap, &at);
-    if (err != 0)
-        return err;
-    *buf = piece_alloc(p->size, cap);
-    if (*buf == NULL)
-        return ENOMEM;
-    *data = *buf;
-    return fanfs_decode(dicts, p, (const unsigned char *)at, (unsigned char *)*buf);
-}
-
-/* A piece's decoded bytes for a reply. */
-struct got {
-    const char *data;
-    int slot;      /* >= 0: a cache slot, referenced */
-    char *own;     /* else a buffer of its own (NULL: a thread buffer) */
-    uint32_t cap;
-    int fresh;     /* read and decoded for this job */
-};
-
-static int remote_piece(const struct fanfs_job *j, const struct fanfs_piece *p, struct got *g);
-
-/* Piece k of job j: 0 with *g filled, an errno, or WAITING when `qj` (a READ of the pool) was
- * hung on the piece because another thread is reading it. Without `qj` the caller waits. */
-static int piece_get(struct qjob *qj, const struct fanfs_job *j, int k,
-                     const struct fanfs_dicts *dicts, struct got *g) {
-    const struct fanfs_piece *p = &j->pieces[k];
-    int i, found, err;
-    char *buf = NULL;
-    uint32_t cap = 0;
-    const char *data = NULL, *at;
-    struct fanfs_tls *t;
-
-    g->slot = -1;
-    g->own = NULL;
-    g->fresh = 0;
-    if (j->fd <= FANFS_REMOTE_FD(0))
-        return remote_piece(j, p, g); /* a peer's file: the MPI thread fetches it */
-    if (!p->cache) {
-        /* A file asked for whole: nobody asks for it again (the kernel keeps it), so it is not
-         * cached, unless it is there already (read ahead at its LOOKUP). */
-        pthread_mutex_lock(&cache.lock);
-        for (;;) {
-            found = -1;
-            for (i = 0; i < SLOTS; i++)
-                if (slot_is(&cache.slot[i], j->fd, p))
-                    found = i;
-            if (found < 0 || !cache.slot[found].pending)
-                break;
-            if (qj != NULL) {
-                qj->next = cache.slot[found].waiters;
-                cache.slot[found].waiters = qj;
-                pthread_mutex_unlock(&cache.lock);
-                return WAITING;
-            }
-            pthread_cond_wait(&cache.ready, &cache.lock);
-        }
-        if (found >= 0) {
-            struct slot *s = &cache.slot[found];
-            s->refs++;
-            s->used = ++cache.clock;
-            s->unpushed = 0;
-            cache.hits++;
-            pthread_mutex_unlock(&cache.lock);
-            g->slot = found;
-            g->data = s->data;
-            return 0;
-        }
-        pthread_mutex_unlock(&cache.lock);
-        if ((t = fanfs_tls()) == NULL)
-            return ENOMEM;
-        err = fanfs_read_stored(j->fd, j->dfd, p, &t->stored.buf, &t->stored.cap, &at);
-        if (err != 0)
-            return err;
-        g->fresh = 1;
-        if (p->kind == FANFS_KIND_RAW) {
-            g->data = at;
-            return p->len == p->size ? 0 : FANFS_EBADDATA;
-        }
-        if (j->npieces == 1) {
-            if (p->size > t->out.cap || t->out.buf == NULL) {
-                char *n = fanfs_alloc(p->size, &cap);
-                if (n == NULL)
-                    return ENOMEM;
-                free(t->out.buf); /* (its count is redone when it is settled) */
-                t->out.buf = n;
-                t->out.cap = cap;
-            }
-            g->data = t->out.buf;
-        } else {
-            if ((g->own = piece_alloc(p->size, &g->cap)) == NULL)
-                return ENOMEM;
-            g->data = g->own;
-        }
-        return fanfs_decode(dicts, p, (const unsigned char *)at, (unsigned char *)g->data);
-    }
-    pthread_mutex_lock(&cache.lock);
-    for (;;) {
-        found = -1;
-        for (i = 0; i < SLOTS; i++)
-            if (slot_is(&cache.slot[i], j->fd, p))
-                found = i;
-        if (found < 0 || !cache.slot[found].pending)
-            break;
-        if (qj != NULL) {
-            qj->next = cache.slot[found].waiters;
-            cache.slot[found].waiters = qj;
-            pthread_mutex_unlock(&cache.lock);
-            return WAITING;
-        }
-        pthread_cond_wait(&cache.ready, &cache.lock);
-    }
-    if (found >= 0) {
-        struct slot *s = &cache.slot[found];
-        s->refs++;
-        s->used = ++cache.clock;
-        g->fresh = s->unpushed; /* read ahead at LOOKUP: this first READ pushes the rest */
-        s->unpushed = 0;
-        cache.hits++;
-        pthread_mutex_unlock(&cache.lock);
-        g->slot = found;
-        g->data = s->data;
-        return 0;
-    }
-    cache.misses++;
-    found = slot_room(piece_charge(p));
-    if (found >= 0) {
-        struct slot *s = &cache.slot[found];
-        s->fd = j->fd;
-        s->off = p->off;
-        s->len = p->len;
-        s->crc = p->crc;
-        s->size = p->size;
-        s->kind = p->kind;
-        s->used = ++cache.clock;
-        s->pending = 1;
-        s->unpushed = 0;
-        s->refs = 1; /* ours */
-        s->waiters = NULL;
-        s->charge = piece_charge(p);
-        cache.bytes += s->charge; /* counted now: the room is taken */
-    }
-    pthread_mutex_unlock(&cache.lock);
-    err = load_piece(j, p, dicts, &buf, &cap, &data);
-    if (err != 0) {
-        if (buf != NULL)
-            piece_free(buf, cap);
-        if (found >= 0)
-            slot_fill(found, NULL, 0, NULL);
-        return err;
-    }
-    g->fresh = 1;
-    g->data = data;
-    if (found >= 0) {
-        slot_fill(found, buf, cap, data);
-        g->slot = found;
-    } else {
-        g->own = buf; /* no room in the cache: this reply's alone */
-        g->cap = cap;
-    }
-    return 0;
-}
-
-static void piece_done(struct got *g) {
-    if (g->slot >= 0)
-        slot_release(g->slot);
-    else if (g->own != NULL)
-        piece_free(g->own, g->cap);
-}
-
-/* -- pushes ------------------------------------------------------------------------------- */
-
-/* Queue a push of bytes [from, to) of slot i (a reference taken for it). */
-static void push_queue(const struct target *t, uint64_t ino, int i, int64_t pos, uint32_t from,
-                       uint32_t to) {
-    if (to <= from || (t->se == NULL && t->fd < 0))
-        return;
-    pthread_mutex_lock(&push.lock);
-    if (push.running && push.n < PUSH_MAX) {
-        struct push *q = &push.q[(push.first + push.n) % PUSH_MAX];
-        *q = (struct push){t->se, t->fd, ino, i, pos, from, to};
-        push.n++;
-        pthread_mutex_lock(&cache.lock);
-        cache.slot[i].refs++;
-        pthread_mutex_unlock(&cache.lock);
-        pthread_cond_signal(&push.cond);
-    } else {
-        push.skipped++;
-    }
-    pthread_mutex_unlock(&push.lock);
-}
-
-static void *pusher_main(void *arg) {
-    (void)arg;
-    pthread_mutex_lock(&push.lock);
-    for (;;) {
-        struct push q;
-        struct fuse_bufvec bv = FUSE_BUFVEC_INIT(0);
-        while (push.n == 0 && push.running)
-            pthread_cond_wait(&push.cond, &push.lock);
-        if (push.n == 0)
-            break;
-        q = push.q[push.first];
-        push.first = (push.first + 1) % PUSH_MAX;
-        push.n--;
-        pthread_mutex_unlock(&push.lock);
-        bv.buf[0].size = q.to - q.from;
-        bv.buf[0].mem = (void *)(cache.slot[q.slot].data + q.from);
-        /* ENOENT (the kernel forgot the inode) and the like: the kernel READs it instead. */
-        if ((q.se != NULL
-                 ? fuse_lowlevel_notify_store(q.se, q.ino, (off_t)(q.pos + q.from), &bv, 0)
-                 : fanfs_raw_notify_store(q.fd, q.ino, (uint64_t)(q.pos + q.from), bv.buf[0].mem,
-                                          q.to - q.from)) == 0) {
-            pthread_mutex_lock(&push.lock);
-            push.pushes++;
-            push.bytes += q.to - q.from;
-            pthread_mutex_unlock(&push.lock);
-        }
-        slot_release(q.slot);
-        pthread_mutex_lock(&push.lock);
-    }
-    pthread_mutex_unlock(&push.lock);
-    return NULL;
-}
-
-/* After a reply: push what [lo, hi) of the file did not cover of each piece decoded afresh. */
-static void push_rest(const struct target *t, const struct fanfs_job *j, struct got *got,
-                      const int *held) {
-    int k;
-    int64_t pos = j->base, lo = j->base + j->skip, hi = lo + j->count;
-    for (k = 0; k < j->npieces; k++) {
-        int64_t end = pos + j->pieces[k].size;
-        if (held[k] && got[k].fresh && got[k].slot >= 0) {
-            if (lo > pos)
-                push_queue(t, j->ino, got[k].slot, pos, 0, (uint32_t)((lo < end ? lo : end) - pos));
-            if (hi < end)
-                push_queue(t, j->ino, got[k].slot, pos, (uint32_t)((hi > pos ? hi : pos) - pos),
-                           j->pieces[k].size);
-        }
-        pos = end;
-    }
-}
-
-/* -- jobs --------------------------------------------------------------------------------- */
-
-int fanfs_job_check(const struct fanfs_job *j) {
-    int i, n = j->npieces;
-    uint64_t total = 0;
-    if (n < 1 || n > FANFS_MAX_PIECES || j->base < 0)
-        return -1;
-    for (i = 0; i < n; i++) {
-        const struct fanfs_piece *p = &j->pieces[i];
-        if (p->size == 0 || p->size > FANFS_PIECE_MAX || p->len > FANFS_PIECE_MAX || p->off < 0)
-            return -1;
-        total += p->size;
-    }
-    if (j->skip > total || j->count > total - j->skip)
-        return -1;
-    /* The range starts in the first piece and ends in the last: a job names only the pieces
-     * it needs. */
-    if (n > 1 && j->count &&
-        (j->skip >= j->pieces[0].size || j->skip + j->count <= total - j->pieces[n - 1].size))
-        return -1;
-    return 0;
-}
-
-/* Gather bytes [skip, skip + count) of job j's pieces into iov (pieces in got, held[k] set
- * for those read). 0, an errno, or WAITING. */
-static int gather(struct qjob *qj, const struct fanfs_job *j, const struct fanfs_dicts *dicts,
-                  struct got *got, int *held, struct iovec *iov, int *niov) {
-    int k, err;
-    uint64_t at = 0, lo = j->skip, hi = (uint64_t)j->skip + j->count;
-    *niov = 0;
-    for (k = 0; k < j->npieces; k++) {
-        uint64_t end = at + j->pieces[k].size;
-        if (end > lo && at < hi) { /* only the pieces holding some of [lo, hi) are read */
-            uint64_t a = lo > at ? lo - at : 0, b = (hi < end ? hi : end) - at;
-            err = piece_get(qj, j, k, dicts, &got[k]);
-            if (err != 0)
-                return err;
-            held[k] = 1;
-            iov[*niov].iov_base = (void *)(got[k].data + a);
-            iov[*niov].iov_len = b - a;
-            (*niov)++;
-        }
-        at = end;
-    }
-    return 0;
-}
-
-/* The fast path's table (fanfs_pool_fast_set) and its state. */
-static struct {
-    struct fanfs_fast_table t;
-    int on;
-    int *fd, *dfd;  /* per partition, -1 until staged */
-    uint8_t *bad;   /* per entry: a job failed, Python answers from now on */
-    uint8_t *plan;  /* per entry: FANFS_PLAN_HELD, FANFS_PLAN_AHEAD (fanfs_pool_plan_mark) */
-    int32_t *owners; /* per partition, FANFS_MAX_OWNERS ranks holding it (-1: none) */
-    uint8_t *remote; /* per partition: held by peers only (fanfs_pool_fast_owners) */
-    uint64_t taken;
-} fast;
-
-/* -- a peer's files: fetched by the MPI thread into the cache of pieces -------------------------
- * A READ the front takes of a file a peer holds (stored whole, up to FANFS_REMOTE_MAX) is
- * answered from the cache of pieces like a local one: the piece's slot is reserved (pending)
- * and a request for it queued here, the MPI thread takes it (fanfs_remote_take, woken through
- * `rq.wakefd`), fetches the stored bytes from a holder and hands them back
- * (fanfs_remote_fill: checked and decoded in C, the slot filled, the READ that waits on it
- * woken), so neither Python's event loop nor a hand-off to it is on the way. When no holder
- * can give it (fanfs_remote_fail), the READ goes to Python after all, which tries every source
- * and the image. A lookup of such a file reserves its piece too (reads at LOOKUP), at most
- * LA_REMOTE_MAX at a time.
- *
- * A silent peer must not freeze the mount: a READ waits for a peer's piece at most `wait_ns`
- * (then Python answers it, with its own peer timeout and the image), and at most `max_waiting`
- * READs wait at once (the front's threads less one, set by the MPI transport): the others go
- * to Python at once, so a front thread is always left to answer local files. When the remote
- * path goes off, or the pool stops, every pending peer's piece is given up. */
-#define RQ_MAX 256
-#define LA_REMOTE_MAX 8
-
-static struct {
-    pthread_mutex_t lock;
-    struct fanfs_rreq q[RQ_MAX];
-    int first, n;
-    int wakefd; /* the MPI thread's eventfd; -1: no remote path */
-    int on;
-    int max_waiting; /* READs that may wait for peers' pieces at once (0: no limit) */
-    int64_t wait_ns; /* how long one may wait (0: no limit) */
-    uint64_t fetched, failed, looked_up;
-} rq = {.lock = PTHREAD_MUTEX_INITIALIZER, .wakefd = -1};
-
-/* Queue the fetch of slot i's piece (cache lock held: the lock order is cache, then rq); 0,
- * or -1 when the queue is full or the remote path is off. */
-static int rq_push(int i, const struct fanfs_job *j, const struct fanfs_piece *p, int ahead) {
-    uint64_t one = 1;
-    ssize_t w;
-    uint32_t part = (uint32_t)(FANFS_REMOTE_FD(0) - j->fd);
-    int k;
-    struct fanfs_rreq *r;
-    pthread_mutex_lock(&rq.lock);
-    if (!rq.on || rq.n == RQ_MAX || fast.owners == NULL || part >= fast.t.nparts) {
-        pthread_mutex_unlock(&rq.lock);
-        return -1;
-    }
-    r = &rq.q[(rq.first + rq.n) % RQ_MAX];
-    r->slot = i;
-    r->entry = j->entry;
-    r->part = part;
-    r->off = p->off;
-    r->len = p->len;
-    r->crc = p->crc;
-    r->ahead = ahead;
-    for (k = 0; k < FANFS_MAX_OWNERS; k++)
-        r->peers[k] = fast.owners[part * FANFS_MAX_OWNERS + k];
-    rq.n++;
-    w = write(rq.wakefd, &one, sizeof one);
-    (void)w;
-    pthread_mutex_unlock(&rq.lock);
-    return 0;
-}
-
-/* Reserve a pending slot for a peer's piece and queue its fetch, cache lock held throughout
- * (let go in between, the slot could be settled by a stop and taken by another piece before
- * a failed push gave it up). The slot's index, or -1 (no room, the queue is full, or the pool
- * is stopping). Nobody holds a reference to it: a READ waiting for it takes one once it is
- * filled, as for any piece. */
-static int remote_reserve(const struct fanfs_job *j, const struct fanfs_piece *p, int ahead) {
-    int i;
-    struct slot *s;
-    if (!__atomic_load_n(&fast.on, __ATOMIC_ACQUIRE)) /* a stop gave up what was pending */
-        return -1;
-    if ((i = slot_room(piece_charge(p))) < 0)
-        return -1;
-    s = &cache.slot[i];
-    s->fd = j->fd;
-    s->off = p->off;
-    s->len = p->len;
-    s->crc = p->crc;
-    s->size = p->size;
-    s->kind = p->kind;
-    s->used = ++cache.clock;
-    s->pending = 1;
-    s->unpushed = 1; /* nobody pushed it: its first READ pushes the rest */
-    s->ahead = ahead;
-    s->refs = 0;
-    s->waiters = NULL;
-    s->charge = piece_charge(p);
-    cache.bytes += s->charge;
-    cache.ahead += ahead;
-    if (rq_push(i, j, p, ahead) != 0) {
-        slot_fill_locked(i, NULL, 0, NULL); /* nobody could hang on it meanwhile */
-        return -1;
-    }
-    return i;
-}
-
-/* Whether one more READ may wait for a peer's piece (cache lock held). */
-static int rq_may_wait(void) {
-    int most = __atomic_load_n(&rq.max_waiting, __ATOMIC_RELAXED);
-    return most <= 0 || cache.waiting < most;
-}
-
-/* Wait for a pending slot to settle, cache lock held: 0, or ETIMEDOUT past `deadline`. */
-static int slot_wait(const struct timespec *deadline) {
-    int err;
-    cache.waiting++;
-    err = deadline != NULL
-              ? pthread_cond_clockwait(&cache.ready, &cache.lock, CLOCK_MONOTONIC, deadline)
-              : pthread_cond_wait(&cache.ready, &cache.lock);
-    cache.waiting--;
-    return err;
-}
-
-/* A peer's piece for a READ of the front (which may wait, within the limits above):
- * FANFS_EREMOTE when it cannot be had here in time (the READ then goes to Python). */
-static int remote_piece(const struct fanfs_job *j, const struct fanfs_piece *p, struct got *g) {
-    int i, found, mine = -1;
-    int64_t wait_ns = __atomic_load_n(&rq.wait_ns, __ATOMIC_RELAXED), end;
-    struct timespec deadline;
-    if (wait_ns > 0) { /* on CLOCK_MONOTONIC: a wall clock's step changes nothing */
-        clock_gettime(CLOCK_MONOTONIC, &deadline);
-        end = (int64_t)deadline.tv_sec * 1000000000 + deadline.tv_nsec + wait_ns;
-        deadline.tv_sec = (time_t)(end / 1000000000);
-        deadline.tv_nsec = (long)(end % 1000000000);
-    }
-    pthread_mutex_lock(&cache.lock);
-    for (;;) {
-        found = -1;
-        for (i = 0; i < SLOTS; i++)
-            if (slot_is(&cache.slot[i], j->fd, p))
-                found = i;
-        if (found >= 0 && cache.slot[found].pending) {
-            if (!rq_may_wait() || slot_wait(wait_ns > 0 ? &deadline : NULL) == ETIMEDOUT)
-                break;
-            continue;
-        }
-        if (found >= 0) {
-            struct slot *s = &cache.slot[found];
-            s->refs++;
-            s->used = ++cache.clock;
-            g->fresh = s->unpushed;
-            s->unpushed = 0;
-            cache.hits++;
-            pthread_mutex_unlock(&cache.lock);
-            g->slot = found;
-            g->data = s->data;
-            return 0;
-        }
-        /* Ours was given up (no holder could give it) or, rarely, evicted; or nobody may
-         * wait: Python answers (as when the pool is stopping: remote_reserve refuses). */
-        if (mine >= 0 || !rq_may_wait())
-            break;
-        cache.misses++;
-        if ((mine = remote_reserve(j, p, 0)) < 0)
-            break;
-    }
-    pthread_mutex_unlock(&cache.lock);
-    return FANFS_EREMOTE;
-}
-
-/* Give up every pending peer's piece: their READs go to Python. */
-static void remote_fail_pending(void) {
-    struct qjob *w = NULL, *more, *last;
-    int i;
-    pthread_mutex_lock(&cache.lock);
-    for (i = 0; i < SLOTS; i++)
-        if (cache.slot[i].pending && cache.slot[i].fd <= FANFS_REMOTE_FD(0)) {
-            more = slot_fill_locked(i, NULL, 0, NULL);
-            if (more != NULL) {
-                for (last = more; last->next != NULL; last = last->next)
-                    ;
-                last->next = w;
-                w = more;
-            }
-            __atomic_add_fetch(&rq.failed, 1, __ATOMIC_RELAXED);
-        }
-    pthread_mutex_unlock(&cache.lock);
-    requeue(w);
-}
-
-int fanfs_remote_on(void) { return __atomic_load_n(&rq.on, __ATOMIC_ACQUIRE); }
-
-void fanfs_remote_set_wake(int fd, int max_waiting, int64_t wait_ns) {
-    pthread_mutex_lock(&rq.lock);
-    rq.wakefd = fd;
-    __atomic_store_n(&rq.max_waiting, max_waiting, __ATOMIC_RELAXED);
-    __atomic_store_n(&rq.wait_ns, wait_ns, __ATOMIC_RELAXED);
-    __atomic_store_n(&rq.on, fd >= 0, __ATOMIC_RELEASE);
-    if (fd < 0)
-        rq.n = 0; /* nothing will be fetched any more */
-    pthread_mutex_unlock(&rq.lock);
-    if (fd < 0)
-        remote_fail_pending(); /* the READs waiting go to Python */
-}
-
-int fanfs_remote_take(struct fanfs_rreq *out, int max) {
-    int n = 0;
-    pthread_mutex_lock(&rq.lock);
-    while (n < max && rq.n > 0) {
-        out[n] = rq.q[rq.first];
-        rq.first = (rq.first + 1) % RQ_MAX;
-        rq.n--;
-        n++;
-    }
-    pthread_mutex_unlock(&rq.lock);
-    return n;
-}
-
-/* Whether slot r->slot still waits for r's piece (cache lock held). */
-static int rq_pending(const struct fanfs_rreq *r) {
-    const struct slot *s;
-    if (r->slot < 0 || r->slot >= SLOTS)
-        return 0;
-    s = &cache.slot[r->slot];
-    return s->pending && s->fd == FANFS_REMOTE_FD(r->part) && s->off == r->off &&
-           s->len == r->len && s->crc == r->crc;
-}
-
-int fanfs_remote_fill(const struct fanfs_rreq *r, const char *stored, uint32_t len) {
-    struct fanfs_piece p;
-    struct qjob *w;
-    char *buf;
-    uint32_t cap = 0;
-    int err;
-    pthread_mutex_lock(&cache.lock);
-    err = rq_pending(r) ? 0 : ESTALE;
-    if (err == 0) {
-        p.off = r->off;
-        p.len = r->len;
-        p.crc = r->crc;
-        p.size = cache.slot[r->slot].size;
-        p.kind = cache.slot[r->slot].kind;
-        p.cache = 1;
-    }
-    pthread_mutex_unlock(&cache.lock);
-    if (err != 0)
-        return err;
-    if (len != r->len)
-        return FANFS_EBADDATA;
-    if (fanfs_crc32(0, stored, len) != r->crc)
-        return FANFS_EBADCRC; /* a bad copy: the MPI thread asks another holder */
-    buf = piece_alloc(p.size, &cap);
-    if (buf == NULL)
-        return ENOMEM;
-    if (p.kind == FANFS_KIND_RAW) {
-        err = p.len == p.size ? (memcpy(buf, stored, p.size), 0) : FANFS_EBADDATA;
-    } else {
-        struct fanfs_dicts *dicts = dicts_hold();
-        err = fanfs_decode(dicts, &p, (const unsigned char *)stored, (unsigned char *)buf);
-        fanfs_dicts_free(dicts);
-    }
-    if (err != 0) {
-        piece_free(buf, cap);
-        return err;
-    }
-    /* Checked again: a hedged fetch's other copy, or a stop, may have settled it meanwhile. */
-    pthread_mutex_lock(&cache.lock);
-    if (!rq_pending(r)) {
-        piece_free_locked(buf, cap);
-        pthread_mutex_unlock(&cache.lock);
-        return ESTALE;
-    }
-    w = slot_fill_locked(r->slot, buf, cap, buf);
-    pthread_mutex_unlock(&cache.lock);
-    requeue(w);
-    __atomic_add_fetch(&rq.fetched, 1, __ATOMIC_RELAXED);
-    return 0;
-}
-
-int fanfs_remote_pending(const struct fanfs_rreq *r) {
-    int pending;
-    pthread_mutex_lock(&cache.lock);
-    pending = rq_pending(r);
-    pthread_mutex_unlock(&cache.lock);
-    return pending;
-}
-
-void fanfs_remote_fail(const struct fanfs_rreq *r) {
-    struct qjob *w = NULL;
-    pthread_mutex_lock(&cache.lock);
-    if (rq_pending(r)) {
-        w = slot_fill_locked(r->slot, NULL, 0, NULL);
-        __atomic_add_fetch(&rq.failed, 1, __ATOMIC_RELAXED);
-    }
-    pthread_mutex_unlock(&cache.lock);
-    requeue(w);
-}
-
-void fanfs_remote_counters(uint64_t out[3]) {
-    out[0] = __atomic_load_n(&rq.fetched, __ATOMIC_RELAXED);
-    out[1] = __atomic_load_n(&rq.failed, __ATOMIC_RELAXED);
-    out[2] = __atomic_load_n(&rq.looked_up, __ATOMIC_RELAXED);
-}
-
-/* Whether a failure is the stored bytes' own (a failed check or decode: every later read
- * fails the same way), not the moment's (ENOMEM, EIO from the disk, EINTR, EAGAIN, ...: the
- * READ is answered with an error, and the next one tries again). */
-static int bad_data(int err) { return err == FANFS_EBADCRC || err == FANFS_EBADDATA; }
-
-static void post_error(int64_t entry, int err) {
-    /* A full pipe loses the record; a bad file is still answered EIO on every read. */
-    struct {
-        int64_t entry;
-        int32_t err, pad;
-    } rec = {entry, err, 0};
-    ssize_t posted;
-    if (bad_data(err) && fast.bad != NULL && entry >= 0 && (uint64_t)entry < fast.t.n)
-        __atomic_store_n(&fast.bad[entry], 1, __ATOMIC_RELAXED);
-    posted = pool.errfd >= 0 ? write(pool.errfd, &rec, sizeof rec) : 0;
-    (void)posted;
-}
-
-/* Answer a READ: 0, or WAITING when `qj` (a queued READ; NULL: the caller waits instead)
- * was hung on a piece another thread is reading. `t` and `j` must not point into `qj`: once
- * it is hung, the thread that settles the piece owns it (requeues it, and another thread
- * answers and frees it), so this one never touches it again. A queued READ is always answered
- * (nobody else can); one of the front's (`qj` NULL) that needs a peer's piece it cannot have
- * is left to Python (FANFS_EREMOTE). */
-static int answer(struct qjob *qj, const struct target *t, const struct fanfs_job *j) {
-    struct got got[FANFS_MAX_PIECES];
-    struct iovec iov[FANFS_MAX_PIECES];
-    int held[FANFS_MAX_PIECES] = {0}, niov, k, err;
-    struct fanfs_dicts *dicts = dicts_hold();
-
-    err = gather(qj, j, dicts, got, held, iov, &niov);
-    fanfs_dicts_free(dicts);
-    if (err == WAITING || err == FANFS_EREMOTE) {
-        for (k = 0; k < j->npieces; k++) /* let go of what it holds; it starts over */
-            if (held[k])
-                piece_done(&got[k]);
-        if (err == WAITING || qj == NULL)
-            return err; /* WAITING: queued again when its piece is read; EREMOTE: to Python */
-        reply_err(t, EIO); /* a queued READ of a peer's piece: Python has no request to answer */
-        return 0;
-    }
-    if (err == 0) {
-        reply_iov(t, iov, niov);
-        if ((j->flags & FANFS_JOB_PUSH) && j->ino != 0)
-            push_rest(t, j, got, held);
-    }
-    for (k = 0; k < j->npieces; k++)
-        if (held[k])
-            piece_done(&got[k]);
-    if (err != 0) {
-        reply_err(t, EIO);
-        post_error(j->entry, err);
-    }
-    return 0;
-}
-
-static void run_read(struct qjob *qj) {
-    /* Copies: if the READ is hung on a piece, qj is another thread's from then on. */
-    struct target t = qj->t;
-    struct fanfs_job j = qj->j;
-    if (answer(qj, &t, &j) != WAITING)
-        free(qj); /* else it is hung on a piece: queued again when the piece is read */
-}
-
-static int lookahead_wanted(uint64_t ino);
-
-/* READs answered by fanfs_pool_fast_answer right now: the pool's stop waits for them before
- * it frees the cache they may hold pieces of. */
-static int answering;
-
-int fanfs_pool_fast_answer(int fd, uint64_t unique, uint64_t ino, int64_t off, uint64_t size) {
-    struct target t = {NULL, NULL, fd, unique};
-    struct fanfs_job j;
-    int err;
-    __atomic_add_fetch(&answering, 1, __ATOMIC_SEQ_CST); /* before the check of fast.on */
-    if (fanfs_pool_fast_job(ino, off, size, &j) != 0) {
-        __atomic_sub_fetch(&answering, 1, __ATOMIC_SEQ_CST);
-        return -1;
-    }
-    err = answer(NULL, &t, &j);
-    thread_buffers_trim();
-    __atomic_sub_fetch(&answering, 1, __ATOMIC_SEQ_CST);
-    return err == FANFS_EREMOTE ? -1 : 0;
-}
-
-/* A read-ahead: decode each piece nobody holds into the cache (and push it, if asked). */
-static void run_ahead(struct qjob *qj) {
-    const struct fanfs_job *j = &qj->j;
-    int k, i, held, slot;
-    int64_t pos = j->base;
-    struct fanfs_dicts *dicts;
-    if (qj->lookahead && !lookahead_wanted(j->ino)) {
-        free(qj); /* its READ came first and read it */
-        return;
-    }
-    dicts = dicts_hold();
-    for (k = 0; k < j->npieces; k++) {
-        const struct fanfs_piece *p = &j->pieces[k];
-        char *buf = NULL;
-        uint32_t cap = 0;
-        const char *data = NULL;
-        pthread_mutex_lock(&cache.lock);
-        held = 0;
-        for (i = 0; i < SLOTS; i++)
-            held |= slot_is(&cache.slot[i], j->fd, p);
-        slot = held ? -1 : slot_room(piece_charge(p));
-        if (slot >= 0) {
-            struct slot *s = &cache.slot[slot];
-            s->fd = j->fd;
-            s->off = p->off;
-            s->len = p->len;
-            s->crc = p->crc;
-            s->size = p->size;
-            s->kind = p->kind;
-            s->used = ++cache.clock;
-            s->pending = 1;
-            s->unpushed = !(j->flags & FANFS_JOB_PUSH) || j->ino == 0;
-            s->refs = 1;
-            s->waiters = NULL;
-            s->charge = piece_charge(p);
-            cache.bytes += s->charge;
-        }
-        pthread_mutex_unlock(&cache.lock);
-        if (slot >= 0) {
-            if (load_piece(j, p, dicts, &buf, &cap, &data) != 0) {
-                if (buf != NULL)
-                    piece_free(buf, cap);
-                slot_fill(slot, NULL, 0, NULL); /* its READ reads it and reports it */
-            } else {
-                slot_fill(slot, buf, cap, data);
-                if ((j->flags & FANFS_JOB_PUSH) && j->ino != 0)
-                    push_queue(&qj->t, j->ino, slot, pos, 0, p->size);
-                slot_release(slot);
-            }
-        }
-        pos += p->size;
-    }
-    fanfs_dicts_free(dicts);
-    free(qj);
-}
-
-int fanfs_run_job(const struct fanfs_dicts *dicts, const struct fanfs_job *j, char *out) {
-    struct got got[FANFS_MAX_PIECES];
-    struct iovec iov[FANFS_MAX_PIECES];
-    int held[FANFS_MAX_PIECES] = {0}, niov, k, err;
-    if (fanfs_job_check(j) != 0)
-        return EINVAL;
-    err = gather(NULL, j, dicts, got, held, iov, &niov);
-    if (err == 0)
-        for (k = 0; k < niov; k++) {
-            memcpy(out, iov[k].iov_base, iov[k].iov_len);
-            out += iov[k].iov_len;
-        }
-    for (k = 0; k < j->npieces; k++)
-        if (held[k])
-            piece_done(&got[k]);
-    thread_buffers_trim();
-    return err;
-}
-
-/* -- the threads -------------------------------------------------------------------------- */
-
-/* The next job, pool lock held: a READ first, a read-ahead only when no READ waits. */
-static struct qjob *next_job(void) {
+/* The next job: a READ first, a read-ahead only when no READ waits. */
+static struct qjob *next_job_locked(struct workers *w) {
     struct qjob *qj;
-    if (pool.stopping) { /* read-aheads are not worth running any more */
-        while ((qj = pool.ahead_head) != NULL) {
-            pool.ahead_head = qj->next;
+    if (w->stopping) { /* read-aheads are not worth running any more */
+        while ((qj = w->ahead_head) != NULL) {
+            w->ahead_head = qj->next;
             free(qj);
         }
-        pool.ahead_tail = NULL;
-        pool.nahead = 0;
+        w->ahead_tail = NULL;
+        w->nahead = 0;
     }
-    if ((qj = pool.head) != NULL) {
-        pool.head = qj->next;
-        if (pool.head == NULL)
-            pool.tail = NULL;
-    } else if ((qj = pool.ahead_head) != NULL) {
-        pool.ahead_head = qj->next;
-        if (pool.ahead_head == NULL)
-            pool.ahead_tail = NULL;
-        pool.nahead--;
+    if ((qj = w->head) != NULL) {
+        w->head = qj->next;
+        if (w->head == NULL)
+            w->tail = NULL;
+    } else if ((qj = w->ahead_head) != NULL) {
+        w->ahead_head = qj->next;
+        if (w->ahead_head == NULL)
+            w->ahead_tail = NULL;
+        w->nahead--;
     }
     return qj;
 }
 
-static int piece_busy(void) {
-    int i, busy = 0;
-    pthread_mutex_lock(&cache.lock);
-    for (i = 0; i < SLOTS; i++) /* (no READ of the pool is hung on a peer's piece) */
-        busy |= cache.slot[i].pending && cache.slot[i].fd > FANFS_REMOTE_FD(0);
-    pthread_mutex_unlock(&cache.lock);
-    return busy;
-}
-
 static void *thread_main(void *arg) {
-    (void)arg;
+    struct pool *P = arg;
+    struct workers *w = &P->work;
     for (;;) {
         struct qjob *qj;
-        pthread_mutex_lock(&pool.lock);
-        while ((qj = next_job()) == NULL) {
-            if (!pool.stopping) {
-                pthread_cond_wait(&pool.cond, &pool.lock);
+        pthread_mutex_lock(&w->lock);
+        while ((qj = next_job_locked(w)) == NULL) {
+            if (!w->stopping) {
+                pthread_cond_wait(&w->cond, &w->lock);
                 continue;
             }
             /* Stopping with nothing queued: leave, unless a piece is being read (the READs
              * hung on it come back to the queue when it is). */
-            pthread_mutex_unlock(&pool.lock);
-            if (!piece_busy()) {
-                pthread_mutex_lock(&pool.lock);
-                if (pool.head == NULL)
+            pthread_mutex_unlock(&w->lock);
+            if (!pieces_busy(&P->pieces)) {
+                pthread_mutex_lock(&w->lock);
+                if (w->head == NULL)
                     break;
                 continue;
             }
             usleep(1000);
-            pthread_mutex_lock(&pool.lock);
+            pthread_mutex_lock(&w->lock);
         }
         if (qj != NULL)
-            pool.jobs++;
-        pthread_mutex_unlock(&pool.lock);
+            w->jobs++;
+        pthread_mutex_unlock(&w->lock);
         if (qj == NULL)
             break;
-        if (is_read(qj))
-            run_read(qj);
-        else
-            run_ahead(qj);
-        thread_buffers_trim();
+        job_run(P, qj);
+        job_buffers_trim();
     }
     return NULL; /* (its own buffers are freed as it ends: fanfs_tls) */
 }
 
 int fanfs_pool_start(int nthreads, int errfd) {
+    struct pool *P = &live;
+    struct workers *w = &P->work;
     sigset_t all, old;
     int i;
-    if (pool.nthreads > 0)
+    if (w->nthreads > 0)
         return 0;
-    if (nthreads < 1 || nthreads > MAX_THREADS)
+    if (nthreads < 1 || nthreads > POOL_THREADS_MAX)
         return -EINVAL;
     if (fanfs_codec_init() != 0)
         return -ENOENT;
-    pool.errfd = errfd;
-    pool.stopping = 0;
+    w->errfd = errfd;
+    w->stopping = 0;
     /* Signals stay with the interpreter's thread. */
     sigfillset(&all);
     pthread_sigmask(SIG_BLOCK, &all, &old);
-    push.running = 1;
-    if (pthread_create(&push.thread, NULL, pusher_main, NULL) != 0)
-        push.running = 0;
+    push_start(P); /* (without a pusher, pieces are not pushed: the kernel READs them) */
     for (i = 0; i < nthreads; i++) {
-        if (pthread_create(&pool.threads[i], NULL, thread_main, NULL) != 0)
+        if (pthread_create(&w->threads[i], NULL, thread_main, P) != 0)
             break;
-        pool.nthreads++;
+        w->nthreads++;
     }
     pthread_sigmask(SIG_SETMASK, &old, NULL);
-    return pool.nthreads > 0 ? 0 : -EAGAIN;
+    return w->nthreads > 0 ? 0 : -EAGAIN;
 }
 
 void fanfs_pool_set_dicts(struct fanfs_dicts *d) {
+    struct workers *w = &live.work;
     struct fanfs_dicts *old;
-    pthread_mutex_lock(&pool.dlock);
-    old = pool.dicts;
-    pool.dicts = fanfs_dicts_ref(d);
-    pthread_mutex_unlock(&pool.dlock);
+    pthread_mutex_lock(&w->dlock);
+    old = w->dicts;
+    w->dicts = fanfs_dicts_ref(d);
+    pthread_mutex_unlock(&w->dlock);
     fanfs_dicts_free(old); /* freed here, or by the last job decoding with it */
 }
 
-static int enqueue(const struct target *t, int lookahead, const struct fanfs_job *job) {
+int pool_enqueue(struct pool *P, const struct target *t, int lookahead,
+                 const struct fanfs_job *job) {
+    struct workers *w = &P->work;
     struct qjob *qj;
     /* A job's pieces are read from fd: a peer's (fd <= -2) are fetched for the front's READs
      * only (remote_piece), which the pool's threads cannot do: the caller answers those. */
-    if (pool.nthreads == 0 || pool.stopping || job->fd < 0 || fanfs_job_check(job) != 0)
+    if (w->nthreads == 0 || w->stopping || job->fd < 0 || fanfs_job_check(job) != 0)
         return -1;
     qj = malloc(sizeof *qj);
     if (qj == NULL)
@@ -1208,399 +176,74 @@ static int enqueue(const struct target *t, int lookahead, const struct fanfs_job
     qj->t = *t;
     qj->lookahead = lookahead;
     qj->j = *job;
-    pthread_mutex_lock(&pool.lock);
-    if (is_read(qj)) {
-        if (pool.tail != NULL)
-            pool.tail->next = qj;
+    pthread_mutex_lock(&w->lock);
+    if (qjob_is_read(qj)) {
+        if (w->tail != NULL)
+            w->tail->next = qj;
         else
-            pool.head = qj;
-        pool.tail = qj;
+            w->head = qj;
+        w->tail = qj;
     } else {
-        if (pool.nahead >= AHEAD_MAX) { /* the stalest: the reader has moved past it */
-            struct qjob *old = pool.ahead_head;
-            pool.ahead_head = old->next;
-            if (pool.ahead_head == NULL)
-                pool.ahead_tail = NULL;
-            pool.nahead--;
+        if (w->nahead >= AHEAD_MAX) { /* the stalest: the reader has moved past it */
+            struct qjob *old = w->ahead_head;
+            w->ahead_head = old->next;
+            if (w->ahead_head == NULL)
+                w->ahead_tail = NULL;
+            w->nahead--;
             free(old);
         }
-        if (pool.ahead_tail != NULL)
-            pool.ahead_tail->next = qj;
+        if (w->ahead_tail != NULL)
+            w->ahead_tail->next = qj;
         else
-            pool.ahead_head = qj;
-        pool.ahead_tail = qj;
-        pool.nahead++;
+            w->ahead_head = qj;
+        w->ahead_tail = qj;
+        w->nahead++;
     }
-    pthread_cond_signal(&pool.cond);
-    pthread_mutex_unlock(&pool.lock);
+    pthread_cond_signal(&w->cond);
+    pthread_mutex_unlock(&w->lock);
     return 0;
 }
-
-static struct fuse_session *last_session; /* read-aheads push through the READs' session */
 
 int fanfs_pool_submit(void *session, void *req, const struct fanfs_job *job) {
     if (req == NULL)
         return -1;
     struct target t = {(struct fuse_session *)session, (fuse_req_t)req, -1, 0};
-    __atomic_store_n(&last_session, (struct fuse_session *)session, __ATOMIC_RELAXED);
-    return enqueue(&t, 0, job);
+    __atomic_store_n(&live.last_session, (struct fuse_session *)session, __ATOMIC_RELAXED);
+    return pool_enqueue(&live, &t, 0, job);
 }
 
 int fanfs_pool_read_ahead(const struct fanfs_job *job) {
-    struct target t = {__atomic_load_n(&last_session, __ATOMIC_RELAXED), NULL, -1, 0};
-    return enqueue(&t, 0, job);
+    struct target t = {__atomic_load_n(&live.last_session, __ATOMIC_RELAXED), NULL, -1, 0};
+    return pool_enqueue(&live, &t, 0, job);
 }
 
-void fanfs_pool_drop(void) {
-    int i;
-    pthread_mutex_lock(&cache.lock);
-    for (i = 0; i < SLOTS; i++) {
-        struct slot *s = &cache.slot[i];
-        if (s->buf != NULL && s->refs == 0 && !s->pending) {
-            cache.bytes -= s->charge;
-            s->charge = 0;
-            piece_free_locked(s->buf, s->cap);
-            s->buf = NULL;
-            s->data = NULL;
-        }
-    }
-    pthread_mutex_unlock(&cache.lock);
-}
+void fanfs_pool_drop(void) { pieces_drop(&live.pieces); }
 
 void fanfs_pool_counters(struct fanfs_pool_stats *out) {
-    pthread_mutex_lock(&pool.lock);
-    out->jobs = pool.jobs;
-    pthread_mutex_unlock(&pool.lock);
-    pthread_mutex_lock(&cache.lock);
-    out->hits = cache.hits;
-    out->misses = cache.misses;
-    pthread_mutex_unlock(&cache.lock);
-    pthread_mutex_lock(&push.lock);
-    out->pushes = push.pushes;
-    out->pushed_bytes = push.bytes;
-    out->push_skipped = push.skipped;
-    pthread_mutex_unlock(&push.lock);
+    pthread_mutex_lock(&live.work.lock);
+    out->jobs = live.work.jobs;
+    pthread_mutex_unlock(&live.work.lock);
+    pieces_counters(&live.pieces, &out->hits, &out->misses);
+    push_counters(&live.push, out);
 }
 
 void fanfs_pool_stop(void) {
+    struct pool *P = &live;
+    struct workers *w = &P->work;
     int i;
     fanfs_pool_fast_enable(0); /* READs from now on go to Python (or the front's drain) */
-    remote_fail_pending();     /* no READ waits for a peer any more */
-    while (__atomic_load_n(&answering, __ATOMIC_SEQ_CST) > 0)
+    remote_fail_pending(P);    /* no READ waits for a peer any more */
+    while (__atomic_load_n(&P->answering, __ATOMIC_SEQ_CST) > 0)
         usleep(100); /* the front's READs in flight finish with the cache */
-    pthread_mutex_lock(&pool.lock);
-    pool.stopping = 1;
-    pthread_cond_broadcast(&pool.cond);
-    pthread_mutex_unlock(&pool.lock);
-    for (i = 0; i < pool.nthreads; i++)
-        pthread_join(pool.threads[i], NULL);
-    pool.nthreads = 0;
-    pthread_mutex_lock(&push.lock);
-    if (push.running) {
-        /* Pushes not made are only speed lost: drop them. */
-        while (push.n > 0) {
-            slot_release(push.q[push.first].slot);
-            push.first = (push.first + 1) % PUSH_MAX;
-            push.n--;
-        }
-        push.running = 0;
-        pthread_cond_signal(&push.cond);
-        pthread_mutex_unlock(&push.lock);
-        pthread_join(push.thread, NULL);
-    } else {
-        pthread_mutex_unlock(&push.lock);
-    }
-    pool.errfd = -1;
-    __atomic_store_n(&last_session, NULL, __ATOMIC_RELAXED);
-    pthread_mutex_lock(&cache.lock);
-    for (i = 0; i < SLOTS; i++) {
-        free(cache.slot[i].buf);
-        memset(&cache.slot[i], 0, sizeof cache.slot[i]);
-    }
-    for (i = 0; i < SPARES; i++) {
-        free(cache.spare[i].buf);
-        cache.spare[i].buf = NULL;
-    }
-    cache.bytes = cache.spare_bytes = 0;
-    pthread_mutex_unlock(&cache.lock);
-}
-
-/* -- READs answered with no Python ------------------------------------------------------- */
-
-static uint64_t field64(const char *col, uint64_t e) {
-    uint64_t v;
-    memcpy(&v, col + e * sizeof v, sizeof v);
-    return le64toh(v);
-}
-
-static uint32_t field32(const char *col, uint64_t e) {
-    uint32_t v;
-    memcpy(&v, col + e * sizeof v, sizeof v);
-    return le32toh(v);
-}
-
-int fanfs_pool_fast_set(const struct fanfs_fast_table *t) {
-    uint32_t i;
-    if (__atomic_load_n(&fast.on, __ATOMIC_ACQUIRE) || t->n == 0 || t->nparts == 0)
-        return -EINVAL; /* never while READs may be reading it */
-    free(fast.fd);
-    free(fast.dfd);
-    free(fast.bad);
-    free(fast.plan);
-    fast.fd = malloc(t->nparts * sizeof(int));
-    fast.dfd = malloc(t->nparts * sizeof(int));
-    fast.bad = calloc(t->n, 1);
-    fast.plan = calloc(t->n, 1);
-    if (fast.fd == NULL || fast.dfd == NULL || fast.bad == NULL || fast.plan == NULL) {
-        free(fast.fd);
-        free(fast.dfd);
-        free(fast.bad);
-        free(fast.plan);
-        fast.fd = fast.dfd = NULL;
-        fast.bad = fast.plan = NULL;
-        return -ENOMEM;
-    }
-    for (i = 0; i < t->nparts; i++)
-        fast.fd[i] = fast.dfd[i] = -1;
-    fast.t = *t;
-    return 0;
-}
-
-void fanfs_pool_fast_part(uint32_t part, int fd, int dfd) {
-    if (fast.fd == NULL || part >= fast.t.nparts)
-        return;
-    __atomic_store_n(&fast.dfd[part], dfd, __ATOMIC_RELAXED);
-    __atomic_store_n(&fast.fd[part], fd, __ATOMIC_RELEASE);
-}
-
-void fanfs_pool_fast_enable(int on) { __atomic_store_n(&fast.on, on, __ATOMIC_SEQ_CST); }
-
-uint64_t fanfs_pool_fast_count(void) { return __atomic_load_n(&fast.taken, __ATOMIC_RELAXED); }
-
-int fanfs_pool_fast_owners(const int32_t *owners, uint32_t nparts, int self) {
-    uint32_t part;
-    int k;
-    if (fast.fd == NULL || nparts != fast.t.nparts || __atomic_load_n(&fast.on, __ATOMIC_SEQ_CST))
-        return -EINVAL;
-    free(fast.owners);
-    free(fast.remote);
-    fast.owners = malloc((size_t)nparts * FANFS_MAX_OWNERS * sizeof(int32_t));
-    fast.remote = calloc(nparts, 1);
-    if (fast.owners == NULL || fast.remote == NULL) {
-        free(fast.owners);
-        free(fast.remote);
-        fast.owners = NULL;
-        fast.remote = NULL;
-        return -ENOMEM;
-    }
-    memcpy(fast.owners, owners, (size_t)nparts * FANFS_MAX_OWNERS * sizeof(int32_t));
-    for (part = 0; part < nparts; part++) {
-        int mine = 0, any = 0;
-        for (k = 0; k < FANFS_MAX_OWNERS; k++) {
-            int32_t r = owners[part * FANFS_MAX_OWNERS + k];
-            any |= r >= 0;
-            mine |= r == self;
-        }
-        fast.remote[part] = any && !mine;
-    }
-    return 0;
-}
-
-int fanfs_pool_fast_on(void) { return __atomic_load_n(&fast.on, __ATOMIC_SEQ_CST); }
-
-void fanfs_pool_plan_mark(uint64_t e, int flag, int on) {
-    if (fast.plan == NULL || e >= fast.t.n)
-        return;
-    if (on)
-        __atomic_or_fetch(&fast.plan[e], (uint8_t)flag, __ATOMIC_RELEASE);
-    else
-        __atomic_and_fetch(&fast.plan[e], (uint8_t)~flag, __ATOMIC_RELEASE);
-}
-
-static void lookahead_read(uint64_t ino);
-
-/* The fast path's job for [off, off + size) of inode `ino`: 0, or -1 (Python answers). */
-static int fast_build(uint64_t ino, int64_t off, uint64_t size, struct fanfs_job *j) {
-    uint64_t e, length, stored;
-    uint32_t part;
-    int fd, whole, remote;
-    uint8_t kind;
-
-    if (!__atomic_load_n(&fast.on, __ATOMIC_SEQ_CST) || fast.fd == NULL || ino < 1)
-        return -1;
-    e = ino - 1;
-    if (e >= fast.t.n || fast.t.kind[e] == FANFS_FAST_NO ||
-        __atomic_load_n(&fast.bad[e], __ATOMIC_RELAXED) ||
-        (__atomic_load_n(&fast.plan[e], __ATOMIC_ACQUIRE) & FANFS_PLAN_HELD))
-        return -1;
-    kind = fast.t.kind[e];
-    part = field32(fast.t.part, e);
-    if (part >= fast.t.nparts)
-        return -1;
-    fd = __atomic_load_n(&fast.fd[part], __ATOMIC_ACQUIRE);
-    remote = fd < 0 && fast.remote != NULL && fast.remote[part] &&
-             __atomic_load_n(&rq.on, __ATOMIC_ACQUIRE);
-    if (fd < 0 && !remote)
-        return -1;
-    length = field64(fast.t.size, e);
-    stored = field64(fast.t.stored, e);
-    if (off < 0 || (uint64_t)off >= length || size == 0 || length > FANFS_PIECE_MAX ||
-        stored > FANFS_PIECE_MAX)
-        return -1; /* EOF, or not a piece: Python answers */
-    if (size > length - (uint64_t)off)
-        size = length - (uint64_t)off;
-    whole = off == 0 && size == length;
-    if (!whole && length > fast.t.parts_limit)
-        return -1;
-    if (remote && stored > FANFS_REMOTE_MAX)
-        return -1; /* fetched whole: a large remote file goes to Python, which reads ranges */
-    memset(j, 0, sizeof *j);
-    j->fd = remote ? FANFS_REMOTE_FD(part) : fd;
-    j->dfd = remote ? -1 : __atomic_load_n(&fast.dfd[part], __ATOMIC_RELAXED);
-    j->entry = (int64_t)e;
-    j->ino = ino;
-    j->base = 0;
-    j->skip = (uint32_t)off;
-    j->count = (uint32_t)size;
-    j->flags = whole ? 0 : fast.t.flags;
-    j->npieces = 1;
-    j->pieces[0].off = (int64_t)field64(fast.t.off, e);
-    j->pieces[0].len = (uint32_t)stored;
-    j->pieces[0].crc = field32(fast.t.crc, e);
-    j->pieces[0].size = (uint32_t)length;
-    j->pieces[0].kind = kind;
-    j->pieces[0].cache = !whole || remote; /* a peer's piece always lands in the cache */
-    return fanfs_job_check(j);
-}
-
-int fanfs_pool_fast_job(uint64_t ino, int64_t off, uint64_t size, struct fanfs_job *j) {
-    if (fast_build(ino, off, size, j) != 0)
-        return -1;
-    if (off == 0)
-        lookahead_read(ino);
-    __atomic_add_fetch(&fast.taken, 1, __ATOMIC_RELAXED);
-    return 0;
-}
-
-/* -- reads started at LOOKUP ------------------------------------------------------------------
- * A LOOKUP of a file is most often its open(), and its first READ follows within microseconds:
- * the pool starts reading it then (a peer's file: the MPI thread starts fetching it), into its
- * cache of pieces, where the READ finds it (waiting for it if it is still on its way). A stat walk (ls -l, du) looks files up
- * that nobody reads: the last LA_RING lookups are remembered, with whether a READ followed
- * (la.share, the recent share of lookups that were read, in 1/256), and files are read ahead
- * only while most are. A file larger than the pool's parts limit is not read ahead. */
-#define LA_RING 64
-static struct {
-    pthread_mutex_t lock;
-    uint64_t ino[LA_RING];
-    uint8_t fetched[LA_RING];
-    int n;      /* entries, oldest first */
-    int share;  /* 1/256 */
-    uint64_t started, used, unused;
-} la = {.lock = PTHREAD_MUTEX_INITIALIZER, .share = 256};
-
-static void la_outcome(int read, int fetched) {
-    la.share += ((read ? 256 : 0) - la.share) / 8;
-    if (fetched) {
-        la.used += read;
-        la.unused += !read;
-    }
-}
-
-static int la_find(uint64_t ino) {
-    int i;
-    for (i = la.n - 1; i >= 0; i--)
-        if (la.ino[i] == ino)
-            return i;
-    return -1;
-}
-
-static void la_remove(int i) {
-    memmove(&la.ino[i], &la.ino[i + 1], (size_t)(la.n - i - 1) * sizeof la.ino[0]);
-    memmove(&la.fetched[i], &la.fetched[i + 1], (size_t)(la.n - i - 1));
-    la.n--;
-}
-
-static void lookahead_read(uint64_t ino) {
-    int i;
-    pthread_mutex_lock(&la.lock);
-    if ((i = la_find(ino)) >= 0) {
-        la_outcome(1, la.fetched[i]);
-        la_remove(i);
-    }
-    pthread_mutex_unlock(&la.lock);
-}
-
-static int lookahead_wanted(uint64_t ino) {
-    int i, wanted;
-    pthread_mutex_lock(&la.lock);
-    i = la_find(ino);
-    wanted = i >= 0 && la.fetched[i];
-    pthread_mutex_unlock(&la.lock);
-    return wanted;
-}
-
-static void looked_up(uint64_t ino) {
-    struct fanfs_job j;
-    struct target none = {NULL, NULL, -1, 0};
-    int i, fetch;
-    uint64_t e = ino - 1;
-    if (!__atomic_load_n(&fast.on, __ATOMIC_ACQUIRE) || fast.fd == NULL || ino < 1 ||
-        e >= fast.t.n || field64(fast.t.size, e) > fast.t.parts_limit ||
-        __atomic_load_n(&fast.plan[e], __ATOMIC_ACQUIRE))
-        return; /* (a planned epoch reads it ahead, or holds it read) */
-    pthread_mutex_lock(&la.lock);
-    if ((i = la_find(ino)) >= 0)
-        la_remove(i); /* looked up again before it was read: counted once */
-    if (la.n == LA_RING) {
-        la_outcome(0, la.fetched[0]); /* never read while remembered */
-        la_remove(0);
-    }
-    fetch = la.share >= 128;
-    la.ino[la.n] = ino;
-    la.fetched[la.n] = (uint8_t)fetch;
-    la.n++;
-    pthread_mutex_unlock(&la.lock);
-    if (!fetch)
-        return;
-    if (fast_build(ino, 0, field64(fast.t.size, e), &j) != 0)
-        return;
-    if (j.fd <= FANFS_REMOTE_FD(0)) { /* a peer's: the MPI thread fetches it, no pool thread */
-        int k, held = 0, started;
-        pthread_mutex_lock(&cache.lock);
-        for (k = 0; k < SLOTS; k++)
-            held |= slot_is(&cache.slot[k], j.fd, &j.pieces[0]);
-        started = !held && cache.ahead < LA_REMOTE_MAX && remote_reserve(&j, &j.pieces[0], 1) >= 0;
-        pthread_mutex_unlock(&cache.lock);
-        if (started) {
-            __atomic_add_fetch(&rq.looked_up, 1, __ATOMIC_RELAXED);
-            pthread_mutex_lock(&la.lock);
-            la.started++;
-            pthread_mutex_unlock(&la.lock);
-        }
-        return;
-    }
-    j.count = 0; /* no READ: the piece goes into the cache, for the READ to come */
-    j.flags = 0;
-    j.pieces[0].cache = 1;
-    if (enqueue(&none, 1, &j) == 0) {
-        pthread_mutex_lock(&la.lock);
-        la.started++;
-        pthread_mutex_unlock(&la.lock);
-    }
-}
-
-void fanfs_pool_looked_up(uint64_t ino) {
-    /* Counted like a READ: the pool's stop waits for it before it frees the cache. */
-    __atomic_add_fetch(&answering, 1, __ATOMIC_SEQ_CST);
-    looked_up(ino);
-    __atomic_sub_fetch(&answering, 1, __ATOMIC_SEQ_CST);
-}
-
-void fanfs_lookahead_counters(uint64_t out[3]) {
-    pthread_mutex_lock(&la.lock);
-    out[0] = la.started;
-    out[1] = la.used;
-    out[2] = la.unused;
-    pthread_mutex_unlock(&la.lock);
+    pthread_mutex_lock(&w->lock);
+    w->stopping = 1;
+    pthread_cond_broadcast(&w->cond);
+    pthread_mutex_unlock(&w->lock);
+    for (i = 0; i < w->nthreads; i++)
+        pthread_join(w->threads[i], NULL);
+    w->nthreads = 0;
+    push_stop(P);
+    w->errfd = -1;
+    __atomic_store_n(&P->last_session, NULL, __ATOMIC_RELAXED);
+    pieces_clear(&P->pieces);
 }

@@ -1,11 +1,13 @@
 /*
- * A stress harness for the native read pool (fanfs/csrc/pool.c), built by tests/test_native.py
- * with -fsanitize=address,undefined and again with -fsanitize=thread: any report fails it.
+ * A stress harness for the native read pool (fanfs/csrc/pool.c and the files of its
+ * concerns), built by tests/test_sanitizers.py with -fsanitize=address,undefined and again
+ * with -fsanitize=thread: any report fails it.
  *
- * It includes pool.c itself (so it reaches the pool's queue and cache, which the header does
- * not show) and links codec.c, front.c, writes.c and the real libfuse3; no Python. READs are
- * answered the way the front's are: written to a file descriptor, here one end of a
- * SOCK_SEQPACKET pair read by a thread of its own, which checks every reply's bytes.
+ * It includes the pool's internal header (pool_int.h: it reaches the pool's queue and cache,
+ * which fanfs_native.h does not show) and links every file of fanfs/csrc and the real
+ * libfuse3; no Python. READs are answered the way the front's are: written to a file
+ * descriptor, here one end of a SOCK_SEQPACKET pair read by a thread of its own, which checks
+ * every reply's bytes.
  *
  *     pool_stress DIR [PARTS]
  *
@@ -29,8 +31,15 @@
  *   bad: the next READ of it is answered once the partition reads; a bad CRC does;
  * - threads that decoded and ended leave nothing behind (LeakSanitizer).
  */
-#include "pool.c"
+#define _GNU_SOURCE
+#include "pool_int.h"
 #include "stress.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
 
 #include <fcntl.h>
 #include <linux/fuse.h>
@@ -191,7 +200,7 @@ static void job_of(int i, uint32_t skip, uint32_t count, struct fanfs_job *j) {
 static void submit(struct fanfs_job *j, int piece, int error) {
     struct target t = {NULL, NULL, sock[1], 0};
     t.unique = expect_one(piece, j->skip, j->count, error);
-    if (enqueue(&t, 0, j) != 0) {
+    if (pool_enqueue(pool_live(), &t, 0, j) != 0) {
         pthread_mutex_lock(&lock);
         expects[t.unique - 1].replies++; /* the caller answers EIO */
         expects[t.unique - 1].error = 1;
@@ -202,26 +211,27 @@ static void submit(struct fanfs_job *j, int piece, int error) {
 /* The cache's memory as the review asks: every filled slot's allocation counted, spares
  * bounded. */
 static void check_cache(void) {
+    struct pieces *c = &pool_live()->pieces;
     uint64_t filled = 0, spares = 0;
     int i;
     if (!on("cache"))
         return;
-    pthread_mutex_lock(&cache.lock);
-    for (i = 0; i < SLOTS; i++)
-        if (cache.slot[i].buf != NULL)
-            filled += cache.slot[i].cap;
-    for (i = 0; i < SPARES; i++)
-        if (cache.spare[i].buf != NULL) {
-            spares += cache.spare[i].cap;
-            if (cache.spare[i].cap > SPARE_LIMIT)
-                fail("a spare of %u bytes kept", cache.spare[i].cap);
+    pthread_mutex_lock(&c->lock);
+    for (i = 0; i < PIECES_SLOTS; i++)
+        if (c->slot[i].buf != NULL)
+            filled += c->slot[i].cap;
+    for (i = 0; i < PIECES_SPARES; i++)
+        if (c->spare[i].buf != NULL) {
+            spares += c->spare[i].cap;
+            if (c->spare[i].cap > SPARE_LIMIT)
+                fail("a spare of %u bytes kept", c->spare[i].cap);
         }
-    if (filled > cache.bytes)
-        fail("the cache counts %llu bytes and holds %llu", (unsigned long long)cache.bytes,
+    if (filled > c->bytes)
+        fail("the cache counts %llu bytes and holds %llu", (unsigned long long)c->bytes,
              (unsigned long long)filled);
     if (spares > SPARES_LIMIT)
         fail("%llu bytes of spares", (unsigned long long)spares);
-    pthread_mutex_unlock(&cache.lock);
+    pthread_mutex_unlock(&c->lock);
 }
 
 static void reads(void) {

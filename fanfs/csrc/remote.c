@@ -1,0 +1,264 @@
+/*
+ * A peer's files, fetched by the MPI thread into the cache of pieces (pool_int.h).
+ *
+ * A READ the front takes of a file a peer holds (stored whole, up to FANFS_REMOTE_MAX) is
+ * answered from the cache of pieces like a local one: the piece's slot is reserved (pending)
+ * and a request for it queued here, the MPI thread takes it (fanfs_remote_take, woken through
+ * `wakefd`), fetches the stored bytes from a holder and hands them back (fanfs_remote_fill:
+ * checked and decoded in C, the slot filled, the READ that waits on it woken), so neither
+ * Python's event loop nor a hand-off to it is on the way. When no holder can give it
+ * (fanfs_remote_fail), the READ goes to Python after all, which tries every source and the
+ * image. A lookup of such a file reserves its piece too (reads at LOOKUP, fast.c), at most
+ * LA_REMOTE_MAX at a time.
+ *
+ * A silent peer must not freeze the mount: a READ waits for a peer's piece at most `wait_ns`
+ * (then Python answers it, with its own peer timeout and the image), and at most `max_waiting`
+ * READs wait at once (the front's threads less one, set by the MPI transport): the others go
+ * to Python at once, so a front thread is always left to answer local files. When the remote
+ * path goes off, or the pool stops, every pending peer's piece is given up.
+ *
+ * Lock order: the cache's lock before the remote path's (a fetch is queued with the slot
+ * reserved, under the cache's lock).
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "pool_int.h"
+
+/* Queue the fetch of slot i's piece (cache lock held); 0, or -1 when the queue is full or the
+ * remote path is off. */
+static int rq_push_locked(struct pool *P, int i, const struct fanfs_job *j,
+                          const struct fanfs_piece *p, int ahead) {
+    struct remote *rq = &P->remote;
+    const struct fast *f = &P->fast; /* owners: immutable while the fast path is on */
+    uint64_t one = 1;
+    ssize_t w;
+    uint32_t part = (uint32_t)(FANFS_REMOTE_FD(0) - j->fd);
+    int k;
+    struct fanfs_rreq *r;
+    pthread_mutex_lock(&rq->lock);
+    if (!rq->on || rq->n == RQ_MAX || f->owners == NULL || part >= f->t.nparts) {
+        pthread_mutex_unlock(&rq->lock);
+        return -1;
+    }
+    r = &rq->q[(rq->first + rq->n) % RQ_MAX];
+    r->slot = i;
+    r->entry = j->entry;
+    r->part = part;
+    r->off = p->off;
+    r->len = p->len;
+    r->crc = p->crc;
+    r->ahead = ahead;
+    for (k = 0; k < FANFS_MAX_OWNERS; k++)
+        r->peers[k] = f->owners[part * FANFS_MAX_OWNERS + k];
+    rq->n++;
+    w = write(rq->wakefd, &one, sizeof one);
+    (void)w;
+    pthread_mutex_unlock(&rq->lock);
+    return 0;
+}
+
+/* Reserve a pending slot for a peer's piece and queue its fetch, cache lock held throughout
+ * (let go in between, the slot could be settled by a stop and taken by another piece before
+ * a failed push gave it up). The slot's index, or -1 (no room, the queue is full, or the pool
+ * is stopping). Nobody holds a reference to it: a READ waiting for it takes one once it is
+ * filled, as for any piece. */
+int remote_reserve_locked(struct pool *P, const struct fanfs_job *j,
+                          const struct fanfs_piece *p, int ahead) {
+    int i;
+    if (!__atomic_load_n(&P->fast.on, __ATOMIC_ACQUIRE)) /* a stop gave up what was pending */
+        return -1;
+    /* Nobody pushed it: its first READ pushes the rest. */
+    if ((i = pieces_reserve_locked(&P->pieces, j->fd, p, 0, 1, ahead)) < 0)
+        return -1;
+    if (rq_push_locked(P, i, j, p, ahead) != 0) {
+        pieces_ready_locked(&P->pieces, i, NULL, 0, NULL); /* nobody could hang on it meanwhile */
+        return -1;
+    }
+    return i;
+}
+
+/* A peer's piece for a READ of the front (which may wait, within the limits above):
+ * FANFS_EREMOTE when it cannot be had here in time (the READ then goes to Python). */
+int remote_piece(struct pool *P, const struct fanfs_job *j, const struct fanfs_piece *p,
+                 struct got *g) {
+    struct pieces *c = &P->pieces;
+    int i, got, unpushed = 0, mine = -1;
+    int64_t wait_ns = __atomic_load_n(&P->remote.wait_ns, __ATOMIC_RELAXED), end;
+    struct timespec deadline;
+    struct pieces_wait how = {.counted = 1, .deadline = wait_ns > 0 ? &deadline : NULL};
+    if (wait_ns > 0) { /* on CLOCK_MONOTONIC: a wall clock's step changes nothing */
+        clock_gettime(CLOCK_MONOTONIC, &deadline);
+        end = (int64_t)deadline.tv_sec * 1000000000 + deadline.tv_nsec + wait_ns;
+        deadline.tv_sec = (time_t)(end / 1000000000);
+        deadline.tv_nsec = (long)(end % 1000000000);
+    }
+    pthread_mutex_lock(&c->lock);
+    for (;;) {
+        how.limit = __atomic_load_n(&P->remote.max_waiting, __ATOMIC_RELAXED);
+        got = pieces_get_locked(c, j->fd, p, &how, &i, &unpushed);
+        if (got == PIECES_HIT) {
+            pthread_mutex_unlock(&c->lock);
+            g->fresh = unpushed;
+            g->slot = i;
+            g->data = c->slot[i].data;
+            return 0;
+        }
+        /* Not had in time, or ours was given up (no holder could give it) or, rarely,
+         * evicted; or nobody may wait: Python answers (as when the pool is stopping:
+         * remote_reserve_locked refuses). */
+        if (got == PIECES_GAVE_UP || mine >= 0 || !pieces_may_wait_locked(c, how.limit))
+            break;
+        c->misses++;
+        if ((mine = remote_reserve_locked(P, j, p, 0)) < 0)
+            break;
+    }
+    pthread_mutex_unlock(&c->lock);
+    return FANFS_EREMOTE;
+}
+
+void remote_fail_pending(struct pool *P) {
+    struct pieces *c = &P->pieces;
+    struct qjob *w = NULL, *more, *last;
+    int i;
+    pthread_mutex_lock(&c->lock);
+    for (i = 0; i < PIECES_SLOTS; i++)
+        if (c->slot[i].pending && c->slot[i].fd <= FANFS_REMOTE_FD(0)) {
+            more = pieces_ready_locked(c, i, NULL, 0, NULL);
+            if (more != NULL) {
+                for (last = more; last->next != NULL; last = last->next)
+                    ;
+                last->next = w;
+                w = more;
+            }
+            __atomic_add_fetch(&P->remote.failed, 1, __ATOMIC_RELAXED);
+        }
+    pthread_mutex_unlock(&c->lock);
+    pool_requeue(&P->work, w);
+}
+
+int fanfs_remote_on(void) { return __atomic_load_n(&pool_live()->remote.on, __ATOMIC_ACQUIRE); }
+
+void fanfs_remote_set_wake(int fd, int max_waiting, int64_t wait_ns) {
+    struct pool *P = pool_live();
+    struct remote *rq = &P->remote;
+    pthread_mutex_lock(&rq->lock);
+    rq->wakefd = fd;
+    __atomic_store_n(&rq->max_waiting, max_waiting, __ATOMIC_RELAXED);
+    __atomic_store_n(&rq->wait_ns, wait_ns, __ATOMIC_RELAXED);
+    __atomic_store_n(&rq->on, fd >= 0, __ATOMIC_RELEASE);
+    if (fd < 0)
+        rq->n = 0; /* nothing will be fetched any more */
+    pthread_mutex_unlock(&rq->lock);
+    if (fd < 0)
+        remote_fail_pending(P); /* the READs waiting go to Python */
+}
+
+int fanfs_remote_take(struct fanfs_rreq *out, int max) {
+    struct remote *rq = &pool_live()->remote;
+    int n = 0;
+    pthread_mutex_lock(&rq->lock);
+    while (n < max && rq->n > 0) {
+        out[n] = rq->q[rq->first];
+        rq->first = (rq->first + 1) % RQ_MAX;
+        rq->n--;
+        n++;
+    }
+    pthread_mutex_unlock(&rq->lock);
+    return n;
+}
+
+/* Whether slot r->slot still waits for r's piece (cache lock held). */
+static int rq_pending_locked(const struct pieces *c, const struct fanfs_rreq *r) {
+    const struct pieces_slot *s;
+    if (r->slot < 0 || r->slot >= PIECES_SLOTS)
+        return 0;
+    s = &c->slot[r->slot];
+    return s->pending && s->fd == FANFS_REMOTE_FD(r->part) && s->off == r->off &&
+           s->len == r->len && s->crc == r->crc;
+}
+
+int fanfs_remote_fill(const struct fanfs_rreq *r, const char *stored, uint32_t len) {
+    struct pool *P = pool_live();
+    struct pieces *c = &P->pieces;
+    struct fanfs_piece p;
+    struct qjob *w;
+    char *buf;
+    uint32_t cap = 0;
+    int err;
+    pthread_mutex_lock(&c->lock);
+    err = rq_pending_locked(c, r) ? 0 : ESTALE;
+    if (err == 0) {
+        p.off = r->off;
+        p.len = r->len;
+        p.crc = r->crc;
+        p.size = c->slot[r->slot].size;
+        p.kind = c->slot[r->slot].kind;
+        p.cache = 1;
+    }
+    pthread_mutex_unlock(&c->lock);
+    if (err != 0)
+        return err;
+    if (len != r->len)
+        return FANFS_EBADDATA;
+    if (fanfs_crc32(0, stored, len) != r->crc)
+        return FANFS_EBADCRC; /* a bad copy: the MPI thread asks another holder */
+    buf = pieces_alloc(c, p.size, &cap);
+    if (buf == NULL)
+        return ENOMEM;
+    if (p.kind == FANFS_KIND_RAW) {
+        err = p.len == p.size ? (memcpy(buf, stored, p.size), 0) : FANFS_EBADDATA;
+    } else {
+        struct fanfs_dicts *dicts = pool_dicts_hold(&P->work);
+        err = fanfs_decode(dicts, &p, (const unsigned char *)stored, (unsigned char *)buf);
+        fanfs_dicts_free(dicts);
+    }
+    if (err != 0) {
+        pieces_free(c, buf, cap);
+        return err;
+    }
+    /* Checked again: a hedged fetch's other copy, or a stop, may have settled it meanwhile. */
+    pthread_mutex_lock(&c->lock);
+    if (!rq_pending_locked(c, r)) {
+        pieces_free_locked(c, buf, cap);
+        pthread_mutex_unlock(&c->lock);
+        return ESTALE;
+    }
+    w = pieces_ready_locked(c, r->slot, buf, cap, buf);
+    pthread_mutex_unlock(&c->lock);
+    pool_requeue(&P->work, w);
+    __atomic_add_fetch(&P->remote.fetched, 1, __ATOMIC_RELAXED);
+    return 0;
+}
+
+int fanfs_remote_pending(const struct fanfs_rreq *r) {
+    struct pieces *c = &pool_live()->pieces;
+    int pending;
+    pthread_mutex_lock(&c->lock);
+    pending = rq_pending_locked(c, r);
+    pthread_mutex_unlock(&c->lock);
+    return pending;
+}
+
+void fanfs_remote_fail(const struct fanfs_rreq *r) {
+    struct pool *P = pool_live();
+    struct pieces *c = &P->pieces;
+    struct qjob *w = NULL;
+    pthread_mutex_lock(&c->lock);
+    if (rq_pending_locked(c, r)) {
+        w = pieces_ready_locked(c, r->slot, NULL, 0, NULL);
+        __atomic_add_fetch(&P->remote.failed, 1, __ATOMIC_RELAXED);
+    }
+    pthread_mutex_unlock(&c->lock);
+    pool_requeue(&P->work, w);
+}
+
+void fanfs_remote_counters(uint64_t out[3]) {
+    struct remote *rq = &pool_live()->remote;
+    out[0] = __atomic_load_n(&rq->fetched, __ATOMIC_RELAXED);
+    out[1] = __atomic_load_n(&rq->failed, __ATOMIC_RELAXED);
+    out[2] = __atomic_load_n(&rq->looked_up, __ATOMIC_RELAXED);
+}
