@@ -11,13 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import fanfs
+from conftest import REPO, fanfs
 
 from fanfs import pagecache
 from fanfs.bench import launch
 from fanfs.errors import ExitCode
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.mpi

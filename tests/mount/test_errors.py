@@ -20,20 +20,11 @@ from typing import Any
 
 import pytest
 from catalogs import flip_stored_byte
-from conftest import FANFS, Mount, fanfs, mounted, prepare, wait_until
+from conftest import FANFS, Mount, assert_one_line_error, fanfs, mounted, prepare, wait_until
 
 from fanfs import catalog as cat
 from fanfs import mounts
 from fanfs.errors import ExitCode
-
-
-def assert_one_line_error(done: subprocess.CompletedProcess[str], code: int, *words: str) -> None:
-    assert done.returncode == code, (done.returncode, done.stderr)
-    errors = [line for line in done.stderr.splitlines() if line.startswith("fanfs: error:")]
-    assert len(errors) == 1, done.stderr
-    assert "Traceback" not in done.stderr
-    for word in words:
-        assert word in errors[0], errors[0]
 
 
 @pytest.fixture

@@ -16,8 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FANFS, fanfs, mounted, prepare, wait_until
-from test_errors import assert_one_line_error
+from conftest import FANFS, REPO, assert_one_line_error, fanfs, mounted, prepare, wait_until
 
 from fanfs import datagen, mounts
 from fanfs.bench import launch
@@ -124,7 +123,7 @@ def test_a_bad_switch_is_one_line_for_every_command(image: Path, var: str, value
 def test_a_bad_value_is_one_line_at_once(image: Path, tmp_path: Path, args: list[str]) -> None:
     (tmp_path / "mnt").mkdir()
     cal = tmp_path / "cal.json"
-    cal.write_text((Path(__file__).parents[1] / "docs" / "calibration-vm.json").read_text())
+    cal.write_text((REPO / "docs" / "calibration-vm.json").read_text())
     names = {"IMG": image, "MNT": tmp_path / "mnt", "OUT": tmp_path / "out", "CAL": cal,
              "WORK": tmp_path / "work"}  # fmt: skip
     started = time.monotonic()
@@ -148,7 +147,7 @@ def test_outputs_are_checked_before_the_work(tmp_path: Path) -> None:
 
 
 def test_a_calibration_that_divides_by_zero_is_refused(tmp_path: Path) -> None:
-    cal = json.loads((Path(__file__).parents[1] / "docs" / "calibration-vm.json").read_text())
+    cal = json.loads((REPO / "docs" / "calibration-vm.json").read_text())
     for key in ("disk_bytes_per_s", "stage_bytes_per_s", "local_s"):
         bad = dict(cal, **{key: 0})
         if key == "local_s":
