@@ -150,16 +150,24 @@ def _truncate_catalog(image: Path) -> None:
     path.write_bytes(path.read_bytes()[:-10])
 
 
+# Each damage, and the words its one line must hold: what is wrong and where. The two images
+# that are not one say which of the two ways (no directory, or one without a catalog).
 BROKEN = {
-    "missing image": (lambda img: shutil.rmtree(img), "not a fanfs image"),
-    "no catalog": (lambda img: (img / cat.CATALOG_NAME).unlink(), "not a fanfs image"),
-    "corrupt catalog": (_flip_catalog_body, "corrupt catalog"),
-    "truncated catalog": (_truncate_catalog, "truncated catalog"),
-    "unknown version": (lambda img: _rewrite_header(img, version=99), "version 99"),
-    "missing partition": (lambda img: (img / cat.partition_name(2)).unlink(), "partition missing"),
+    "missing image": (lambda img: shutil.rmtree(img), ("not a fanfs image", "no such directory")),
+    "no catalog": (
+        lambda img: (img / cat.CATALOG_NAME).unlink(),
+        ("not a fanfs image", f"(no {cat.CATALOG_NAME})"),
+    ),
+    "corrupt catalog": (_flip_catalog_body, ("corrupt catalog", cat.CATALOG_NAME)),
+    "truncated catalog": (_truncate_catalog, ("truncated catalog", cat.CATALOG_NAME)),
+    "unknown version": (lambda img: _rewrite_header(img, version=99), ("version 99",)),
+    "missing partition": (
+        lambda img: (img / cat.partition_name(2)).unlink(),
+        ("partition missing", cat.partition_name(2)),
+    ),
     "truncated partition": (
         lambda img: os.truncate(img / cat.partition_name(1), 10),
-        "partition truncated",
+        ("partition truncated", cat.partition_name(1), "(10 bytes"),
     ),
 }
 
@@ -173,11 +181,11 @@ def test_broken_image_is_refused_before_mounting(
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     done = fanfs("mount", small_image, mnt, "--local", tmp_path / "local", timeout=30)
-    assert_one_line_error(done, ExitCode.IMAGE, words)
+    assert_one_line_error(done, ExitCode.IMAGE, *words)
     assert mounts.find(mnt) is None
     assert not (tmp_path / "local").exists()
     # `info` refuses it the same way (it checks the partitions' sizes too).
-    assert_one_line_error(fanfs("info", small_image), ExitCode.IMAGE, words)
+    assert_one_line_error(fanfs("info", small_image), ExitCode.IMAGE, *words)
 
 
 def test_header_rejects_garbage(tmp_path: Path) -> None:
