@@ -133,6 +133,22 @@ def awkward_mount(awkward_image: Path, tmp_path_factory: pytest.TempPathFactory)
         yield m
 
 
+@pytest.fixture
+def small_src(tmp_path: Path) -> Path:
+    """40 random files of 1 to 5 KB in 4 directories: a source for images to break."""
+    src = tmp_path / "src"
+    for i in range(40):
+        d = src / f"c{i % 4}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"f{i}.bin").write_bytes(os.urandom(1000 + 97 * i))
+    return src
+
+
+@pytest.fixture
+def small_image(small_src: Path, tmp_path: Path) -> Path:
+    return prepare(small_src, tmp_path / "small.fanfs", "--partitions", "4")
+
+
 def assert_one_line_error(done: subprocess.CompletedProcess[str], code: int, *words: str) -> None:
     """`done` failed with exit code `code` and said why in one line holding every word of
     `words`, with no traceback: what a user sees of every mistake (fanfs/errors.py)."""
