@@ -149,6 +149,22 @@ def small_image(small_src: Path, tmp_path: Path) -> Path:
     return prepare(small_src, tmp_path / "small.fanfs", "--partitions", "4")
 
 
+def run_env(*args: str | os.PathLike[str], **env: str) -> subprocess.CompletedProcess[str]:
+    """`fanfs ARGS` expected to fail at once; should it mount instead (the bug these tests look
+    for), it is stopped and unmounted whatever happens."""
+    proc = subprocess.Popen([*FANFS, *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **env})  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        out, err = "", "did not exit: a hang"
+    finally:
+        mountpoints = [Path(a) for a in args[2:3]] if args[:1] == ("mount",) else []
+        launch.stop_process(proc, mountpoints)  # type: ignore[arg-type]
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 def assert_one_line_error(done: subprocess.CompletedProcess[str], code: int, *words: str) -> None:
     """`done` failed with exit code `code` and said why in one line holding every word of
     `words`, with no traceback: what a user sees of every mistake (fanfs/errors.py)."""

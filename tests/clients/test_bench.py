@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from conftest import REPO, fanfs
 
-from fanfs import pagecache, projection
+from fanfs import projection
 from fanfs.bench import launch
 from fanfs.errors import ExitCode
 
@@ -134,25 +134,6 @@ def test_bench_torch_loader_gives_every_side_the_same_samples(tmp_path: Path) ->
 def mounts_left(work: Path) -> list[str]:
     return [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()
             if str(work) in line.split()[1]]  # fmt: skip
-
-
-def test_bench_rejects_bad_options(tmp_path: Path) -> None:
-    done = fanfs("bench", "--sizes", "lots", "--workdir", tmp_path)
-    assert done.returncode == ExitCode.USAGE
-    assert "fanfs: error: bench: argument --sizes: not a size: 'lots'" in done.stderr
-
-
-def test_folio_sizes_of_cached_files(tmp_path: Path) -> None:
-    data = os.urandom(1 << 20)
-    f = tmp_path / "f.bin"
-    f.write_bytes(data)
-    assert f.read_bytes() == data  # cached
-    pages, folios = pagecache.folios(f) or (0, 0)
-    assert pages == 256 and 1 <= folios <= 256
-    assert pagecache.folio_kib([f, f]) == 1024 / folios
-    assert pagecache.folios(tmp_path / "missing") is None
-    (tmp_path / "empty").write_bytes(b"")
-    assert pagecache.folio_kib([tmp_path / "empty"]) is None
 
 
 @pytest.mark.mpi
