@@ -4,8 +4,11 @@ Tiers (markers, by what a test needs; `pytest -m "not slurm"`, `-m "unit or adap
 unit (pure code), adapter (handlers, reader and transports called directly under trio),
 mount (real FUSE mounts), memory (a real daemon's peak memory against its budgets), mpi (real
 ranks under mpirun), slurm (the local Slurm cluster), clients (real clients and the benchmark
-through a mount), sanitizers (the C built with sanitizers: once, not under every Python). Each
-test file has one tier below; a test that also needs mpirun carries `@pytest.mark.mpi` itself.
+through a mount), sanitizers (the C built with sanitizers: once, not under every Python). A test
+file's tier is the folder it sits in (tests/unit/, tests/mount/, ...), and its docstring's first
+words name it ("Mount tier: ..."); a test that also needs mpirun carries `@pytest.mark.mpi`
+itself. The shared helpers (this file, catalogs.py, parts.py, ...) stay here, importable from
+every tier's folder.
 
 A mount is a real `fanfs mount` daemon in a subprocess. Teardown escalates: `fanfs umount`,
 then SIGTERM, then SIGKILL, then a lazy unmount, so a failing test never leaves a mount behind.
@@ -35,48 +38,36 @@ from fanfs.bench import launch
 
 FANFS = launch.FANFS  # the installed entry point
 STEP_TIMEOUT = launch.STEP_TIMEOUT  # any single fanfs command in a test: a hang fails
-TIERS = {
-    "test_catalog": "unit",
-    "test_layers": "unit",
-    "test_projection": "unit",
-    "test_plans": "unit",
-    "test_codec": "adapter",
-    "test_native": "unit",
-    "test_native_layout": "unit",
-    "test_usage": "mount",
-    "test_read_pieces": "adapter",
-    "test_hostile": "adapter",
-    "test_fuse_ops": "adapter",
-    "test_output_ops": "adapter",
-    "test_kernels": "adapter",
-    "test_sanitizers": "sanitizers",
-    "test_remote": "adapter",
-    "test_mount": "mount",
-    "test_errors": "mount",
-    "test_safety": "mount",
-    "test_faults": "mount",
-    "test_compression": "mount",
-    "test_unprivileged": "mount",
-    "test_plan": "mount",
-    "test_signals": "mount",
-    "test_pyfuse3_patch": "mount",
-    "test_front": "mount",
-    "test_output": "mount",
-    "test_keep": "mount",
-    "test_memory": "memory",
-    "test_mpi": "mpi",
-    "test_slurm": "slurm",
-    "test_clients": "clients",
-    "test_bench": "clients",
-}
+# The repository and this folder: helpers run as scripts (faultfs.py, tinyfs.py, ...) and the
+# files tests read (docs/, tools/, deploy/) are found from here, wherever a test file sits.
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+# A test module may import another's helpers across tiers (test_faults.py, a mount test, takes
+# test_mpi.py's mpi_mounted): every tier's folder is on the path, as the one flat folder was,
+# whichever files a run collects. Test files' names stay unique across folders (pytest's
+# default import mode needs that anyway).
+sys.path.extend(str(d) for d in sorted(TESTS.iterdir()) if d.is_dir() and any(d.glob("test_*.py")))
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def tiers(config: pytest.Config) -> list[str]:
+    """The tiers: the markers declared in pyproject.toml (plugins declare theirs beside them)
+    that name a folder of tests/ (tests/unit/, tests/mount/, ...)."""
+    names = [line.split(":", 1)[0].strip() for line in config.getini("markers")]
+    return [name for name in names if (TESTS / name).is_dir()]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test's tier is its folder: tests/TIER/test_*.py gets the marker TIER. A test file
+    anywhere else has no tier, which is a usage error (it would escape every `-m` selection)."""
+    known = tiers(config)
     for item in items:
-        module = item.path.stem
-        if module not in TIERS:
-            raise pytest.UsageError(f"{item.path.name}: no tier in conftest.TIERS")
-        item.add_marker(getattr(pytest.mark, TIERS[module]))
+        folder = item.path.parent
+        if folder.parent != TESTS or folder.name not in known:
+            raise pytest.UsageError(
+                f"{item.path}: a test file belongs in a tier's folder, tests/TIER/ with TIER "
+                f"one of {', '.join(known)}"
+            )
+        item.add_marker(getattr(pytest.mark, folder.name))
 
 
 fanfs = launch.run  # `fanfs ARGS...` -> CompletedProcess, never raises
@@ -118,6 +109,10 @@ def mounted(
 def awkward_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
     src = tmp_path_factory.mktemp("awkward") / "src"
     datagen.awkward(src)
+    # Written back before any test reads it: ext4 allocates a file's blocks (and the 64 MiB
+    # file's extent index block) at writeback, so st_blocks, which prepare records and
+    # test_catalog compares with the source's, changes if writeback comes between the two.
+    os.sync()
     return src
 
 
@@ -140,6 +135,49 @@ def awkward_mount(awkward_image: Path, tmp_path_factory: pytest.TempPathFactory)
     base = tmp_path_factory.mktemp("mnt")
     with mounted(awkward_image, base / "mnt", base / "local") as m:
         yield m
+
+
+@pytest.fixture
+def small_src(tmp_path: Path) -> Path:
+    """40 random files of 1 to 5 KB in 4 directories: a source for images to break."""
+    src = tmp_path / "src"
+    for i in range(40):
+        d = src / f"c{i % 4}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"f{i}.bin").write_bytes(os.urandom(1000 + 97 * i))
+    return src
+
+
+@pytest.fixture
+def small_image(small_src: Path, tmp_path: Path) -> Path:
+    return prepare(small_src, tmp_path / "small.fanfs", "--partitions", "4")
+
+
+def run_env(*args: str | os.PathLike[str], **env: str) -> subprocess.CompletedProcess[str]:
+    """`fanfs ARGS` expected to fail at once; should it mount instead (the bug these tests look
+    for), it is stopped and unmounted whatever happens."""
+    proc = subprocess.Popen([*FANFS, *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **env})  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        out, err = "", "did not exit: a hang"
+    finally:
+        mountpoints = [Path(a) for a in args[2:3]] if args[:1] == ("mount",) else []
+        launch.stop_process(proc, mountpoints)  # type: ignore[arg-type]
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def assert_one_line_error(done: subprocess.CompletedProcess[str], code: int, *words: str) -> None:
+    """`done` failed with exit code `code` and said why in one line holding every word of
+    `words`, with no traceback: what a user sees of every mistake (fanfs/errors.py)."""
+    assert done.returncode == code, (done.returncode, done.stderr)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("fanfs: error:")]
+    assert len(errors) == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    for word in words:
+        assert word in errors[0], errors[0]
 
 
 def wait_until(predicate: object, timeout: float = 10.0) -> bool:

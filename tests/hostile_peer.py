@@ -1,5 +1,5 @@
-"""A hostile MPI rank for tests/test_memory.py: it joins a fanfs job's start-up like a daemon,
-then asks rank 0 for more than any read asks and for replies it never takes.
+"""A hostile MPI rank for tests/memory/test_memory.py: it joins a fanfs job's start-up like a
+daemon, then asks rank 0 for more than any read asks and for replies it never takes.
 
     mpirun -np 1 fanfs mount IMAGE MNT ... : -np 1 python hostile_peer.py BASE
 

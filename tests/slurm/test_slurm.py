@@ -18,11 +18,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import User, prepare
+from conftest import REPO, User, prepare
 
 from fanfs import datagen, mounts
 
-REPO = Path(__file__).resolve().parent.parent
 CLUSTER = REPO / "tools" / "slurm_cluster.sh"
 JOB = REPO / "deploy" / "slurm" / "fanfs-job.sbatch"
 NODES = 4

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import FANFS, fanfs, mounted, prepare, wait_until
+from conftest import FANFS, TESTS, fanfs, mounted, prepare, wait_until
 
 from fanfs import mounts, plan
 from fanfs.bench import launch
@@ -113,7 +113,7 @@ def test_a_peer_asking_too_much_gets_refusals_and_no_memory(tmp_path: Path) -> N
     mnt.mkdir()
     cmd = ["mpirun", "--oversubscribe", "-np", "1", *FANFS, "mount", str(image), str(mnt),
            "--local", str(tmp_path / "local"), "--linger", "30", ":", "-np", "1",
-           sys.executable, str(Path(__file__).with_name("hostile_peer.py")), str(base)]  # fmt: skip
+           sys.executable, str(TESTS / "hostile_peer.py"), str(base)]  # fmt: skip
     with open(tmp_path / "mpirun.log", "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, **launch.MPI_ENV})  # fmt: skip

@@ -3,7 +3,7 @@
 Every array filter and every codec round-trips (decode of encode is the input, for any input
 hypothesis finds); the native pool's jobs are what its C side takes (fanfs/node/pool.py builds
 them, fanfs/csrc/pool.c checks them); the peer server refuses what it must and locates only
-what a plain read answers. The C itself: tests/test_native.py."""
+what a plain read answers. The C itself: tests/unit/test_native.py."""
 
 from __future__ import annotations
 

@@ -24,12 +24,12 @@ from pathlib import Path
 import numpy as np
 import pyfuse3
 import pytest
-from conftest import wait_until
+from conftest import TESTS, wait_until
 
 from fanfs import mounts
 from fanfs.node import fuse_ops
 
-TINYFS = Path(__file__).resolve().parent / "tinyfs.py"
+TINYFS = TESTS / "tinyfs.py"
 
 
 @contextlib.contextmanager

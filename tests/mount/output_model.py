@@ -1,4 +1,5 @@
-"""A model-based test of `fanfs output` (run as a script by tests/test_output.py, as the user).
+"""A model-based test of `fanfs output` (run as a script by tests/mount/test_output.py, as
+the user).
 
 Random sequences of create, write, append, truncate, rename (over existing names too),
 unlink, mkdir, rmdir, fsync, close, sync, DEST failing and coming back, and a SIGKILL of the

@@ -36,13 +36,13 @@ import zstandard
 from fanfs import filters
 from fanfs.native import lib
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # Every C file of the extension (setup.py builds the same glob): a file added is built,
 # checked and stressed here with no list to update.
 C_SOURCES = sorted((ROOT / "fanfs" / "csrc").glob("*.c"))
 # The tests that drive the C (the pool without FUSE, the decoders, the front and its writes
 # under a scripted kernel); those of Python's read path add preparing images, not C.
-TESTS = [ROOT / "tests" / f for f in ("test_native.py", "test_kernels.py")]
+TESTS = [ROOT / "tests" / f for f in ("unit/test_native.py", "adapter/test_kernels.py")]
 
 
 def _fuse3(flag: str) -> list[str]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-CSRC = Path(__file__).resolve().parent.parent / "fanfs" / "csrc"
+CSRC = Path(__file__).resolve().parents[2] / "fanfs" / "csrc"
 MAX_LINES = 500  # a concern a reader holds in mind at once; squashfuse's files are about this
 
 # (file, name): why this one object may live at file scope.

@@ -1,5 +1,6 @@
-"""Mount tier: every bad input gets one clear line and its documented exit code, and loses
-nothing."""
+"""Mount tier: every bad input that reaches a mount (a broken image, a wrong mount point, a
+corrupt byte, a daemon killed or stopped) gets one clear line and its documented exit code, and
+loses nothing. Bad input that needs no mount: tests/unit/test_bad_input.py."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import json
 import os
 import shutil
 import signal
-import struct
 import subprocess
 import sys
 import threading
@@ -20,116 +20,11 @@ from typing import Any
 
 import pytest
 from catalogs import flip_stored_byte
-from conftest import FANFS, Mount, fanfs, mounted, prepare, wait_until
+from conftest import Mount, assert_one_line_error, fanfs, mounted, prepare, wait_until
 
 from fanfs import catalog as cat
 from fanfs import mounts
 from fanfs.errors import ExitCode
-
-
-def assert_one_line_error(done: subprocess.CompletedProcess[str], code: int, *words: str) -> None:
-    assert done.returncode == code, (done.returncode, done.stderr)
-    errors = [line for line in done.stderr.splitlines() if line.startswith("fanfs: error:")]
-    assert len(errors) == 1, done.stderr
-    assert "Traceback" not in done.stderr
-    for word in words:
-        assert word in errors[0], errors[0]
-
-
-@pytest.fixture
-def small_src(tmp_path: Path) -> Path:
-    src = tmp_path / "src"
-    for i in range(40):
-        d = src / f"c{i % 4}"
-        d.mkdir(parents=True, exist_ok=True)
-        (d / f"f{i}.bin").write_bytes(os.urandom(1000 + 97 * i))
-    return src
-
-
-@pytest.fixture
-def small_image(small_src: Path, tmp_path: Path) -> Path:
-    return prepare(small_src, tmp_path / "small.fanfs", "--partitions", "4")
-
-
-def no_leftovers(directory: Path) -> list[str]:
-    return sorted(p.name for p in directory.iterdir() if ".partial-" in p.name or ".old-" in p.name)
-
-
-# -- prepare ---------------------------------------------------------------------------------
-
-
-def test_prepare_missing_source(tmp_path: Path) -> None:
-    done = fanfs("prepare", tmp_path / "nope", tmp_path / "img")
-    assert_one_line_error(done, ExitCode.SOURCE, "nope")
-    assert not (tmp_path / "img").exists()
-
-
-def test_prepare_source_not_a_directory(tmp_path: Path) -> None:
-    (tmp_path / "file").write_text("x")
-    done = fanfs("prepare", tmp_path / "file", tmp_path / "img")
-    assert_one_line_error(done, ExitCode.SOURCE, "not a directory")
-
-
-def test_prepare_unreadable_file_leaves_nothing(small_src: Path, tmp_path: Path) -> None:
-    bad = small_src / "c2" / "f2.bin"
-    bad.chmod(0)
-    # Root reads anything; dropping the DAC override capabilities makes "unreadable" real.
-    drop = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-all"]
-    done = subprocess.run(
-        [*drop, *FANFS, "prepare", str(small_src), str(tmp_path / "img")],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
-    assert_one_line_error(done, ExitCode.SOURCE, "f2.bin", "Permission denied")
-    assert not (tmp_path / "img").exists()
-    assert no_leftovers(tmp_path) == []
-
-
-def test_prepare_refuses_existing_image_unless_forced(small_src: Path, small_image: Path) -> None:
-    before = (small_image / cat.CATALOG_NAME).read_bytes()
-    done = fanfs("prepare", small_src, small_image)
-    assert_one_line_error(done, ExitCode.SOURCE, "already exists", "--force")
-    assert (small_image / cat.CATALOG_NAME).read_bytes() == before
-    (small_src / "added.txt").write_text("new")
-    done = fanfs("prepare", small_src, small_image, "--force")
-    assert done.returncode == 0, done.stderr
-    assert cat.Catalog.load(small_image)[0].resolve(b"added.txt") is not None
-    assert no_leftovers(small_image.parent) == []
-
-
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_prepare_interrupted_leaves_nothing(awkward_src: Path, tmp_path: Path, sig: int) -> None:
-    image = tmp_path / "img"
-    # Slow enough to interrupt: the strongest zstd level on the 64 MiB file.
-    proc = subprocess.Popen(
-        [*FANFS, "prepare", str(awkward_src), str(image), "--compress", "zstd:19"],
-        stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 30
-        while not any(".partial-" in p.name for p in tmp_path.iterdir()):
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.02)
-        proc.send_signal(sig)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode == ExitCode.INTERRUPTED, err
-    assert not image.exists()
-    assert no_leftovers(tmp_path) == []
-
-
-def test_prepare_skips_special_files_with_a_warning(small_src: Path, tmp_path: Path) -> None:
-    os.mkfifo(small_src / "a-fifo")
-    done = fanfs("prepare", small_src, tmp_path / "img")
-    assert done.returncode == 0, done.stderr
-    assert [line for line in done.stderr.splitlines() if "a-fifo" in line and "WARNING" in line]
-    assert cat.Catalog.load(tmp_path / "img")[0].resolve(b"a-fifo") is None
-
-
-def test_prepare_bad_compress_value(small_src: Path, tmp_path: Path) -> None:
-    done = fanfs("prepare", small_src, tmp_path / "img", "--compress", "lz4")
-    assert_one_line_error(done, ExitCode.USAGE, "lz4")
-
 
 # -- broken images: refused before anything is mounted ---------------------------------------
 
@@ -159,16 +54,24 @@ def _truncate_catalog(image: Path) -> None:
     path.write_bytes(path.read_bytes()[:-10])
 
 
+# Each damage, and the words its one line must hold: what is wrong and where. The two images
+# that are not one say which of the two ways (no directory, or one without a catalog).
 BROKEN = {
-    "missing image": (lambda img: shutil.rmtree(img), "not a fanfs image"),
-    "no catalog": (lambda img: (img / cat.CATALOG_NAME).unlink(), "not a fanfs image"),
-    "corrupt catalog": (_flip_catalog_body, "corrupt catalog"),
-    "truncated catalog": (_truncate_catalog, "truncated catalog"),
-    "unknown version": (lambda img: _rewrite_header(img, version=99), "version 99"),
-    "missing partition": (lambda img: (img / cat.partition_name(2)).unlink(), "partition missing"),
+    "missing image": (lambda img: shutil.rmtree(img), ("not a fanfs image", "no such directory")),
+    "no catalog": (
+        lambda img: (img / cat.CATALOG_NAME).unlink(),
+        ("not a fanfs image", f"(no {cat.CATALOG_NAME})"),
+    ),
+    "corrupt catalog": (_flip_catalog_body, ("corrupt catalog", cat.CATALOG_NAME)),
+    "truncated catalog": (_truncate_catalog, ("truncated catalog", cat.CATALOG_NAME)),
+    "unknown version": (lambda img: _rewrite_header(img, version=99), ("version 99",)),
+    "missing partition": (
+        lambda img: (img / cat.partition_name(2)).unlink(),
+        ("partition missing", cat.partition_name(2)),
+    ),
     "truncated partition": (
         lambda img: os.truncate(img / cat.partition_name(1), 10),
-        "partition truncated",
+        ("partition truncated", cat.partition_name(1), "(10 bytes"),
     ),
 }
 
@@ -182,21 +85,11 @@ def test_broken_image_is_refused_before_mounting(
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     done = fanfs("mount", small_image, mnt, "--local", tmp_path / "local", timeout=30)
-    assert_one_line_error(done, ExitCode.IMAGE, words)
+    assert_one_line_error(done, ExitCode.IMAGE, *words)
     assert mounts.find(mnt) is None
     assert not (tmp_path / "local").exists()
     # `info` refuses it the same way (it checks the partitions' sizes too).
-    assert_one_line_error(fanfs("info", small_image), ExitCode.IMAGE, words)
-
-
-def test_header_rejects_garbage(tmp_path: Path) -> None:
-    img = tmp_path / "img"
-    img.mkdir()
-    (img / cat.CATALOG_NAME).write_bytes(b"not a catalog at all" * 10)
-    done = fanfs("info", img)
-    assert_one_line_error(done, ExitCode.IMAGE, "bad magic")
-    (img / cat.CATALOG_NAME).write_bytes(struct.pack("<8s", cat.MAGIC))
-    assert_one_line_error(fanfs("info", img), ExitCode.IMAGE, "truncated")
+    assert_one_line_error(fanfs("info", small_image), ExitCode.IMAGE, *words)
 
 
 # -- mount points -----------------------------------------------------------------------------
@@ -299,18 +192,7 @@ def test_native_pool_serves_cold_files_and_refuses_a_corrupt_one(
         assert m.log_text().count("EIO for /c2/f6.bin") == 1
 
 
-# -- wait / umount never hang -----------------------------------------------------------------
-
-
-def test_wait_times_out_on_an_unmounted_directory(tmp_path: Path) -> None:
-    started = time.monotonic()
-    done = fanfs("wait", tmp_path, "--timeout", "0.5")
-    assert_one_line_error(done, ExitCode.TIMEOUT, "not serving")
-    assert time.monotonic() - started < 10
-
-
-def test_umount_of_nothing(tmp_path: Path) -> None:
-    assert_one_line_error(fanfs("umount", tmp_path), ExitCode.MOUNTPOINT, "no fanfs mount")
+# -- umount never hangs -----------------------------------------------------------------------
 
 
 def test_umount_removes_mount_daemon_and_staged_data(small_image: Path, tmp_path: Path) -> None:

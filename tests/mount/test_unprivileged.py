@@ -3,9 +3,9 @@
 Everything here runs as `fanfs-tester` (tests/conftest.py, `user`): prepare, mount with the
 default staging directory, read every byte, status, umount, a killed daemon cleaned up, two
 daemons under mpirun, large files in few READs, `fanfs drop`, `fanfs bench` and how it
-makes a cold pass cold without root. The Slurm job submitted by that
-user is in tests/test_slurm.py. After each test nothing of the user's is left: no mount, no
-daemon, no staging directory."""
+makes a cold pass cold without root. The Slurm job submitted by that user is in
+tests/slurm/test_slurm.py. After each test nothing of the user's is left: no mount, no daemon,
+no staging directory."""
 
 from __future__ import annotations
 
@@ -21,11 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import FANFS, User, teardown, wait_until
+from conftest import FANFS, REPO, User, teardown, wait_until
 
 from fanfs import mounts
 
-REPO = Path(__file__).resolve().parent.parent
 READ_CHECK = REPO / "tools" / "read_check.py"
 
 

@@ -8,14 +8,12 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import fanfs
+from conftest import REPO, fanfs
 
 from fanfs import projection as p
 from fanfs.errors import ExitCode
 
-CAL = p.Calibration.from_json(
-    json.loads((Path(__file__).parents[1] / "docs" / "calibration-vm.json").read_text())
-)
+CAL = p.Calibration.from_json(json.loads((REPO / "docs" / "calibration-vm.json").read_text()))
 IMAGENET = p.Job(files=1_281_167, bytes=140 * 10**9, readers=4)
 
 

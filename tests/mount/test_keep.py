@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from catalogs import columns_of
-from conftest import FANFS, User, fanfs, mounted, prepare, stopping
+from conftest import FANFS, REPO, User, fanfs, mounted, prepare, stopping
 
 from fanfs import catalog as cat
 from fanfs import datagen
@@ -184,7 +184,7 @@ def test_a_user_keeps_and_adopts_and_is_refused_a_dir_not_theirs(
     shutil.copytree(src, own_src)
     mnt.mkdir()
     subprocess.run(["chown", "-R", f"{user.uid}:{user.gid}", work], check=True, timeout=60)
-    check = Path(__file__).resolve().parent.parent / "tools" / "read_check.py"
+    check = REPO / "tools" / "read_check.py"
     for round_ in range(2):
         proc = user.popen(*FANFS, "mount", img, mnt, "--keep", work / "keep",
                           log=work / f"mount{round_}.log")  # fmt: skip

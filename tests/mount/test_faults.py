@@ -22,15 +22,14 @@ from typing import Any
 import numpy as np
 import pytest
 from catalogs import columns_of, encode, rewrite
-from conftest import fanfs, mounted, prepare, teardown, wait_until
-from test_errors import assert_one_line_error
+from conftest import TESTS, assert_one_line_error, fanfs, mounted, prepare, teardown, wait_until
 from test_mpi import mpi_mounted
 
 from fanfs import catalog as cat
 from fanfs import mounts, placement
 from fanfs.errors import ExitCode
 
-FAULTFS = Path(__file__).with_name("faultfs.py")
+FAULTFS = TESTS / "faultfs.py"
 BIG = 20 << 20  # a raw file over the reader's 16 MiB whole-file limit: the path that crashed
 
 

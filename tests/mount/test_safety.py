@@ -17,8 +17,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import FANFS, Mount, fanfs, mounted, prepare, teardown, wait_until
-from test_errors import assert_one_line_error
+from conftest import (
+    FANFS,
+    REPO,
+    Mount,
+    assert_one_line_error,
+    fanfs,
+    mounted,
+    prepare,
+    teardown,
+    wait_until,
+)
 
 from fanfs import catalog as cat
 from fanfs import mounts
@@ -306,7 +315,7 @@ def test_epilog_leaves_other_users_live_mounts_alone(src: Path, tmp: Path, user_
                              str(tmp / "l1")], stderr=subprocess.DEVNULL)  # fmt: skip
     try:
         assert as_nobody(*FANFS, "wait", tmp / "live", "--timeout", "30").returncode == 0
-        epilog = Path(__file__).parents[1] / "deploy" / "slurm" / "epilog.sh"
+        epilog = REPO / "deploy" / "slurm" / "epilog.sh"
         env = {**os.environ, "SLURM_JOB_ID": "424242", "SLURMD_NODENAME": "nX"}
         with mounted(image, tmp / "dead", tmp / "l2") as dead:
             dead.proc.kill()

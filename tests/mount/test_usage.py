@@ -1,6 +1,6 @@
 """Mount tier: bad values and wrong ways, as a new user meets them: one line `fanfs: error: ...`
 with the documented exit code, no traceback, no wait for ever, nothing removed that fanfs did
-not make.
+not make. Those that need no mount: tests/unit/test_cli_usage.py.
 
 Every option takes its value through one converter (fanfs/cli/options.py), the same for the
 command line and for FANFS_* variables, checked inside main's error handling: a bad variable
@@ -16,8 +16,15 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FANFS, fanfs, mounted, prepare, wait_until
-from test_errors import assert_one_line_error
+from conftest import (
+    REPO,
+    assert_one_line_error,
+    fanfs,
+    mounted,
+    prepare,
+    run_env,
+    wait_until,
+)
 
 from fanfs import datagen, mounts
 from fanfs.bench import launch
@@ -29,22 +36,6 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Path:
     base = tmp_path_factory.mktemp("usage")
     datagen.sample(base / "src", n_files=30, classes=2, seed=8)
     return prepare(base / "src", base / "img", "--partitions", "4")
-
-
-def run_env(*args: str | os.PathLike[str], **env: str) -> subprocess.CompletedProcess[str]:
-    """`fanfs ARGS` expected to fail at once; should it mount instead (the bug these tests look
-    for), it is stopped and unmounted whatever happens."""
-    proc = subprocess.Popen([*FANFS, *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **env})  # fmt: skip
-    try:
-        out, err = proc.communicate(timeout=30)
-    except subprocess.TimeoutExpired:
-        out, err = "", "did not exit: a hang"
-    finally:
-        mountpoints = [Path(a) for a in args[2:3]] if args[:1] == ("mount",) else []
-        launch.stop_process(proc, mountpoints)  # type: ignore[arg-type]
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 @pytest.mark.parametrize(
@@ -76,27 +67,6 @@ def test_a_bad_variable_is_one_line_for_its_command_only(
 
 
 @pytest.mark.parametrize(
-    ("var", "value"),
-    [
-        ("FANFS_LOG_LEVEL", "bogus"),
-        ("FANFS_FRONT", "off"),
-        ("FANFS_PUSH", "no"),
-        ("FANFS_NATIVE_DECODE", "2"),
-        ("FANFS_NATIVE_REMOTE", "yes"),
-        ("FANFS_SPIN_US", "-5"),
-        ("FANFS_SPIN_US", "²"),
-        ("FANFS_PRETEND_PROTOCOL", "27"),
-        ("FANFS_PRETEND_PROTOCOL", "7.11"),
-    ],
-)
-def test_a_bad_switch_is_one_line_for_every_command(image: Path, var: str, value: str) -> None:
-    """The variables the daemons read themselves (not an option's default) are checked by
-    every command before any work: a traceback or a silent default before."""
-    assert_one_line_error(run_env("info", image, **{var: value}), ExitCode.USAGE,
-                          f"{var}={value!r}")  # fmt: skip
-
-
-@pytest.mark.parametrize(
     "args",
     [
         ["mount", "IMG", "MNT", "--peer-timeout", "-1"],
@@ -124,7 +94,7 @@ def test_a_bad_switch_is_one_line_for_every_command(image: Path, var: str, value
 def test_a_bad_value_is_one_line_at_once(image: Path, tmp_path: Path, args: list[str]) -> None:
     (tmp_path / "mnt").mkdir()
     cal = tmp_path / "cal.json"
-    cal.write_text((Path(__file__).parents[1] / "docs" / "calibration-vm.json").read_text())
+    cal.write_text((REPO / "docs" / "calibration-vm.json").read_text())
     names = {"IMG": image, "MNT": tmp_path / "mnt", "OUT": tmp_path / "out", "CAL": cal,
              "WORK": tmp_path / "work"}  # fmt: skip
     started = time.monotonic()
@@ -135,53 +105,7 @@ def test_a_bad_value_is_one_line_at_once(image: Path, tmp_path: Path, args: list
     assert mounts.find(tmp_path / "mnt") is None
 
 
-def test_outputs_are_checked_before_the_work(tmp_path: Path) -> None:
-    """An unwritable --calibrate, --json or --plot: said at once, not after an hour of work."""
-    started = time.monotonic()
-    for args in (["bench", "--calibrate", tmp_path / "no" / "dir" / "cal.json"],
-                 ["bench", "--report", tmp_path / "no" / "b.json"],
-                 ["bench", "--plot", tmp_path]):  # fmt: skip
-        done = fanfs(*args, "--workdir", tmp_path / "work")
-        assert_one_line_error(done, ExitCode.USAGE, "cannot write" if args[1] != "--plot"
-                              else "is a directory")  # fmt: skip
-    assert time.monotonic() - started < 15 and not (tmp_path / "work").exists()
-
-
-def test_a_calibration_that_divides_by_zero_is_refused(tmp_path: Path) -> None:
-    cal = json.loads((Path(__file__).parents[1] / "docs" / "calibration-vm.json").read_text())
-    for key in ("disk_bytes_per_s", "stage_bytes_per_s", "local_s"):
-        bad = dict(cal, **{key: 0})
-        if key == "local_s":
-            bad["local_s_per_byte"] = 0
-        path = tmp_path / f"{key}.json"
-        path.write_text(json.dumps(bad))
-        done = fanfs("project", path, "--files", "1000", "--bytes", "1G", "--nodes", "1,2")
-        assert_one_line_error(done, ExitCode.USAGE, key)
-    good = tmp_path / "good.json"
-    good.write_text(json.dumps(cal))
-    done = fanfs("project", good, "--files", "1", "--bytes", "1", "--nodes", "1,2")
-    assert_one_line_error(done, ExitCode.USAGE, "2 nodes for 1 files")
-    done = fanfs("project", good, "--files", "1000", "--bytes", "1M", "--nodes", "1,2", "--warm")
-    assert done.returncode == 0 and "nan" not in done.stdout and " 0.000 " not in done.stdout
-
-
 # -- working directories: nothing removed that fanfs did not make -------------------------------
-
-
-def test_scratch_leaves_what_was_there(tmp_path: Path) -> None:
-    work = tmp_path / "work"
-    for name in ("4K", "calibrate", "validate", "fanfs-bench"):
-        (work / name).mkdir(parents=True)
-        (work / name / "precious").write_text("mine")
-    with launch.scratch(work, "fanfs-bench") as inside:
-        assert inside.parent == work and inside.name.startswith("fanfs-bench-")
-        (inside / "4K" / "src").mkdir(parents=True)
-    assert sorted(p.name for p in work.iterdir()) == ["4K", "calibrate", "fanfs-bench",
-                                                      "validate"]  # fmt: skip
-    assert all((work / n / "precious").read_text() == "mine" for n in ("4K", "validate"))
-    with launch.scratch(tmp_path / "new" / "parent", "x"):
-        pass
-    assert not (tmp_path / "new" / "parent").exists()  # made for the run, gone with it
 
 
 def test_bench_keeps_the_users_directory_of_the_same_name(tmp_path: Path) -> None:
