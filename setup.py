@@ -26,7 +26,7 @@ def fuse3(flag: str) -> list[str]:
 cflags = fuse3("--cflags")
 native = Extension(
     "fanfs._native",
-    # Every C file of fanfs/csrc, one per concern (tests/test_sanitizers.py builds the same).
+    # Every C file of fanfs/csrc, one per concern (tests/sanitizers/test_sanitizers.py builds the same).
     ["fanfs/_native.pyx", *sorted(glob("fanfs/csrc/*.c"))],
     include_dirs=["fanfs/csrc", *(f[2:] for f in cflags if f.startswith("-I"))],
     extra_compile_args=[f for f in cflags if not f.startswith("-I")] + ["-O2", "-Wall"],

@@ -41,7 +41,7 @@ DECODES: bool = lib.DECODES  # libzstd was found: compressed pieces decode in C
 
 # FANFS_PRETEND_PROTOCOL=7.N (checked by the CLI, fanfs/cli/options.py): the front rewrites
 # the kernel's INIT to protocol 7.N's layout and flags, so that this kernel talks to the
-# daemon as an older kernel would (tests/test_kernels.py). Off (0) unless set.
+# daemon as an older kernel would (tests/adapter/test_kernels.py). Off (0) unless set.
 PRETEND_PROTOCOL = "FANFS_PRETEND_PROTOCOL"
 
 

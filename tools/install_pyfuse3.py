@@ -3,7 +3,7 @@
 fanfs's read path is its own extension (fanfs/_native.pyx, built by `pip install -e .`); pyfuse3
 gets only what a file system needs from it to use one, pinned to pyfuse3 3.5.0 (another release
 fails loudly instead of silently building an unpatched module) and tested on its own
-(tests/test_pyfuse3_patch.py):
+(tests/mount/test_pyfuse3_patch.py):
 
 1. The inode for file handle 0: fanfs answers OPEN with ENOSYS so the kernel stops sending
 OPEN/RELEASE ("no_open") and keeps the page cache across opens; the kernel then sends READ with

@@ -339,7 +339,7 @@ void fanfs_front_kernel(const struct fanfs_front *f, uint64_t out[5]);
  * the kernel's INIT to protocol 7.minor's layout and flags before anyone reads it, so that
  * libfuse negotiates as with such a kernel and the real kernel gets only what that protocol
  * offers (no max_pages before 7.28, ...), though it keeps its own protocol otherwise
- * (FANFS_PRETEND_PROTOCOL; tests/test_kernels.py). */
+ * (FANFS_PRETEND_PROTOCOL; tests/adapter/test_kernels.py). */
 int fanfs_front_pretend(struct fanfs_front *f, int minor, long page);
 
 /* Start `nthreads` front threads on the FUSE session's fd (non-blocking), whose leader polls

@@ -6,7 +6,7 @@ both, the bad-file registry, the native pool, the planned epochs' state, the Rea
 all of these, the read-ahead engine and its socket, and the FUSE adapter in front. Nothing is
 attached to any object after it is built: a lower part never calls up into a higher one (the
 transport knows the server, not the Reader; the pool reports bad files to the registry, not to
-the Reader). tests/test_layers.py checks that no module of the daemon's wing assigns to
+the Reader). tests/unit/test_layers.py checks that no module of the daemon's wing assigns to
 another object's attributes.
 
 `report` gathers every part's statistics into the one status record `fanfs status` shows.

@@ -72,7 +72,7 @@ def test_random_bytes_flipped_in_a_catalog(raw: bytes, data: st.DataObject) -> N
 
 
 # The integer columns: any bytes are a valid `part_sha256` (a wrong one only changes the key a
-# kept partition is looked up by, tests/test_keep.py)
+# kept partition is looked up by, tests/mount/test_keep.py)
 COLUMNS = [name for name, dtype in cat.ENTRY_COLUMNS + cat.PARTITION_COLUMNS
            if np.dtype(dtype).kind in "iu"]  # fmt: skip
 

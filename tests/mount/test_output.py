@@ -860,7 +860,7 @@ def test_after_a_sigkill_umount_lands_what_was_closed_and_no_partial_stays(
 def test_a_random_sequence_of_changes_matches_a_model_in_the_mount_and_at_dest(
     user: User, work: Path
 ) -> None:
-    """tests/output_model.py: create, write, append, truncate, rename (over existing names
+    """tests/mount/output_model.py: create, write, append, truncate, rename (over existing names
     too), unlink, mkdir, rmdir, fsync, close, sync, DEST failing, SIGKILL; the mount checked
     after each step, DEST after each sync and each SIGKILL's recovery."""
     model = Path(__file__).with_name("output_model.py")

@@ -6,7 +6,7 @@ the daemon fails with exit 130 after cleaning up; while serving it unmounts and 
 its FUSE session has ended (an external unmount) it finishes cleaning up and exits 0. Never a
 segfault (pyfuse3 frees its session in `close`; a late `terminate` used to dereference it),
 never a mount or a staging directory left behind. Under MPI, a rank that lingers for its peers
-stops waiting at a signal (tests/test_mpi.py).
+stops waiting at a signal (tests/mpi/test_mpi.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
  * The front's checks of the stress harness (tests/native/pool_stress.c runs them, in the same
  * sanitizer builds): fanfs/csrc/front.c and writes.c driven as the kernel and libfuse drive
  * them, through one end of a SOCK_SEQPACKET pair (a message per request and per reply, as the
- * FUSE device gives them; tests/test_kernels.py does the same from Python, one request at a
+ * FUSE device gives them; tests/adapter/test_kernels.py does the same from Python, one request at a
  * time). SENDERS "kernel" threads send requests at once, a reader thread checks every reply,
  * and a "libfuse" thread takes what the front forwards (fanfs_front_forwarded) and answers it,
  * now and then more slowly than the front forwards, so that forwards wait in its queue.

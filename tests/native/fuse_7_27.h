@@ -1,4 +1,4 @@
-/* Included after <linux/fuse.h> into a compile of fanfs's C (tests/test_sanitizers.py): every
+/* Included after <linux/fuse.h> into a compile of fanfs's C (tests/sanitizers/test_sanitizers.py): every
  * name linux/fuse.h gained after protocol 7.27 is poisoned, so that C using one fails here as
  * it would on RHEL 8 (kernel 4.18, whose headers stop at 7.27). The kernels fanfs runs on are
  * listed in docs/environment.md ("Kernels"). Names only in comments do not count. */

@@ -1,6 +1,6 @@
 /*
  * A stress harness for the native read pool (fanfs/csrc/pool.c and the files of its
- * concerns), built by tests/test_sanitizers.py with -fsanitize=address,undefined and again
+ * concerns), built by tests/sanitizers/test_sanitizers.py with -fsanitize=address,undefined and again
  * with -fsanitize=thread: any report fails it.
  *
  * It includes the pool's internal header (pool_int.h: it reaches the pool's queue and cache,
