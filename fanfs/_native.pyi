@@ -7,6 +7,9 @@ from typing_extensions import Buffer
 
 API_VERSION: int
 MAX_PIECES: int
+LA_WINDOW: int
+LA_DECAY: int
+LA_ON_SHARE: int
 PIECE_MAX: int
 JOB_PUSH: int
 KIND_RAW: int

@@ -26,6 +26,9 @@ import numpy as np
 cdef extern from "fanfs_native.h" nogil:
     enum: FANFS_NATIVE_API
     enum: FANFS_MAX_PIECES
+    enum: FANFS_LA_WINDOW
+    enum: FANFS_LA_DECAY
+    enum: FANFS_LA_ON_SHARE
     enum: FANFS_MAX_DICTS
     enum: FANFS_JOB_PUSH
     enum:
@@ -180,6 +183,8 @@ cdef extern from "fanfs_native.h" nogil:
 
 API_VERSION = FANFS_NATIVE_API
 MAX_PIECES = FANFS_MAX_PIECES
+# Reads at LOOKUP: fanfs_native.h's one policy (node/reader.py's LookAhead takes it from here).
+LA_WINDOW, LA_DECAY, LA_ON_SHARE = FANFS_LA_WINDOW, FANFS_LA_DECAY, FANFS_LA_ON_SHARE
 PIECE_MAX = FANFS_PIECE_MAX
 JOB_PUSH = FANFS_JOB_PUSH
 KIND_RAW = FANFS_KIND_RAW

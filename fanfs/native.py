@@ -13,7 +13,7 @@ import os
 
 log = logging.getLogger(__name__)
 
-API_VERSION = 11  # fanfs/csrc/fanfs_native.h's FANFS_NATIVE_API that this Python expects
+API_VERSION = 12  # fanfs/csrc/fanfs_native.h's FANFS_NATIVE_API that this Python expects
 
 try:
     from fanfs import _native as lib

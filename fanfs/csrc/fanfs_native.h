@@ -24,7 +24,7 @@
 #include <stdint.h>
 #include <sys/uio.h>
 
-#define FANFS_NATIVE_API 11
+#define FANFS_NATIVE_API 12
 
 /* What a piece's stored bytes are (fanfs/node/pool.py names the same numbers). */
 enum {
@@ -49,6 +49,14 @@ enum {
  * WHOLE_FILE_LIMIT, compressed pieces are at most 4 MiB (the catalog refuses more). */
 #define FANFS_PIECE_MAX (16u << 20)
 #define FANFS_MAX_DICTS 1024
+/* Reads at LOOKUP, one policy for the front (fast.c) and for pyfuse3's route (node/reader.py's
+ * LookAhead, which takes these numbers from the module): the last FANFS_LA_WINDOW lookups are
+ * remembered; the share of them a READ followed is averaged, each outcome weighing
+ * 1/FANFS_LA_DECAY; files are read at LOOKUP while that share is at least
+ * FANFS_LA_ON_SHARE/256 (a stat walk, ls -l or du, reads none of what it looks up). */
+#define FANFS_LA_WINDOW 64
+#define FANFS_LA_DECAY 8
+#define FANFS_LA_ON_SHARE 128
 /* Direct I/O is done in units of this many bytes (offset, length and memory); a file system
  * asking for a coarser alignment is read through the page cache instead. */
 #define FANFS_DIRECT_ALIGN 4096

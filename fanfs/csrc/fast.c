@@ -195,7 +195,7 @@ int fanfs_pool_fast_job(uint64_t ino, int64_t off, uint64_t size, struct fanfs_j
  * 1/256), and files are read ahead only while most are. A file larger than the pool's parts
  * limit is not read ahead. Every la_..._locked function runs under la->lock. */
 static void la_outcome_locked(struct lookahead *la, int read, int fetched) {
-    la->share += ((read ? 256 : 0) - la->share) / 8;
+    la->share += ((read ? 256 : 0) - la->share) / FANFS_LA_DECAY;
     if (fetched) {
         la->used += read;
         la->unused += !read;
@@ -254,7 +254,7 @@ static void looked_up(struct pool *P, uint64_t ino) {
         la_outcome_locked(la, 0, la->fetched[0]); /* never read while remembered */
         la_remove_locked(la, 0);
     }
-    fetch = la->share >= 128;
+    fetch = la->share >= FANFS_LA_ON_SHARE;
     la->ino[la->n] = ino;
     la->fetched[la->n] = (uint8_t)fetch;
     la->n++;

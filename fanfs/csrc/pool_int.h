@@ -31,7 +31,7 @@
 #define PUSH_MAX 64  /* queued pushes; beyond, a piece is not pushed (the kernel READs it) */
 #define RQ_MAX 256   /* queued fetches of peers' pieces: more than the slots that can wait */
 #define LA_REMOTE_MAX 8 /* peers' pieces reserved at LOOKUP at once: a quarter of the slots */
-#define LA_RING 64   /* lookups remembered, to learn whether READs follow them */
+#define LA_RING FANFS_LA_WINDOW   /* lookups remembered, to learn whether READs follow them */
 #define WAITING (1 << 30) /* piece_get: the job was hung on a piece being read */
 
 /* Where a READ's answer goes: through libfuse (`req`, a request pyfuse3 took), or written to

@@ -44,6 +44,7 @@ from fanfs import catalog as cat
 from fanfs import codec
 from fanfs.checksum import crc32
 from fanfs.errors import CorruptFile
+from fanfs.native import lib
 from fanfs.node import pool as native
 from fanfs.node.bad import BadFiles as BadFiles  # (tests/parts.py imports it from here)
 from fanfs.node.cache import ByteLRU, SingleFlight
@@ -65,9 +66,12 @@ Answer = bytes | memoryview | NativeJob
 
 # -- fetches started at LOOKUP ---------------------------------------------------------------
 
-WINDOW = 64  # lookups remembered: far more than the readers that can be between LOOKUP and READ
-DECAY = 0.1
-ON_SHARE = 0.5
+# The front's policy (fanfs_native.h, FANFS_LA_*), one for both routes: the last WINDOW lookups
+# (far more than the readers that can be between LOOKUP and READ), the share of them read
+# averaged with weight DECAY, fetching at LOOKUP while it is at least ON_SHARE.
+WINDOW = lib.LA_WINDOW
+DECAY = 1 / lib.LA_DECAY
+ON_SHARE = lib.LA_ON_SHARE / 256
 SIZE_LIMIT = 4 << 20  # stored bytes of a file fetched whole at its LOOKUP, at most
 
 
