@@ -9,7 +9,6 @@ is refused with what to run, instead of being half used. Built by the project's 
 from __future__ import annotations
 
 import logging
-import os
 
 log = logging.getLogger(__name__)
 
@@ -37,18 +36,6 @@ read_stored = lib.read_stored
 failure_reason = lib.failure_reason
 CRC_LIBRARY: str = lib.CRC_LIBRARY
 DECODES: bool = lib.DECODES  # libzstd was found: compressed pieces decode in C
-
-
-# FANFS_PRETEND_PROTOCOL=7.N (checked by the CLI, fanfs/cli/options.py): the front rewrites
-# the kernel's INIT to protocol 7.N's layout and flags, so that this kernel talks to the
-# daemon as an older kernel would (tests/adapter/test_kernels.py). Off (0) unless set.
-PRETEND_PROTOCOL = "FANFS_PRETEND_PROTOCOL"
-
-
-def pretend_protocol() -> int:
-    """The protocol minor FANFS_PRETEND_PROTOCOL asks the front to rewrite INIT to (0: none)."""
-    raw = os.environ.get(PRETEND_PROTOCOL, "").strip()
-    return int(raw.partition(".")[2]) if raw else 0
 
 
 def front_kernel(front: lib.Front | None) -> tuple[str, str]:
@@ -81,6 +68,6 @@ def log_front(protocol: str, off: str, answers: str) -> None:
         log.info("kernel FUSE %s; the front answers %s in C", protocol, answers)
 
 
-__all__ = ["API_VERSION", "CRC_LIBRARY", "DECODES", "PRETEND_PROTOCOL", "CorruptPiece",
+__all__ = ["API_VERSION", "CRC_LIBRARY", "DECODES", "CorruptPiece",
            "Dictionaries", "crc32", "decode", "failure_reason", "front_kernel", "lib", "log_front",
-           "pretend_protocol", "read", "read_stored"]  # fmt: skip
+           "read", "read_stored"]  # fmt: skip

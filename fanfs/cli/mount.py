@@ -28,6 +28,7 @@ from fanfs.cli.options import (
     share,
     size,
     staging_options,
+    switches,
 )
 from fanfs.cli.reach import PROBE_TIMEOUT_S, ask
 from fanfs.errors import (
@@ -62,6 +63,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         replicas=args.replicas,
         peer_timeout=args.peer_timeout,
         linger=args.linger,
+        switches=switches(),
     )
     Daemon(cfg).run()
     return ExitCode.OK

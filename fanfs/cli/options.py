@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from fanfs.errors import UsageError
 from fanfs.progress import parse_size
+from fanfs.switches import Switches
 
 Convert = Callable[[str], Any]
 if TYPE_CHECKING:
@@ -189,6 +190,12 @@ def check_environment(environ: dict[str, str]) -> None:
         raw = environ.get(ENV_PREFIX + var)
         if raw is not None and raw.strip() and not ok(raw.strip()):
             raise UsageError(f"{ENV_PREFIX}{var}={raw!r}: expected {expected}")
+
+
+def switches() -> Switches:
+    """The daemons' FANFS_* switches (fanfs/switches.py), parsed here, by the CLI, into the
+    configuration it hands the daemon (their values were checked by `check_environment`)."""
+    return Switches.from_environ(os.environ)
 
 
 def writable(path: str | os.PathLike[str] | None, option: str) -> None:

@@ -21,6 +21,7 @@ from fanfs.cli.options import (
     positive_int,
     seconds,
     staging_options,
+    switches,
 )
 from fanfs.cli.reach import ask
 from fanfs.errors import ExitCode, MountpointError, NotLanded, UsageError, WaitTimeout
@@ -41,7 +42,7 @@ def cmd_output(args: argparse.Namespace) -> int:
     OutputDaemon(OutputConfig(
         dest=args.dest, mountpoint=args.mountpoint, local=args.local, nonempty=args.nonempty,
         replicas=args.replicas, peer_timeout=args.peer_timeout, drain=args.drain,
-        interval=args.interval,
+        interval=args.interval, switches=switches(),
     )).run()  # fmt: skip
     return ExitCode.OK
 

@@ -37,6 +37,7 @@ from fanfs.node.sources import WHOLE_FILE_LIMIT, Local, PeerServer, Sources
 from fanfs.node.store import PartitionStore
 from fanfs.node.transport import PeerTransport
 from fanfs.status import CatalogStatus, Status
+from fanfs.switches import Switches
 
 log = logging.getLogger(__name__)
 
@@ -68,13 +69,14 @@ def build(catalog: Catalog, store: PartitionStore, owners: list[tuple[int, ...]]
     mine = np.array([rank in o for o in owners], dtype=bool)
     local = Local(catalog, store, mine)
     server = PeerServer(catalog, local)
-    front_on = fuse_ops.RECEIVER is not None and env_on("FANFS_FRONT")
+    switches: Switches = cfg.switches
+    front_on = fuse_ops.RECEIVER is not None and switches.front
     transport: PeerTransport | None = None
     if world is not None:
         from fanfs.node.transport.front import FrontFetches
         from fanfs.node.transport.mpi import MpiTransport
 
-        native = front_on and env_on("FANFS_NATIVE_REMOTE")
+        native = front_on and switches.native_remote
         front_fetches = FrontFetches() if native else None  # handed to the MPI thread
         transport = MpiTransport(world, cfg.peer_timeout, server, front_fetches)
     sources = Sources(catalog, local, owners, transport)
@@ -82,16 +84,16 @@ def build(catalog: Catalog, store: PartitionStore, owners: list[tuple[int, ...]]
     front = None
     if front_on:
         assert fuse_ops.RECEIVER is not None
-        front = Front(*fuse_ops.RECEIVER, *fuse_ops.FRONT_ATTRS, mine, spin_us(),
-                      holders(owners), rank)  # fmt: skip
+        front = Front(*fuse_ops.RECEIVER, *fuse_ops.FRONT_ATTRS, mine, switches.spin_us,
+                      holders(owners), rank, switches.pretend_protocol)  # fmt: skip
     pool = NativePool(
         catalog,
         fuse_ops.INSTALL_HOOK,
         bad.mark,
-        decode=env_on("FANFS_NATIVE_DECODE"),
-        push=env_on("FANFS_PUSH"),
+        decode=switches.native_decode,
+        push=switches.push,
         front=front,
-        front_off=front_off(),
+        front_off=front_off(switches),
     )
     budget = cfg.prefetch_bytes if cfg.prefetch_bytes is not None else default_budget()
     plans = Plans(catalog, budget, pool.planned, pool.held)
@@ -129,34 +131,11 @@ def dropper(catalog: Catalog, store: PartitionStore, pool: NativePool,
     return drop
 
 
-SPIN_US = 500
-
-
-def spin_us() -> int:
-    """FANFS_SPIN_US: how long after a request the front's leader polls for the next one
-    before it sleeps (default SPIN_US; 0: never poll, for nodes where a core must never be
-    busy)."""
-    try:
-        return max(0, int(os.environ.get("FANFS_SPIN_US", SPIN_US)))
-    except ValueError:
-        log.warning("FANFS_SPIN_US is not an integer: %r", os.environ["FANFS_SPIN_US"])
-        return SPIN_US
-
-
-def front_off() -> str:
+def front_off(switches: Switches) -> str:
     """Why this daemon has no front, in one line ("": it has one)."""
     if fuse_ops.RECEIVER is None:
         return "pyfuse3 is not fanfs's patched build (run `make setup`)"
-    return "" if env_on("FANFS_FRONT") else "FANFS_FRONT=0"
-
-
-def env_on(name: str) -> bool:
-    """A switch that is on unless its variable is 0: FANFS_NATIVE_DECODE=0 leaves compressed
-    files to Python, FANFS_PUSH=0 stops the pool pushing the rest of what it decoded into the
-    page cache, FANFS_FRONT=0 leaves every request to pyfuse3's session loop,
-    FANFS_NATIVE_REMOTE=0 leaves the front's READs of peers' files to Python (for comparison,
-    or should any ever be suspected)."""
-    return os.environ.get(name, "1").strip() != "0"
+    return "" if switches.front else "FANFS_FRONT=0"
 
 
 def holders(owners: list[tuple[int, ...]]) -> np.ndarray:

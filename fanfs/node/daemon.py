@@ -29,7 +29,7 @@ import os
 import signal
 import time
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import trio
@@ -42,6 +42,7 @@ from fanfs.node import assemble, fuse_ops
 from fanfs.node.staging import default_parent
 from fanfs.node.store import PartitionStore, check_partitions
 from fanfs.status import Status
+from fanfs.switches import Switches
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,8 @@ class MountConfig:
     replicas: int = 1
     peer_timeout: float = 5.0
     linger: float = 60.0
+    # FANFS_* (fanfs/switches.py), parsed by the CLI
+    switches: Switches = field(default_factory=Switches)
 
 
 def _tune_readahead(mountpoint: Path) -> None:

@@ -79,11 +79,13 @@ class Front:
     the attributes the adapter answers with (st_blksize, the cache timeout in seconds, uid,
     gid); `mine[p]`: this node holds partition p; `spin_us`: how long the leader polls the
     device after a request; `holders`: the ranks holding each partition (assemble.holders)
-    and `rank` this daemon's, for READs of peers' files (fetched by the MPI thread)."""
+    and `rank` this daemon's, for READs of peers' files (fetched by the MPI thread);
+    `pretend`: the protocol minor to rewrite the kernel's INIT to (Switches, 0: none)."""
 
     def __init__(self, install: Callable[[Any, int], None], session_fd: Callable[[], int],
                  blksize: int, timeout_s: int, mine: np.ndarray, spin_us: int,
-                 holders: np.ndarray | None = None, rank: int = 0):  # fmt: skip
+                 holders: np.ndarray | None = None, rank: int = 0,
+                 pretend: int = 0):  # fmt: skip
         self.install = install
         self.session_fd = session_fd
         self.blksize = blksize
@@ -92,6 +94,7 @@ class Front:
         self.spin_us = spin_us
         self.holders = holders
         self.rank = rank
+        self.pretend = pretend
         self.running = False
         self.off = ""  # why it could not start
         self.native: lib.Front | None = None  # the C front, once made (start)
@@ -115,7 +118,7 @@ class Front:
         (and a warning) if they cannot start: pyfuse3 reads the device itself."""
         try:
             self.native = lib.Front(self.give_catalog(catalog))
-            self.native.pretend(native.pretend_protocol())
+            self.native.pretend(self.pretend)
             ready = self.native.start(self.session_fd(), THREADS, self.spin_us)
         except (OSError, ValueError) as e:
             log.warning("front threads unavailable, requests go through the event loop: %s", e)

@@ -71,11 +71,11 @@ class Place:
 
 def build(stack: contextlib.ExitStack, place: Place, dest: Dest, staging: StagingDir,
           dead: list[Dead], *, replicas: int, peer_timeout: float, max_ops: int,
-          status: Callable[[], dict[str, Any]]) -> Wing:  # fmt: skip
+          status: Callable[[], dict[str, Any]], pretend: int = 0) -> Wing:  # fmt: skip
     """The output daemon at `place`, landing at `dest` what is written into `staging` (and
     first what the daemons in `dead` left there); `replicas`, `peer_timeout`, `max_ops` from
-    its OutputConfig; `status()` is what the mount's status attribute answers. Teardowns go
-    on `stack` as their parts exist."""
+    its OutputConfig (`pretend`: its switches' pretend protocol); `status()` is what the
+    mount's status attribute answers. Teardowns go on `stack` as their parts exist."""
     tree = Tree(staging.fd, mode=0o777 & ~_umask())
     view: View | None = None  # bound below, once built (the module docstring's one loop)
 
@@ -120,7 +120,7 @@ def build(stack: contextlib.ExitStack, place: Place, dest: Dest, staging: Stagin
     own = Source("this mount", place.token, tree.open_local_or_none, journal.note)
     lander = Lander(dest, journal, own, recovering=dead, marker=partner is not None,
                     on_landed=landed, on_dropped=dropped, on_skipped=skipped)  # fmt: skip
-    front = WriteFront(fuse_ops.RECEIVER)
+    front = WriteFront(fuse_ops.RECEIVER, pretend)
     view = View(tree, journal, lander, dest, front=front,
                 replicate=partner.replicate if partner is not None else None)  # fmt: skip
     ops = fs.OutputOperations(view, status)

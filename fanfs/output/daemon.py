@@ -36,7 +36,7 @@ import signal
 import stat
 import time
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ from fanfs.node.staging import StagingDir, default_parent
 from fanfs.output import assemble, fs, recover
 from fanfs.output.dest import Dest
 from fanfs.output.salvage import cancel_on, land_dead
+from fanfs.switches import Switches
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,8 @@ class OutputConfig:
     drain: float = 60.0  # after a stop signal, land what is left for at most this long
     interval: float = 10.0  # files open for appending land at most this far behind
     max_ops: int = 1 << 20
+    # FANFS_* (fanfs/switches.py), parsed by the CLI
+    switches: Switches = field(default_factory=Switches)
 
 
 def _inside(inner: Path, outer: Path) -> bool:
@@ -179,7 +182,7 @@ class OutputDaemon:
         self.wing = wing = assemble.build(
             stack, place, dest, staging, dead, replicas=cfg.replicas,
             peer_timeout=cfg.peer_timeout, max_ops=cfg.max_ops,
-            status=lambda: self.status().to_json(),
+            status=lambda: self.status().to_json(), pretend=cfg.switches.pretend_protocol,
         )  # fmt: skip
         if cfg.mountpoint is None:
             self._recover_only()

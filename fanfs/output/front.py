@@ -52,8 +52,9 @@ class FrontInfo:
 class WriteFront:
     """The front of one output mount; `receiver`: pyfuse3's hook, None without it."""
 
-    def __init__(self, receiver: Receiver | None):
+    def __init__(self, receiver: Receiver | None, pretend: int = 0):
         self.receiver = receiver
+        self.pretend = pretend  # the protocol minor to rewrite INIT to (Switches; 0: none)
         self.running = False  # its threads answer WRITEs now
         self.started = False  # they did since the mount: what they wrote is collected (view.py)
         self.native: lib.Front | None = None  # this wing's own C front, once made (start)
@@ -66,7 +67,7 @@ class WriteFront:
         install, session_fd = self.receiver
         front = lib.Front(writes=True)
         try:
-            front.pretend(native.pretend_protocol())
+            front.pretend(self.pretend)
             ready = front.start(session_fd(), THREADS, SPIN_US)
         except OSError as e:
             log.warning("front threads unavailable, writes go through the event loop: %s", e)

@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "fanfs"
 
 # Lower numbers are lower layers; a module may import only its own layer or lower ones.
 LAYERS = {
-    "errors": 0, "progress": 0, "status": 0, "logs": 0, "native": 0, "checksum": 0,
+    "errors": 0, "progress": 0, "status": 0, "logs": 0, "native": 0, "checksum": 0, "switches": 0,
     "projection": 0,
     "format": 0, "catalog_check": 1, "catalog": 1, "placement": 1, "mounts": 1,
     "pagecache": 1, "filters": 1,
@@ -277,3 +277,45 @@ def test_every_test_file_says_its_tier_first() -> None:
         if not doc.lower().startswith(f"{tier} tier:"):
             wrong[f"{tier}/{path.name}"] = doc[:40]
     assert wrong == {}
+
+
+# Where the FANFS_* variables may be read: the CLI (options' defaults, check_environment),
+# switches.py (the daemons' switches, parsed by the CLI), logs.py (the log level, checked by
+# the CLI first) and the bench (it sets them for the daemons it starts).
+ENV_READERS = ("cli", "switches", "logs", "bench")
+
+
+def fanfs_variables(tree: ast.AST) -> list[str]:
+    """The FANFS_* variables a module looks up in the environment (`environ.get("FANFS_X")`,
+    `environ["FANFS_X"]`, `getenv("FANFS_X")`, the prefix "FANFS_" + a name alike)."""
+
+    def environ(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Name) and node.id == "environ") or (
+            isinstance(node, ast.Attribute) and node.attr == "environ")  # fmt: skip
+
+    looked_up: list[ast.AST] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and environ(node.value):
+            looked_up.append(node.slice)
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.func, ast.Attribute):
+            func = node.func
+            if func.attr == "getenv" or (func.attr == "get" and environ(func.value)):
+                looked_up.append(node.args[0])
+    return [c.value for arg in looked_up for c in ast.walk(arg) if isinstance(c, ast.Constant)
+            and isinstance(c.value, str) and c.value.startswith("FANFS_")]  # fmt: skip
+
+
+def test_switches_are_parsed_once_by_the_cli() -> None:
+    """No daemon module reads a FANFS_* variable itself: the CLI parses them once into typed
+    configuration (fanfs/switches.py's Switches in MountConfig and OutputConfig)."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = module_name(path)
+        if name.split(".")[0] in ENV_READERS:
+            continue
+        names = fanfs_variables(ast.parse(path.read_text()))
+        if names:
+            found[name] = names
+    assert found == {}
+    # ... and the scan sees one when it is there.
+    assert fanfs_variables(ast.parse('os.environ.get("FANFS_FRONT", "1")')) == ["FANFS_FRONT"]

@@ -1,0 +1,45 @@
+"""The FANFS_* switches the daemons obey (docs/commands.md, "Environment"), parsed once: the
+CLI checks every value (cli/options.py, `check_environment`: a bad one is one line and exit 2)
+and reads them into this record, which it hands to the daemon in its configuration; nothing
+below the CLI reads the environment for them."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+PREFIX = "FANFS_"
+SPIN_US = 500  # the default: see `Switches.spin_us`
+
+
+@dataclass(frozen=True, slots=True)
+class Switches:
+    # Each is on unless its variable is 0 (for comparison, or should one ever be suspected).
+    front: bool = True  # FANFS_FRONT=0: every request goes through pyfuse3's session loop
+    native_decode: bool = True  # FANFS_NATIVE_DECODE=0: compressed files are left to Python
+    native_remote: bool = True  # FANFS_NATIVE_REMOTE=0: the front's READs of peers' files too
+    push: bool = True  # FANFS_PUSH=0: the pool pushes nothing it decoded into the page cache
+    # FANFS_SPIN_US: how long after a request the front's leader polls for the next one before
+    # it sleeps (0: never poll, for nodes where a core must never be busy).
+    spin_us: int = SPIN_US
+    # FANFS_PRETEND_PROTOCOL=7.N (tests only): the front rewrites the kernel's INIT to protocol
+    # 7.N's layout and flags, so this kernel talks to the daemon as an older one would
+    # (tests/adapter/test_kernels.py); 0: as sent.
+    pretend_protocol: int = 0
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> Switches:
+        """The switches `environ` sets, its values already checked (cli/options.py)."""
+
+        def value(name: str) -> str:
+            return environ.get(PREFIX + name, "").strip()
+
+        spin, pretend = value("SPIN_US"), value("PRETEND_PROTOCOL")
+        return cls(
+            front=value("FRONT") != "0",
+            native_decode=value("NATIVE_DECODE") != "0",
+            native_remote=value("NATIVE_REMOTE") != "0",
+            push=value("PUSH") != "0",
+            spin_us=int(spin) if spin else SPIN_US,
+            pretend_protocol=int(pretend.partition(".")[2]) if pretend else 0,
+        )
