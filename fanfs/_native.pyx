@@ -192,7 +192,7 @@ KIND_ZSTD = FANFS_KIND_ZSTD
 KIND_FILTERED = FANFS_KIND_FILTERED
 KIND_FILTER = FANFS_KIND_FILTER
 FAST_NO = FANFS_FAST_NO
-# The filters the C decodes (fanfs/filters.py must name the same ids: tests/adapter/test_codec.py).
+# The filters the C decodes (fanfs/image/filters.py must name the same ids: tests/adapter/test_codec.py).
 FILTERS = {"shuffle4": FANFS_SHUFFLE4, "shuffle8": FANFS_SHUFFLE8, "delta8": FANFS_DELTA8,
            "decimal4": FANFS_DECIMAL4, "decimal8": FANFS_DECIMAL8, "delta4": FANFS_DELTA4}
 JOB_FIELDS = 8  # a job tuple's header; then 6 per piece

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fanfs.catalog import PART_BROADCAST
+from fanfs.image.catalog import PART_BROADCAST
 
 
 def place(

@@ -167,8 +167,8 @@ def placement(mountpoint: str | os.PathLike[str],
     """Which daemons hold each of `paths` (read as `publish` reads them). The same pure
     function the daemons place partitions with (fanfs/placement.py), computed from the
     image's catalog: no daemon is asked, so every training rank gets the same answer."""
-    from fanfs.catalog import Catalog
-    from fanfs.paths import resolve_many
+    from fanfs.image.catalog import Catalog
+    from fanfs.image.paths import resolve_many
     from fanfs.placement import place
 
     root = mounts.canonical(os.fspath(mountpoint))

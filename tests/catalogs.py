@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from fanfs import catalog as cat
+from fanfs.image import catalog as cat
 
 
 def columns_of(raw: bytes) -> tuple[dict[str, np.ndarray], bytes, dict[str, Any], int]:

@@ -33,8 +33,7 @@ from typing import Protocol, TypeVar
 
 import pytest
 
-from fanfs import datagen
-from fanfs.bench import launch
+from fanfs.bench import datagen, launch
 
 FANFS = launch.FANFS  # the installed entry point
 STEP_TIMEOUT = launch.STEP_TIMEOUT  # any single fanfs command in a test: a hang fails
@@ -304,9 +303,9 @@ class User:
                               text=True, timeout=timeout, check=False)  # fmt: skip
 
     def make_sample(self, dest: Path, n_files: int, seed: int) -> None:
-        """A sample dataset (fanfs.datagen) written by the user."""
+        """A sample dataset (fanfs.bench.datagen) written by the user."""
         make = (
-            "import sys, pathlib; from fanfs import datagen; datagen.sample("
+            "import sys, pathlib; from fanfs.bench import datagen; datagen.sample("
             f"pathlib.Path(sys.argv[1]), n_files={n_files}, classes=4, seed={seed})"
         )
         done = self.run(sys.executable, "-c", make, dest)

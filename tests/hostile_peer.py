@@ -21,10 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
-from fanfs import catalog as cat
 from fanfs import placement
 from fanfs import world as mpi
-from fanfs.checksum import crc32
+from fanfs.image import catalog as cat
+from fanfs.image.checksum import crc32
 from fanfs.node.transport.inbox import (
     BATCH_HEADER,
     BATCH_MAX,

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from fanfs import catalog as cat
+from fanfs.image import catalog as cat
 from fanfs.node.plans import Plans
 from fanfs.node.pool import NativePool
 from fanfs.node.reader import BadFiles, Reader

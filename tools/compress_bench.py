@@ -30,9 +30,9 @@ from pathlib import Path
 import numpy as np
 import zstandard
 
-from fanfs import bench, datagen
-from fanfs.bench import launch
-from fanfs.catalog import CODEC_NAMES, CODEC_ZSTD_FILTERED, Catalog
+from fanfs import bench
+from fanfs.bench import datagen, launch
+from fanfs.image.catalog import CODEC_NAMES, CODEC_ZSTD_FILTERED, Catalog
 
 
 def _jpeg(rng: np.random.Generator) -> bytes:
@@ -162,8 +162,8 @@ def run_kind(work: Path, kind: str, total: int, repeat: int) -> dict[str, object
 
 def _codecs(c: Catalog, image: Path) -> dict[str, int]:
     """Files per codec; zstd-filtered and framed files also by the filter of their first byte
-    or frames (names from fanfs.filters)."""
-    from fanfs import filters
+    or frames (names from fanfs.image.filters)."""
+    from fanfs.image import filters
 
     files = c.is_file
     counts = {name: int((c.codec[files] == cid).sum()) for cid, name in CODEC_NAMES.items()}
@@ -177,7 +177,7 @@ def _codecs(c: Catalog, image: Path) -> dict[str, int]:
 
 
 def _first_byte(c: Catalog, image: Path, entry: int) -> int:
-    from fanfs.catalog import partition_name
+    from fanfs.image.catalog import partition_name
 
     with open(image / partition_name(int(c.part[entry])), "rb") as f:
         f.seek(int(c.data_off[entry]))

@@ -34,9 +34,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from fanfs import datagen, mounts
+from fanfs import mounts
 from fanfs import plan as planning
-from fanfs.bench import COLD_BY, launch, list_dirs, make_cold
+from fanfs.bench import COLD_BY, datagen, launch, list_dirs, make_cold
 from fanfs.errors import FanfsError
 
 REPEAT = 2  # cold passes per side, alternating; the median is shown

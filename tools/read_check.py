@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-from fanfs.compare import assert_same_tree
+from fanfs.bench.compare import assert_same_tree
 
 
 def main() -> int:

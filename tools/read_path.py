@@ -25,9 +25,9 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import parts
 
-from fanfs import catalog as cat
 from fanfs import placement
 from fanfs.bench.launch import check
+from fanfs.image import catalog as cat
 from fanfs.node.fuse_ops import ROOT, FanfsOperations
 from fanfs.node.plans import Plans
 from fanfs.node.sources import PeerServer

@@ -1,6 +1,6 @@
 """`fanfs bench --calibrate FILE` and `fanfs project --validate`: the measured side of the model.
 
-Calibration (fanfs.projection.Calibration) on the nodes at hand, in about two minutes: two
+Calibration (fanfs.bench.projection.Calibration) on the nodes at hand, in about two minutes: two
 daemons serve an image of incompressible files of two sizes; one reader on daemon 0's mount
 reads the files daemon 0 holds (local) and those daemon 1 holds (remote), cold and warm, and
 each cost is fitted as a + b * bytes from the two sizes. The daemon bound is the run time of
@@ -30,11 +30,19 @@ from typing import Any
 
 import numpy as np
 
-from fanfs import codec, datagen, projection
-from fanfs.bench import _read_files, drop_caches, make_dataset, read_all, serving
+from fanfs.bench import (
+    _read_files,
+    datagen,
+    drop_caches,
+    make_dataset,
+    projection,
+    read_all,
+    serving,
+)
 from fanfs.bench import epoch as global_epoch
 from fanfs.bench.launch import check, scratch
-from fanfs.catalog import Catalog
+from fanfs.image import codec
+from fanfs.image.catalog import Catalog
 from fanfs.placement import place
 
 SMALL, LARGE = 64 << 10, 1 << 20
@@ -114,7 +122,7 @@ def _fit(t_small: float, t_large: float) -> tuple[float, float]:
 
 
 def _decode_s_per_byte() -> float:
-    """Seconds per decoded byte of zstd (fanfs.codec) on text tables."""
+    """Seconds per decoded byte of zstd (fanfs.image.codec) on text tables."""
     rng = np.random.default_rng(0)
     text = datagen.csv_table(rng, 3000)
     codec_id, stored, _ = codec.Encoder(codec.Policy("zstd", 3)).encode(text)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fanfs import datagen
+from fanfs.bench import datagen
 
 KINDS = ("random", "arrays", "text", "jpeg")
 # Kinds whose files fanfs compresses (`--compress auto`): measured also against the same files

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from fanfs import pagecache
+from fanfs.bench import pagecache
 
 FOLIO_SAMPLE = 16  # files whose page-cache folios are looked at after each pass
 # A warm pass over 256 MiB of 128 KiB files takes 40 ms: a timer tick or a neighbour's burst

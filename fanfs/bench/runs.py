@@ -30,7 +30,7 @@ from fanfs.bench.passes import (
     size_label,
 )
 from fanfs.bench.report import summarize
-from fanfs.catalog import Catalog
+from fanfs.image.catalog import Catalog
 from fanfs.placement import place
 
 

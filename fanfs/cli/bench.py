@@ -90,7 +90,7 @@ def _importable(*names: str) -> bool:
 
 
 def _calibration(path: str) -> Any:
-    from fanfs import projection
+    from fanfs.bench import projection
 
     try:
         raw = json.loads(Path(path).read_text())
@@ -102,7 +102,7 @@ def _calibration(path: str) -> Any:
 
 
 def cmd_project(args: argparse.Namespace) -> int:
-    from fanfs import projection
+    from fanfs.bench import projection
     from fanfs.cli.report import projection_plot, projection_text, validation_text
 
     writable(args.report, "--report")
@@ -118,7 +118,7 @@ def cmd_project(args: argparse.Namespace) -> int:
             Path(args.report).write_text(json.dumps(out, indent=2) + "\n")
         return ExitCode.OK
     if args.image:
-        from fanfs import catalog as cat
+        from fanfs.image import catalog as cat
 
         c, _ = cat.Catalog.load(Path(args.image))
         files = int(c.is_file.sum())

@@ -14,7 +14,7 @@ MODES = ("auto", "private", "group", "public")
 
 
 def compress_spec(text: str) -> str:
-    from fanfs.codec import parse_compress
+    from fanfs.image.codec import parse_compress
 
     try:
         parse_compress(text)
@@ -42,7 +42,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from fanfs.image import format_info, info
+    from fanfs.image.verify import format_info, info
 
     d = info(Path(args.image), args.local_capacity, args.replicas)
     print(json.dumps(d, indent=2) if args.json else format_info(d))
@@ -50,7 +50,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from fanfs.image import verify
+    from fanfs.image.verify import verify
 
     bad = 0
     for line in verify(Path(args.image)):

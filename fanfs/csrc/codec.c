@@ -6,7 +6,7 @@
  * crc32_gzip_refl computes zlib's CRC with carry-less multiplication, about ten times faster
  * (60 against 6 GB/s here). Otherwise from zlib. zstd from libzstd.so.1. All three are
  * dlopen'ed: no -dev package or link flag, and a missing libzstd only means compressed pieces
- * are decoded by the zstandard package instead (fanfs/codec.py). Reading the stored bytes is
+ * are decoded by the zstandard package instead (fanfs/image/codec.py). Reading the stored bytes is
  * stored.c's.
  */
 #define _GNU_SOURCE
@@ -247,7 +247,7 @@ static char *scratch_get(struct fanfs_tls *t, uint64_t len) {
     return p;
 }
 
-/* -- filters: the inverse of fanfs/filters.py, byte for byte ------------------------------ */
+/* -- filters: the inverse of fanfs/image/filters.py, byte for byte ------------------------------ */
 static int filter_width(int fid) {
     switch (fid) {
     case FANFS_SHUFFLE4: case FANFS_DELTA4: case FANFS_DECIMAL4: return 4;
@@ -296,7 +296,7 @@ VECTORIZE static void unshuffle8(const unsigned char *in, uint32_t words, uint64
 
 /* 10^e for decimal8 (a division, so every decimal round-trips) and the double nearest 10^-e
  * for decimal4 (a multiplication: rounding to float32 hides its last-bit error, and the
- * encoder keeps as exceptions the values it does not give back). Literals, as fanfs/filters.py
+ * encoder keeps as exceptions the values it does not give back). Literals, as fanfs/image/filters.py
  * parses the same strings. */
 static const double pow10[19] = {1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9,
                                  1e10, 1e11, 1e12, 1e13, 1e14, 1e15, 1e16, 1e17, 1e18};

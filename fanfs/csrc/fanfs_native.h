@@ -6,7 +6,7 @@
  *
  * What it does: read a stored piece of a file (a whole file, or one frame of a framed file)
  * from a partition, check its CRC-32, decode it (zstd with the image's dictionaries, and the
- * array filters of fanfs/filters.py, byte for byte), without the GIL. Python calls it directly
+ * array filters of fanfs/image/filters.py, byte for byte), without the GIL. Python calls it directly
  * (fanfs_read_piece, fanfs_decode: the planner, remote reads on both sides, `fanfs verify`,
  * unit tests), and the pool (pool.c) runs the same code in its own threads to answer FUSE READs
  * without the event loop: pyfuse3 hands it the request (its read hook), a thread reads,
@@ -34,7 +34,7 @@ enum {
     FANFS_KIND_FILTER = 16,  /* 16 + filter id: one zstd frame of that filter's output */
 };
 
-/* Array filter ids (fanfs/filters.py, docs/format.md). */
+/* Array filter ids (fanfs/image/filters.py, docs/format.md). */
 enum {
     FANFS_SHUFFLE4 = 1,
     FANFS_SHUFFLE8 = 2,

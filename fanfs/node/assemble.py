@@ -25,7 +25,7 @@ import numpy as np
 import trio
 
 from fanfs import placement
-from fanfs.catalog import Catalog
+from fanfs.image.catalog import Catalog
 from fanfs.node import fuse_ops
 from fanfs.node.order import default_budget
 from fanfs.node.planner import ReadAhead

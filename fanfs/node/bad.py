@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 import os
 
-from fanfs import catalog as cat
 from fanfs.errors import CorruptFile
+from fanfs.image import catalog as cat
 from fanfs.logs import Throttle
 
 log = logging.getLogger(__name__)

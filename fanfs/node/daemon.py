@@ -35,8 +35,8 @@ from pathlib import Path
 import trio
 
 from fanfs import mounts, native, placement
-from fanfs.catalog import Catalog
 from fanfs.errors import FanfsError
+from fanfs.image.catalog import Catalog
 from fanfs.lifecycle import Lifecycle, check_mountpoint, expand, failed, node_name
 from fanfs.node import assemble, fuse_ops
 from fanfs.node.staging import default_parent

@@ -25,9 +25,9 @@ from typing import Any, NoReturn, TypeVar
 
 import pyfuse3
 
-from fanfs import catalog as cat
 from fanfs import mounts
 from fanfs.errors import CorruptFile
+from fanfs.image import catalog as cat
 from fanfs.node.jobs import INODE_BASE, NativeJob
 from fanfs.node.reader import Reader
 

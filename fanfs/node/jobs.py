@@ -9,8 +9,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fanfs import catalog as cat
-from fanfs import codec, filters
+from fanfs.image import catalog as cat
+from fanfs.image import codec, filters
 from fanfs.native import lib
 
 MAX_PIECES = lib.MAX_PIECES  # stored pieces (frames) one job may span

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fanfs import catalog as cat
+from fanfs.image import catalog as cat
 
 # Two kinds of key, never equal: from the catalog's SHA-256 of the partition (images of format
 # 4 on), else from its files' CRCs (older images). Each changes when what it covers changes.

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fanfs import catalog as cat
+from fanfs.image import catalog as cat
 
 # A framed file is read ahead up to this share of the budget (its first frames): one huge
 # file must not take the whole budget, and the job's own READs fetch the rest in order.

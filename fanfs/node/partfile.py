@@ -11,9 +11,9 @@ import stat
 from collections.abc import Sequence
 from pathlib import Path
 
-from fanfs import catalog as cat
 from fanfs import native
 from fanfs.errors import MissingPartition
+from fanfs.image import catalog as cat
 
 
 def pread_exact(fd: int, length: int, offset: int, what: str) -> bytes:

@@ -33,8 +33,8 @@ from typing import Protocol
 
 import trio
 
-from fanfs import catalog as cat
-from fanfs.checksum import crc32
+from fanfs.image import catalog as cat
+from fanfs.image.checksum import crc32
 from fanfs.node.transport import PeerTimeout
 
 log = logging.getLogger(__name__)

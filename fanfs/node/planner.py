@@ -42,8 +42,8 @@ from dataclasses import dataclass
 
 import trio
 
-from fanfs import catalog as cat
-from fanfs import codec
+from fanfs.image import catalog as cat
+from fanfs.image import codec
 from fanfs.node.plans import Plans, Share
 from fanfs.node.pool import NativePool
 from fanfs.node.sources import Sources

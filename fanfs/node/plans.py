@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import trio
 
-from fanfs import catalog as cat
+from fanfs.image import catalog as cat
 from fanfs.node.order import ShareOrder
 from fanfs.status import PlanStatus
 

@@ -42,8 +42,8 @@ from collections.abc import Awaitable, Callable
 import numpy as np
 import trio
 
-from fanfs import catalog as cat
-from fanfs import paths as paths_mod
+from fanfs.image import catalog as cat
+from fanfs.image import paths as paths_mod
 from fanfs.node.order import ShareOrder, read_ahead_bytes
 from fanfs.node.plans import MAX_SHARES, Plans
 

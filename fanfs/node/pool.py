@@ -35,9 +35,10 @@ from typing import Any
 import numpy as np
 import trio
 
-from fanfs import catalog as cat
-from fanfs import codec, native
+from fanfs import native
 from fanfs.errors import CorruptFile
+from fanfs.image import catalog as cat
+from fanfs.image import codec
 from fanfs.logs import Throttle
 from fanfs.native import lib
 from fanfs.node.cache import percentiles_ms

@@ -40,10 +40,10 @@ from typing import Any
 
 import trio
 
-from fanfs import catalog as cat
-from fanfs import codec
-from fanfs.checksum import crc32
 from fanfs.errors import CorruptFile
+from fanfs.image import catalog as cat
+from fanfs.image import codec
+from fanfs.image.checksum import crc32
 from fanfs.native import lib
 from fanfs.node import pool as native
 from fanfs.node.bad import BadFiles as BadFiles  # (tests/parts.py imports it from here)

@@ -43,9 +43,9 @@ from typing import Any
 import numpy as np
 import trio
 
-from fanfs import catalog as cat
-from fanfs import codec
 from fanfs.errors import CorruptFile
+from fanfs.image import catalog as cat
+from fanfs.image import codec
 from fanfs.node.cache import Latencies, SingleFlight
 from fanfs.node.peers import Peers
 from fanfs.node.store import PartitionStore

@@ -19,8 +19,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from fanfs import catalog as cat
 from fanfs.errors import StagingError
+from fanfs.image import catalog as cat
 from fanfs.node.keep import KeepDir
 from fanfs.node.keys import partition_digest, partition_keys
 from fanfs.node.partfile import (  # (image.py and daemon.py import these two from here)

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fanfs import codec, imagedir, logs
+from fanfs import logs
 from fanfs.errors import ExitCode, FanfsError, SourceError, UsageError
+from fanfs.image import codec, imagedir
 from fanfs.prepare.dicts import train_dictionaries
 from fanfs.prepare.fanout import TAG_TASK, results, serve_batches
 from fanfs.prepare.interrupt import stop

@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 import os
 
-from fanfs import catalog as cat
-from fanfs import codec, imagedir
+from fanfs.image import catalog as cat
+from fanfs.image import codec, imagedir
 from fanfs.prepare.interrupt import stop
 from fanfs.prepare.source import Tree, read_file
 

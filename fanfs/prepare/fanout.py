@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
-from fanfs import codec
 from fanfs.errors import FanfsError
+from fanfs.image import codec
 from fanfs.prepare.dicts import group
 from fanfs.prepare.interrupt import stop
 from fanfs.prepare.pack import STREAM_THRESHOLD

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from fanfs import catalog as cat
-from fanfs import codec
-from fanfs.checksum import crc32
 from fanfs.errors import SourceError
+from fanfs.image import catalog as cat
+from fanfs.image import codec
+from fanfs.image.checksum import crc32
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from fanfs import catalog as cat
-from fanfs import codec, imagedir
+from fanfs.image import catalog as cat
+from fanfs.image import codec, imagedir
 from fanfs.prepare.pack import Packer
 from fanfs.prepare.source import Tree
 

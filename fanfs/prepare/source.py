@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fanfs import imagedir
 from fanfs.errors import SourceError
+from fanfs.image import imagedir
 from fanfs.prepare.interrupt import stop
 
 log = logging.getLogger(__name__)

@@ -19,8 +19,8 @@ from conftest import prepare
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fanfs import catalog as cat
-from fanfs import codec, filters
+from fanfs.image import catalog as cat
+from fanfs.image import codec, filters
 from fanfs.native import lib
 from fanfs.node import pool as native
 from fanfs.node.pool import NativePool

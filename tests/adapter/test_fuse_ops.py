@@ -14,7 +14,7 @@ import parts
 import pyfuse3
 import pytest
 
-from fanfs import catalog as cat
+from fanfs.image import catalog as cat
 from fanfs.node.fuse_ops import ROOT, FanfsOperations
 from fanfs.node.store import PartitionStore
 

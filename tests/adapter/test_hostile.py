@@ -21,8 +21,8 @@ from catalogs import columns_of, encode
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fanfs import catalog as cat
 from fanfs.errors import ImageError
+from fanfs.image import catalog as cat
 from fanfs.node.fuse_ops import ROOT, STATUS_XATTR, FanfsOperations
 from fanfs.node.reader import Reader
 from fanfs.node.sources import PeerServer
@@ -132,7 +132,7 @@ def test_verify_names_the_file_for_any_catalog(
     wrong codecs), `fanfs verify` reports it as lines naming files or partitions: never a
     MemoryError, a hang or a traceback (a frame count that wrapped around in u64 passed the
     load check and killed verify)."""
-    from fanfs.image import verify
+    from fanfs.image.verify import verify
 
     raw = (small_image / cat.CATALOG_NAME).read_bytes()
     columns, strings, meta, frame_size = columns_of(raw)
@@ -158,7 +158,7 @@ def test_verify_names_the_file_for_any_catalog(
 
 
 def test_a_frame_count_that_wraps_is_named(small_image: Path, tmp_path: Path) -> None:
-    from fanfs.image import verify
+    from fanfs.image.verify import verify
 
     raw = (small_image / cat.CATALOG_NAME).read_bytes()
     columns, strings, meta, frame_size = columns_of(raw)

@@ -28,8 +28,8 @@ import numpy as np
 import pytest
 from conftest import prepare
 
-from fanfs import catalog as cat
-from fanfs import format as fmt
+from fanfs.image import catalog as cat
+from fanfs.image import format as fmt
 from fanfs.native import lib
 from fanfs.node.fuse_ops import BLKSIZE, CACHE_TIMEOUT_S
 from fanfs.node.pool import Front, fast_kinds

@@ -12,8 +12,8 @@ import parts
 import pytest
 import trio
 
-from fanfs import catalog as cat
 from fanfs import placement
+from fanfs.image import catalog as cat
 from fanfs.node.cache import ENTRY_OVERHEAD, ByteLRU, SingleFlight
 from fanfs.node.sources import PeerServer, Sources
 from fanfs.node.store import PartitionStore

@@ -16,8 +16,8 @@ import parts
 import pytest
 import trio
 
-from fanfs import catalog as cat
 from fanfs import placement
+from fanfs.image import catalog as cat
 from fanfs.node.reader import Reader
 from fanfs.node.sources import PeerServer
 from fanfs.node.store import PartitionStore

@@ -14,8 +14,7 @@ from typing import Any
 import pytest
 from conftest import REPO, fanfs
 
-from fanfs import projection
-from fanfs.bench import launch
+from fanfs.bench import launch, projection
 from fanfs.errors import ExitCode
 
 # A file read faster than this (a microsecond a file) was not read: a bench that reports it

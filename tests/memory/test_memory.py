@@ -158,7 +158,8 @@ def test_a_peer_asking_too_much_gets_refusals_and_no_memory(tmp_path: Path) -> N
 THREAD_BUFFERS = r"""
 import os, sys, threading
 import numpy as np, zstandard
-from fanfs import filters, native
+from fanfs import native
+from fanfs.image import filters
 from fanfs.native import lib
 
 def rss():

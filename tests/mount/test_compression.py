@@ -16,14 +16,15 @@ import zstandard
 from catalogs import rewrite
 from conftest import fanfs, mounted, prepare
 
-from fanfs import catalog as cat
-from fanfs import codec, datagen, filters
+from fanfs.bench import datagen
 from fanfs.errors import CorruptFile, ExitCode
+from fanfs.image import catalog as cat
+from fanfs.image import codec, filters
 from fanfs.node import pool as native
 
 
 def _python_decode(image: Path, c: cat.Catalog, entry: int) -> tuple[bytes, set[int]]:
-    """(decoded bytes, filters used) of a file, decoded by fanfs.codec from the image."""
+    """(decoded bytes, filters used) of a file, decoded by fanfs.image.codec from the image."""
     size, stored_len = int(c.size[entry]), int(c.stored_len[entry])
     with open(image / cat.partition_name(int(c.part[entry])), "rb") as f:
         stored = os.pread(f.fileno(), stored_len, int(c.data_off[entry]))
@@ -45,7 +46,7 @@ def _python_decode(image: Path, c: cat.Catalog, entry: int) -> tuple[bytes, set[
 
 def test_native_and_python_decoders_agree(awkward_src: Path, tmp_path: Path) -> None:
     """One stored format, two decoders: every file of an image that uses every codec and every
-    filter, decoded by fanfs.codec (Python) and by the native pool (C, through a mount), is
+    filter, decoded by fanfs.image.codec (Python) and by the native pool (C, through a mount), is
     the source, byte for byte."""
     image = prepare(awkward_src, tmp_path / "img")
     c, _ = cat.Catalog.load(image)

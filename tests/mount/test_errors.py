@@ -22,9 +22,9 @@ import pytest
 from catalogs import flip_stored_byte
 from conftest import Mount, assert_one_line_error, fanfs, mounted, prepare, wait_until
 
-from fanfs import catalog as cat
 from fanfs import mounts
 from fanfs.errors import ExitCode
+from fanfs.image import catalog as cat
 
 # -- broken images: refused before anything is mounted ---------------------------------------
 

@@ -25,9 +25,9 @@ from catalogs import columns_of, encode, rewrite
 from conftest import TESTS, assert_one_line_error, fanfs, mounted, prepare, teardown, wait_until
 from test_mpi import mpi_mounted
 
-from fanfs import catalog as cat
 from fanfs import mounts, placement
 from fanfs.errors import ExitCode
+from fanfs.image import catalog as cat
 
 FAULTFS = TESTS / "faultfs.py"
 BIG = 20 << 20  # a raw file over the reader's 16 MiB whole-file limit: the path that crashed
@@ -303,7 +303,7 @@ def test_two_codecs_over_the_same_stored_bytes_decode_apart(tmp_path: Path) -> N
     CRC): one as a zstd frame, one as the delta4 filter's zstd frame. Each must decode as its
     own codec says; the native pool's cache of decoded pieces left the codec out of its key,
     so the second file read got the first one's decoding."""
-    from fanfs import codec
+    from fanfs.image import codec
 
     src = tmp_path / "src"
     src.mkdir()

@@ -15,10 +15,9 @@ import pytest
 from catalogs import columns_of
 from conftest import FANFS, REPO, User, fanfs, mounted, prepare, stopping
 
-from fanfs import catalog as cat
-from fanfs import datagen
-from fanfs.bench import launch
-from fanfs.compare import assert_same_tree
+from fanfs.bench import datagen, launch
+from fanfs.bench.compare import assert_same_tree
+from fanfs.image import catalog as cat
 from fanfs.node.keys import partition_keys
 
 

@@ -17,7 +17,7 @@ from catalogs import as_version_2
 from conftest import Mount, fanfs, mounted, prepare
 from PIL import Image
 
-from fanfs.compare import assert_same_tree
+from fanfs.bench.compare import assert_same_tree
 
 
 def test_tree_reads_back_byte_for_byte(awkward_src: Path, awkward_mount: Mount) -> None:

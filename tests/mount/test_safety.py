@@ -29,9 +29,9 @@ from conftest import (
     wait_until,
 )
 
-from fanfs import catalog as cat
 from fanfs import mounts
 from fanfs.errors import ExitCode
+from fanfs.image import catalog as cat
 
 NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
 SECRET = b"SECRET-7d1f0c2b-not-for-anyone-else "

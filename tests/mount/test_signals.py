@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 from conftest import FANFS, Mount, prepare, wait_until
 
-from fanfs import datagen, mounts
+from fanfs import mounts
+from fanfs.bench import datagen
 
 SEGFAULT = -signal.SIGSEGV
 

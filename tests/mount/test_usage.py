@@ -26,8 +26,8 @@ from conftest import (
     wait_until,
 )
 
-from fanfs import datagen, mounts
-from fanfs.bench import launch
+from fanfs import mounts
+from fanfs.bench import datagen, launch
 from fanfs.errors import ExitCode
 
 

@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 from conftest import FANFS, prepare, stopping
 
-from fanfs import catalog as cat
-from fanfs import datagen, mounts, placement, plan
-from fanfs.bench import launch
-from fanfs.compare import assert_same_tree
+from fanfs import mounts, placement, plan
+from fanfs.bench import datagen, launch
+from fanfs.bench.compare import assert_same_tree
 from fanfs.errors import ExitCode
+from fanfs.image import catalog as cat
 from fanfs.node import reader as lookahead
 from fanfs.node.pool import THREADS as FRONT_THREADS
 

@@ -33,7 +33,7 @@ import numpy as np
 import pytest
 import zstandard
 
-from fanfs import filters
+from fanfs.image import filters
 from fanfs.native import lib
 
 ROOT = Path(__file__).resolve().parents[2]

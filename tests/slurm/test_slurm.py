@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, User, prepare
 
-from fanfs import datagen, mounts
+from fanfs import mounts
+from fanfs.bench import datagen
 
 CLUSTER = REPO / "tools" / "slurm_cluster.sh"
 JOB = REPO / "deploy" / "slurm" / "fanfs-job.sbatch"

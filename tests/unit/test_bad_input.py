@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import FANFS, assert_one_line_error, fanfs
 
-from fanfs import catalog as cat
 from fanfs.errors import ExitCode
+from fanfs.image import catalog as cat
 
 
 def no_leftovers(directory: Path) -> list[str]:

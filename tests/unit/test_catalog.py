@@ -11,9 +11,9 @@ import pytest
 from catalogs import columns_of
 from conftest import prepare
 
-from fanfs import catalog as cat
-from fanfs.checksum import crc32
 from fanfs.errors import CorruptCatalog, ImageVersionError
+from fanfs.image import catalog as cat
+from fanfs.image.checksum import crc32
 from fanfs.prepare.source import default_partitions
 
 

@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, assert_one_line_error, fanfs, prepare, run_env
 
-from fanfs import datagen
-from fanfs.bench import launch
+from fanfs.bench import datagen, launch
 from fanfs.errors import ExitCode
 
 

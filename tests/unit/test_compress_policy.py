@@ -16,10 +16,11 @@ import pytest
 from conftest import fanfs, prepare
 from PIL import Image
 
-from fanfs import catalog as cat
-from fanfs import codec, datagen, filters
+from fanfs.bench import datagen
 from fanfs.errors import ExitCode
-from fanfs.image import nodes_needed
+from fanfs.image import catalog as cat
+from fanfs.image import codec, filters
+from fanfs.image.verify import nodes_needed
 
 AUTO = codec.Encoder(codec.Policy("auto"))
 ZSTD = codec.Encoder(codec.Policy("zstd"))

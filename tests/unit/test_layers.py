@@ -12,12 +12,12 @@ PACKAGE = Path(__file__).resolve().parents[2] / "fanfs"
 
 # Lower numbers are lower layers; a module may import only its own layer or lower ones.
 LAYERS = {
-    "errors": 0, "progress": 0, "status": 0, "logs": 0, "native": 0, "checksum": 0, "switches": 0,
-    "projection": 0,
-    "format": 0, "catalog_check": 1, "catalog": 1, "placement": 1, "mounts": 1,
-    "pagecache": 1, "filters": 1,
-    "plan": 2, "paths": 2, "codec": 2, "compare": 2, "datagen": 2, "imagedir": 2, "world": 2,
-    "torch": 3, "image": 4,
+    "errors": 0, "progress": 0, "status": 0, "logs": 0, "native": 0, "switches": 0,
+    "placement": 1, "mounts": 1, "plan": 2, "world": 2, "torch": 3,
+    # the image: its format, catalog, codec, checks; `fanfs info` and `verify` (image.verify)
+    "image": 0, "image.checksum": 0, "image.format": 0, "image.catalog_check": 1,
+    "image.catalog": 1, "image.filters": 1, "image.paths": 2, "image.codec": 2,
+    "image.imagedir": 2, "image.verify": 4,
     "prepare.interrupt": 2, "prepare.source": 3, "prepare.dicts": 3, "prepare.pack": 3,
     "prepare.fanout": 4, "prepare.publish": 4, "prepare": 5,
     # the daemon's wing: everything that runs inside `fanfs mount`
@@ -38,6 +38,8 @@ LAYERS = {
     "output.messages": 3, "output.lander": 3, "output.replicas": 4, "output.recover": 4,
     "output.view": 5, "output.fs": 6,
     "output.assemble": 7, "output.salvage": 7, "output.daemon": 8,
+    # the bench, and its helpers (the projection model, generated data, the tree oracle)
+    "bench.projection": 0, "bench.pagecache": 1, "bench.compare": 2, "bench.datagen": 2,
     "bench.data": 3, "bench.loader": 0, "bench.squashfs": 2,
     "bench.launch": 8, "bench.epoch": 8, "bench.passes": 8, "bench.report": 8,
     "bench.runs": 9, "bench": 10, "bench.calibrate": 10,
@@ -48,7 +50,7 @@ LAYERS = {
 # which checks its API version, may import it. Each daemon (a process of its own: pyfuse3 holds
 # one session per process) has its own FUSE adapter: the dataset mount's and the output mount's.
 ONE_IMPORTER = {"mpi4py": ["world"], "pyfuse3": ["node.fuse_ops", "output.fs"],
-                "zstandard": ["codec"], "_native": ["native"]}  # fmt: skip
+                "zstandard": ["image.codec"], "_native": ["native"]}  # fmt: skip
 
 
 def module_name(path: Path) -> str:
@@ -70,8 +72,12 @@ def imports() -> dict[str, set[str]]:
             if isinstance(node, ast.Import):
                 found |= {a.name for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.module:
-                found.add(node.module)
-                found |= {f"{node.module}.{a.name}" for a in node.names}
+                named = {f"{node.module}.{a.name}" for a in node.names}
+                found |= named
+                # `from fanfs.image import catalog` imports the module, not the package's
+                # names: the package counts only when a name is not a module of its own.
+                if not all(n.startswith("fanfs.") and n[len("fanfs.") :] in LAYERS for n in named):
+                    found.add(node.module)
         targets = set()
         for imp in found:
             if imp == "fanfs._native":

@@ -1,6 +1,6 @@
 """Unit tier: fanfs's C extension (fanfs/csrc/, fanfs/_native.pyx) without a mount.
 
-The C decodes what the Python reference decodes (the zstandard package and fanfs/filters.py),
+The C decodes what the Python reference decodes (the zstandard package and fanfs/image/filters.py),
 byte for byte, for every codec and filter and any bytes hypothesis finds; its CRC-32 is zlib's;
 bytes that do not match their CRC or do not decode are refused, never returned. Jobs run with
 the pool's own code (`run_job`) give back exactly the slice of the file they name, for every
@@ -26,8 +26,9 @@ from conftest import prepare
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fanfs import catalog as cat
-from fanfs import codec, filters, native
+from fanfs import native
+from fanfs.image import catalog as cat
+from fanfs.image import codec, filters
 from fanfs.native import lib
 from fanfs.node import jobs
 from fanfs.node import pool as native_pool

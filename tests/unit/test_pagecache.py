@@ -1,4 +1,4 @@
-"""Unit tier: fanfs.pagecache, how many folios hold a cached file's pages (what `fanfs bench`
+"""Unit tier: fanfs.bench.pagecache, how many folios hold a cached file's pages (what `fanfs bench`
 reports beside each side's speed)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from fanfs import pagecache
+from fanfs.bench import pagecache
 
 
 def test_folio_sizes_of_cached_files(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
 """Unit tier: planned epochs' state (fanfs/node/plans.py) and the paths it is given
-(fanfs/paths.py), without a mount: where the job is in a plan with repeats, in several shares,
+(fanfs/image/paths.py), without a mount: where the job is in a plan with repeats, in several shares,
 with reads that lag behind what the sampler drew; what is due within a budget of decoded
 bytes."""
 
@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fanfs import catalog as cat
-from fanfs import paths
+from fanfs.image import catalog as cat
+from fanfs.image import paths
 from fanfs.node import plansocket
 from fanfs.node.order import PARTIAL_SHARE, ShareOrder, read_ahead_bytes
 from fanfs.node.plans import MIN_WINDOW, Plans

@@ -1,5 +1,6 @@
-"""Unit tier: the projection model (fanfs/projection.py): the arithmetic, and `fanfs project` on a
-saved calibration. The measured side (`fanfs bench --calibrate`, `--validate`) is in test_bench."""
+"""Unit tier: the projection model (fanfs/bench/projection.py): the arithmetic, and `fanfs
+project` on a saved calibration. The measured side (`fanfs bench --calibrate`, `--validate`)
+is in test_bench."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, fanfs
 
-from fanfs import projection as p
+from fanfs.bench import projection as p
 from fanfs.errors import ExitCode
 
 CAL = p.Calibration.from_json(json.loads((REPO / "docs" / "calibration-vm.json").read_text()))

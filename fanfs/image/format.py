@@ -1,7 +1,8 @@
 """The prepared image's on-disk format, as constants: the catalog's header and columns, codec
 ids, the frame table, limits, and where each column lies in the body (docs/format.md defines
-the bytes). Pure data: the catalog (fanfs/catalog.py) and its checks (fanfs/catalog_check.py)
-read it; `fanfs.catalog` re-exports every name, so `catalog.CODEC_RAW` reads as before.
+the bytes). Pure data: the catalog (fanfs/image/catalog.py) and its checks
+(fanfs/image/catalog_check.py) read it; `fanfs.image.catalog` re-exports every name, so
+`catalog.CODEC_RAW` reads as before.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ CODEC_ZSTD = 1  # one zstd frame
 CODEC_ZSTD_DICT = 2  # one zstd frame made with the catalog dictionary its header names
 CODEC_FRAMED = 3  # independent frames of `frame_size` bytes each, then a table of them
 CODEC_ZSTD_DELTA4 = 4  # one zstd frame of the delta4 filter's output (docs/format.md)
-CODEC_ZSTD_FILTERED = 5  # a filter id byte (fanfs/filters.py), then one zstd frame of its output
+CODEC_ZSTD_FILTERED = (
+    5  # a filter id byte (fanfs/image/filters.py), then one zstd frame of its output
+)
 CODEC_NAMES = {CODEC_RAW: "raw", CODEC_ZSTD: "zstd", CODEC_ZSTD_DICT: "zstd-dict",
                CODEC_FRAMED: "framed", CODEC_ZSTD_DELTA4: "zstd-delta4",
                CODEC_ZSTD_FILTERED: "zstd-filtered"}  # fmt: skip

@@ -32,109 +32,109 @@ from typing import Any
 
 import numpy as np
 
-from fanfs import catalog_check
-from fanfs.checksum import crc32
 from fanfs.errors import CorruptCatalog, ImageError, ImageVersionError
-from fanfs.format import (
+from fanfs.image import catalog_check
+from fanfs.image.checksum import crc32
+from fanfs.image.format import (
     _CHUNK as _CHUNK,
 )
-from fanfs.format import (
+from fanfs.image.format import (
     _WORD as _WORD,
 )
-from fanfs.format import (  # the format's names, re-exported: cat.CODEC_RAW and the rest
+from fanfs.image.format import (  # the format's names, re-exported: cat.CODEC_RAW and the rest
     ALIGN as ALIGN,
 )
-from fanfs.format import (
+from fanfs.image.format import (
     BLOCK_UNIT as BLOCK_UNIT,
 )
-from fanfs.format import (
+from fanfs.image.format import (
     BLOCKS_MAX as BLOCKS_MAX,
 )
-from fanfs.format import (
+from fanfs.image.format import (
     CATALOG_NAME as CATALOG_NAME,
 )
-from fanfs.format import (
+from fanfs.image.format import (
     CODEC_FRAMED as CODEC_FRAMED,
 )
-from fanfs.format import (
+from fanfs.image.format import (
     CODEC_NAMES as CODEC_NAMES,
 )
-from fanfs.format import (
+from fanfs.image.format import (
     CODEC_RAW as CODEC_RAW,
 )
-from fanfs.format import (
+from fanfs.image.format import (
     CODEC_ZSTD as CODEC_ZSTD,
 )
-from fanfs.format import (
+from fanfs.image.format import (
     CODEC_ZSTD_DELTA4 as CODEC_ZSTD_DELTA4,
 )
-from fanfs.format import (
+from fanfs.image.format import (
     CODEC_ZSTD_DICT as CODEC_ZSTD_DICT,
 )
-from fanfs.format import (
+from fanfs.image.format import (
     CODEC_ZSTD_FILTERED as CODEC_ZSTD_FILTERED,
 )
-from fanfs.format import (
+from fanfs.image.format import (
     DICT_COLUMNS as DICT_COLUMNS,
 )
-from fanfs.format import (
+from fanfs.image.format import (
     ENTRY_COLUMNS as ENTRY_COLUMNS,
 )
-from fanfs.format import (
+from fanfs.image.format import (
     FRAME_ENTRY as FRAME_ENTRY,
 )
-from fanfs.format import (
+from fanfs.image.format import (
     FRAME_FILTER_SHIFT as FRAME_FILTER_SHIFT,
 )
-from fanfs.format import (
+from fanfs.image.format import (
     FRAME_LEN_MASK as FRAME_LEN_MASK,
 )
-from fanfs.format import (
+from fanfs.image.format import (
     FRAME_SIZE as FRAME_SIZE,
 )
-from fanfs.format import (
+from fanfs.image.format import (
     HEADER as HEADER,
 )
-from fanfs.format import (
+from fanfs.image.format import (
     MAGIC as MAGIC,
 )
-from fanfs.format import (
+from fanfs.image.format import (
     NAME_MAX as NAME_MAX,
 )
-from fanfs.format import (
+from fanfs.image.format import (
     NO_PARTITION as NO_PARTITION,
 )
-from fanfs.format import (
+from fanfs.image.format import (
     PART_BROADCAST as PART_BROADCAST,
 )
-from fanfs.format import (
+from fanfs.image.format import (
     PARTITION_COLUMNS as PARTITION_COLUMNS,
 )
-from fanfs.format import (
+from fanfs.image.format import (
     READ_VERSIONS as READ_VERSIONS,
 )
-from fanfs.format import (
+from fanfs.image.format import (
     S_IFMT as S_IFMT,
 )
-from fanfs.format import (
+from fanfs.image.format import (
     VERSION as VERSION,
 )
-from fanfs.format import (
+from fanfs.image.format import (
     WHOLE_DECODE_MAX as WHOLE_DECODE_MAX,
 )
-from fanfs.format import (
+from fanfs.image.format import (
     _body_layout as _body_layout,
 )
-from fanfs.format import (
+from fanfs.image.format import (
     _padded as _padded,
 )
-from fanfs.format import (
+from fanfs.image.format import (
     blocks_of_size as blocks_of_size,
 )
-from fanfs.format import (
+from fanfs.image.format import (
     n_frames as n_frames,
 )
-from fanfs.format import (
+from fanfs.image.format import (
     partition_name as partition_name,
 )
 

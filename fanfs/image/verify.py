@@ -14,9 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from fanfs import catalog as cat
-from fanfs import codec, placement
+from fanfs import placement
 from fanfs.errors import CorruptFile
+from fanfs.image import catalog as cat
+from fanfs.image import codec
 from fanfs.node.store import check_partitions, pread_exact
 from fanfs.progress import Progress, human_bytes
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from fanfs import catalog as cat
+from fanfs.image import catalog as cat
 
 PAUSE_EVERY = 512  # paths (or directories) between calls to `pause`
 

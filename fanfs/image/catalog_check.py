@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from fanfs.errors import CorruptCatalog
-from fanfs.format import (
+from fanfs.image.format import (
     _CHUNK,
     _WORD,
     BLOCKS_MAX,
@@ -26,7 +26,7 @@ from fanfs.format import (
     n_frames,
 )
 
-# The catalog being checked (fanfs/catalog.py's Catalog, not imported: it imports this).
+# The catalog being checked (fanfs/image/catalog.py's Catalog, not imported: it imports this).
 Catalog = Any
 
 

@@ -14,14 +14,14 @@ image's frame size, so a read anywhere in a large file decodes only the frames i
 frame is stored raw when compressing it does not pay, which makes a frame's stored length equal
 to its decoded length exactly when it is raw (a compressed frame is always strictly smaller).
 Where zstd alone does not halve a file or frame of whole 32-bit words, the array filters
-(fanfs/filters.py: shuffle, delta, decimal) are tried on a sample and the best one on the whole,
-kept when it beats plain zstd (smooth float32 fields: 1.25 plain, 2.5 with delta4; float32
+(fanfs/image/filters.py: shuffle, delta, decimal) are tried on a sample and the best one on the
+whole, kept when it beats plain zstd (smooth float32 fields: 1.25 plain, 2.5 with delta4; float32
 values rounded to two decimals: 1.56 plain, 3.1 with decimal4; docs/performance.md).
 
 Decoding is fanfs's C extension's (fanfs/native.py): the same code the native read pool runs,
 with the GIL released, so every path (local and remote reads, the planner, `fanfs verify`)
 decodes alike and in parallel. Where libzstd is missing it falls back to the zstandard package
-and fanfs/filters.py, which stay the reference the C is tested against.
+and fanfs/image/filters.py, which stay the reference the C is tested against.
 
 Concurrency: zstd (de)compressor objects are not thread-safe (a shared decompressor corrupted
 data in a probe, see docs/environment.md), so each thread gets its own through `threading.local`.
@@ -38,10 +38,11 @@ from dataclasses import dataclass
 import numpy as np
 import zstandard
 
-from fanfs import catalog as cat
-from fanfs import filters, native
-from fanfs.checksum import crc32
+from fanfs import native
 from fanfs.errors import CorruptFile
+from fanfs.image import catalog as cat
+from fanfs.image import filters
+from fanfs.image.checksum import crc32
 
 FRAME_SIZE = cat.FRAME_SIZE  # decoded bytes per frame of a framed file (the catalog's rule)
 FRAMED_MIN = 4 * FRAME_SIZE  # files larger than this are framed (zstd and auto)
@@ -99,7 +100,7 @@ _ZIP_STORED = 0  # compression method of the first member: 0 stored (np.savez), 
 
 
 def delta4(data: bytes | memoryview) -> bytes:
-    """The delta4 filter (fanfs/filters.py): smooth float32/int32 fields become long runs of
+    """The delta4 filter (fanfs/image/filters.py): smooth float32/int32 fields become long runs of
     small values that zstd packs well."""
     return filters.delta(data, 4)
 
@@ -312,7 +313,7 @@ def decode_piece(stored: bytes | memoryview, kind: int, size: int,
 
 def python_decode_piece(stored: bytes | memoryview, kind: int, size: int,
                         dicts: Sequence[bytes] = ()) -> bytes:  # fmt: skip
-    """The zstandard package and fanfs/filters.py's decoding of a compressed piece: the
+    """The zstandard package and fanfs/image/filters.py's decoding of a compressed piece: the
     fallback where libzstd is missing, and the reference the C is tested against."""
     if kind == native.lib.KIND_ZSTD:
         return _zstd(stored, size, dicts)

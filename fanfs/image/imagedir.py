@@ -29,8 +29,8 @@ import socket
 import stat
 from pathlib import Path
 
-from fanfs import catalog as cat
 from fanfs.errors import ImageExists, SourceError
+from fanfs.image import catalog as cat
 from fanfs.node.staging import pid_alive
 
 log = logging.getLogger(__name__)
