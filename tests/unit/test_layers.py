@@ -325,3 +325,14 @@ def test_switches_are_parsed_once_by_the_cli() -> None:
     assert found == {}
     # ... and the scan sees one when it is there.
     assert fanfs_variables(ast.parse('os.environ.get("FANFS_FRONT", "1")')) == ["FANFS_FRONT"]
+
+
+MAX_MODULE_LINES = 400  # a module longer than this holds more than one concern: split it
+
+
+def test_no_module_is_over_400_lines() -> None:
+    """Every module of the package is one concern (issue 40); the C's files have their own
+    bound (test_native_layout.py)."""
+    long = {module_name(p): n for p in PACKAGE.rglob("*.py")
+            if (n := p.read_text().count("\n")) > MAX_MODULE_LINES}  # fmt: skip
+    assert long == {}
