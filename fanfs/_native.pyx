@@ -14,7 +14,9 @@ fanfs/node/pool.py, which builds them.
 
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
-from cpython.pycapsule cimport PyCapsule_New
+cimport cython
+from cpython.pycapsule cimport PyCapsule_GetContext, PyCapsule_New, PyCapsule_SetContext
+from cpython.ref cimport Py_DECREF, Py_INCREF
 from libc.errno cimport EAGAIN, EBADMSG, EILSEQ, EINVAL, EIO, ENOMEM, ENOSYS
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
@@ -551,6 +553,7 @@ ATTR_FIELDS = ("ino", "size", "blocks", "mtime", "mtimensec", "mode", "nlink", "
                "blksize", "atime", "ctime")
 
 
+@cython.no_gc_clear  # a Front's threads read its arrays until the Front is freed
 cdef class Meta:
     """The catalog as the front reads it (fanfs/csrc/meta.c): `columns` maps each name of
     META_COLUMNS to a contiguous array of that type, one per entry; `strings` the catalog's
@@ -561,6 +564,8 @@ cdef class Meta:
 
     def __init__(self, columns, strings, part_local, unsigned int uid, unsigned int gid,
                  unsigned int blksize, uint64_t timeout_s):
+        if self._arrays is not None:  # a Front may hold the arrays it was made with
+            raise ValueError("Meta: already made")
         n = len(columns["mode"])
         for name, want in META_COLUMNS.items():
             a = columns[name]
@@ -587,7 +592,7 @@ cdef class Meta:
         self.m.part_local = <const uint8_t *><uintptr_t>part_local.ctypes.data
         self.m.nparts = len(part_local)
         self.m.uid, self.m.gid, self.m.blksize, self.m.timeout_s = uid, gid, blksize, timeout_s
-        self._arrays = (dict(columns), strings, part_local)
+        self._arrays = (tuple(columns[name] for name in META_COLUMNS), strings, part_local)
 
     def attr(self, uint64_t entry):
         """The attributes the front answers for `entry` (a dict of ATTR_FIELDS); None when it
@@ -608,6 +613,14 @@ FRONT_WHY = {FANFS_FRONT_SERVES: "", FANFS_FRONT_WHY_PROTOCOL: "protocol",
              FANFS_FRONT_WHY_BUFFER: "buffer"}
 
 
+cdef void _receiver_released(object capsule) noexcept:
+    """A receiver capsule is gone (pyfuse3 let it go): the front it kept alive may go too."""
+    cdef void *front = PyCapsule_GetContext(capsule)
+    if front != NULL:
+        Py_DECREF(<object>front)
+
+
+@cython.no_gc_clear  # its threads run until __dealloc__ stops them: `meta` must outlive them
 cdef class Front:
     """One wing's front (fanfs/csrc/front.c): its C threads take requests from the FUSE
     device and answer, from `meta` (the node wing's), or, with `writes`, WRITEs written
@@ -687,9 +700,14 @@ cdef class Front:
 
     def receiver(self):
         """The capsule to give pyfuse3.set_receiver: it reads from this front (a process has
-        one pyfuse3 session, and one front bound to it)."""
+        one pyfuse3 session, and one front bound to it). The capsule holds a reference to this
+        front, so that the front outlives pyfuse3's hold of its receiver."""
         fanfs_front_bind(self.f)
-        return PyCapsule_New(<void *>fanfs_front_receive, b"pyfuse3.receiver", NULL)
+        capsule = PyCapsule_New(<void *>fanfs_front_receive, b"pyfuse3.receiver",
+                                _receiver_released)
+        Py_INCREF(self)
+        PyCapsule_SetContext(capsule, <void *>self)
+        return capsule
 
     def take_written(self, int fd):
         """The lowest offset the front wrote to through `fd` since the last call, None if it

@@ -193,8 +193,9 @@ struct fanfs_front {
 
     pthread_mutex_t lock; /* a leaf */
     pthread_cond_t turn;  /* the lead is free */
-    int running;          /* the owner's; set by start before the threads, cleared under `lock`
-                             by stop (the receiver reads it under `lock`) */
+    int running;          /* the owner's; set by start once the threads are made (a plain
+                             store: the receiver, which reads it under `lock`, is installed
+                             only after start returns), cleared under `lock` by stop */
     int led;              /* `lock`: a thread leads (takes requests) */
     int ended;            /* `lock`: the session ended under the threads */
     struct fanfs_fwd *head, *tail; /* `lock`: the forward queue */

@@ -31,14 +31,14 @@
  *   la.lock          (struct lookahead, fast.c)   the ring of recent lookups and its counters.
  *                                                 A leaf.
  *
- * The front's (front.c, writes.c):
+ * Each front's (struct fanfs_front, front.h: one per wing):
  *
- *   front.lock       (front.c)                    the forward queue, `ended`, `draining`, the
+ *   front.lock       (front.c, forward.c)         the forward queue, `ended`, `draining`, the
  *                                                 lead; front.turn: the lead is free. A leaf
  *                                                 (the pool is called with it let go).
- *   follow.lock      (front.c)                    the record of followed entries. A leaf.
- *   the CPU-pressure sampler's lock (front.c, fanfs_cpu_pressed): its last reading; only
- *                                                 ever tried (trylock). A leaf.
+ *   follow.lock      (follow.c)                   the record of followed entries. A leaf.
+ *   cpu.lock         (cpu.c, one per process)     the CPU-pressure sampler's last reading;
+ *                                                 only ever tried (trylock). A leaf.
  *   wb.lock          (writes.c)                   the write queue, spare buffers, `busy`;
  *                                                 wb.cond: a job queued, done, or a buffer
  *                                                 free. A leaf.

@@ -65,7 +65,7 @@ class MountConfig:
     replicas: int = 1
     peer_timeout: float = 5.0
     linger: float = 60.0
-    # FANFS_* (fanfs/switches.py), parsed by the CLI
+    # FANFS_* (fanfs/switches.py), parsed by the CLI; a config made elsewhere has them all on
     switches: Switches = field(default_factory=Switches)
 
 

@@ -19,7 +19,7 @@ joins a fetch under way. A LOOKUP is not always followed by a READ (`ls -l`, `fi
 `du` look files up without reading them): `LookAhead` keeps the last WINDOW remote lookups and
 which of them were read, and fetching at LOOKUP stays on while most are (an exponential average
 of that share of at least ON_SHARE, one step of DECAY per lookup that leaves the window). A
-stat-only walk costs at most about WINDOW + 7 fetches before it stops; fetched bytes wait in
+stat-only walk costs at most about WINDOW + 6 fetches before it stops; fetched bytes wait in
 the bounded cache for their READ.
 
 Concurrency: the trio thread only. Between two awaits the code is atomic with respect to other

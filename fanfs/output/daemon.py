@@ -70,7 +70,7 @@ class OutputConfig:
     drain: float = 60.0  # after a stop signal, land what is left for at most this long
     interval: float = 10.0  # files open for appending land at most this far behind
     max_ops: int = 1 << 20
-    # FANFS_* (fanfs/switches.py), parsed by the CLI
+    # FANFS_* (fanfs/switches.py), parsed by the CLI; a config made elsewhere has them all on
     switches: Switches = field(default_factory=Switches)
 
 
