@@ -84,7 +84,6 @@ class Op:
     attempts: int = 0
     error: str = ""
     busy: bool = False  # being applied: no longer merged into, nor dropped
-    orphaned: bool = False  # its node lost its name while it was applied: goes if that fails
     gone: bool = False  # dropped: left in the deque until it reaches the head (O(1) removal)
 
     # An op changes through these (the journal and the lander call them).
@@ -312,11 +311,7 @@ class Journal:
         return pending[-1] if pending else None
 
     def remove_node(self, node: int) -> list[Op]:
-        """`node` has no name any more: its pending puts that are not being applied go; one
-        being applied is marked, and goes if that attempt fails (lander.py), so a checkpoint
-        replaced while DEST was failing never lands after its successor."""
-        for op in self._puts.get(node, ()):
-            op.orphaned = op.orphaned or op.busy
+        """`node` has no name any more: its pending puts that are not being applied go."""
         gone = [op for op in self._puts.get(node, ()) if not op.busy]
         for op in gone:
             self._forget(op)

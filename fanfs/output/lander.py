@@ -225,11 +225,6 @@ class Lander:
                     )  # fmt: skip
                 except (OSError, LandingError) as e:
                     op.stop()
-                    if op.orphaned and source is self.own:  # replaced meanwhile: it goes
-                        op.failed(str(e))  # (counted: what it left at DEST is cleared)
-                        self.journal.drop(op)
-                        self.on_dropped(op)
-                        return None
                     await self._failed(op, e)
                     continue
                 op.stop()

@@ -227,11 +227,10 @@ class View(Files):
         self.journal.compact(self.journal_files)
 
     def dropped(self, op: Op) -> None:
-        """A put that will not land: a conditional one (it would have replaced what is not
-        ours), or one whose node lost its name while it was failing (its node stays as it is)."""
+        """A conditional put that did not land (it would have replaced what is not ours)."""
         self.tree.release(op.data, op.size)
         n = self.tree.nodes.get(op.node)
-        if n is not None and not op.orphaned:
+        if n is not None:
             if self.journal.last_put(n.ino) is None:
                 n.unlanded(op.keep)
                 self._touched.add(n.ino)
