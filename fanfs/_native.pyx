@@ -123,6 +123,7 @@ cdef extern from "fanfs_native.h" nogil:
         int64_t off
         uint32_t len, crc
         int32_t peers[4]
+        int64_t queued_ns, taken_ns
     int fanfs_pool_fast_owners(const int32_t *owners, uint32_t nparts, int self)
     void fanfs_remote_set_wake(int fd, int max_waiting, int64_t wait_ns)
     int fanfs_remote_take(fanfs_rreq *out, int max)
@@ -130,6 +131,10 @@ cdef extern from "fanfs_native.h" nogil:
     void fanfs_remote_fail(const fanfs_rreq *r)
     int fanfs_remote_pending(const fanfs_rreq *r)
     void fanfs_remote_counters(uint64_t *out)
+    void fanfs_remote_legs(uint64_t *out)
+    enum: FANFS_STAGES
+    enum: FANFS_BUDGET_LEN
+    void fanfs_pool_ahead_budget(uint64_t *out)
     struct fanfs_meta:
         uint64_t n
         const char *mode
@@ -173,6 +178,7 @@ cdef extern from "fanfs_native.h" nogil:
     void fanfs_front_counters(fanfs_front *f, uint64_t *out)
     enum: FANFS_FRONT_SAMPLES
     int fanfs_front_latencies(fanfs_front *f, uint32_t *out, uint32_t *longest)
+    void fanfs_front_budget(fanfs_front *f, uint64_t *out)
     int64_t fanfs_front_take_written(fanfs_front *f, int fd)
     int fanfs_front_take_error(fanfs_front *f, int fd)
     void fanfs_front_hold(fanfs_front *f, int fd, uint64_t below)
@@ -771,6 +777,14 @@ cdef class Front:
         cdef int n = fanfs_front_latencies(self.f, &view[0], &longest)
         return out[:n] / 1e6, longest / 1e6
 
+    def budget(self):
+        """The latency budget of the READs it answered: for this node's files, then for peers',
+        the READs and the nanoseconds of each stage (BUDGET_STAGES of them); then the
+        nanoseconds its leader polled for requests."""
+        cdef uint64_t c[FANFS_BUDGET_LEN]
+        fanfs_front_budget(self.f, c)
+        return tuple(c[i] for i in range(FANFS_BUDGET_LEN))
+
     def counters(self):
         """Requests the front answered (lookups, getattrs, reads, others) and forwarded, and
         how often its leader slept."""
@@ -778,6 +792,23 @@ cdef class Front:
         fanfs_front_counters(self.f, c)
         return {"lookups": c[0], "getattrs": c[1], "reads": c[2], "others": c[3],
                 "forwarded": c[4], "waits": c[5]}
+
+
+# The stages of a READ's latency budget (FANFS_STAGE_*; fanfs/status.py names them in order).
+BUDGET_STAGES = FANFS_STAGES
+
+
+def pool_budget():
+    """The latency budget of the reads the pool began at LOOKUP (Front.budget's layout: READs
+    and nanoseconds per stage, twice, then 0), and the legs of the peers' pieces the MPI thread
+    fetched for the front: fills, then the nanoseconds queued (until the MPI thread took them),
+    away (the request out, the owner, the reply in), and filling (check, decode, the READ
+    woken)."""
+    cdef uint64_t c[FANFS_BUDGET_LEN]
+    cdef uint64_t legs[4]
+    fanfs_pool_ahead_budget(c)
+    fanfs_remote_legs(legs)
+    return tuple(c[i] for i in range(FANFS_BUDGET_LEN)), tuple(legs[i] for i in range(4))
 
 
 def front_stats(Front front=None):
@@ -823,7 +854,8 @@ def remote_set_wake(int fd, int max_waiting=0, double wait_s=0):
 
 cdef tuple _rreq_tuple(fanfs_rreq *r):
     return (r.slot, r.ahead, r.entry, r.part, r.off, r.len, r.crc,
-            tuple(r.peers[k] for k in range(FANFS_MAX_OWNERS) if r.peers[k] >= 0))
+            tuple(r.peers[k] for k in range(FANFS_MAX_OWNERS) if r.peers[k] >= 0),
+            r.queued_ns, r.taken_ns)
 
 
 cdef int _rreq_from(tuple t, fanfs_rreq *r) except -1:
@@ -831,6 +863,7 @@ cdef int _rreq_from(tuple t, fanfs_rreq *r) except -1:
     r.slot, r.ahead, r.entry, r.part, r.off, r.len, r.crc = t[:7]
     for k in range(FANFS_MAX_OWNERS):
         r.peers[k] = t[7][k] if k < len(t[7]) else -1
+    r.queued_ns, r.taken_ns = t[8:10] if len(t) >= 10 else (0, 0)
     return 0
 
 

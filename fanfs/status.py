@@ -11,7 +11,7 @@ trust.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from fanfs.progress import human_bytes
@@ -179,6 +179,10 @@ class Status:
     peers: PeerStatus | None  # None: a single daemon, nothing is remote
     plan: PlanStatus
     plan_socket: str  # where fanfs.plan reaches the daemon ("" until it listens)
+    # The latency budget (docs/performance.md): READs the front answered ("local_n",
+    # "remote_n") and the nanoseconds of each stage ("local_disk_ns", ...), the reads at LOOKUP
+    # ("ahead_..."), the legs of peers' pieces ("fetch_..."), the owner's side ("owner_...").
+    budget: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -245,6 +249,33 @@ def _latencies(s: Status) -> str:
                      for name, ms, _ in sources(s))  # fmt: skip
 
 
+# The stages of the latency budget (fanfs_native.h's FANFS_STAGE_*, in its order: `lib.STAGES`,
+# which tests/unit checks against this), and the legs of peers' pieces on both daemons.
+STAGES = ("lead", "job", "cache", "disk", "check", "decode", "peer", "reply", "push", "end")
+LEGS = {"fetch": ("queued", "away", "fill"), "owner": ("queue", "read", "post")}
+
+
+def _budget(b: dict[str, int]) -> str:
+    """The latency budget in one line: each kind's mean stages in microseconds."""
+    parts = []
+    for kind, name in (("local", "a local READ"), ("remote", "a peer's READ"),
+                       ("ahead", "a read at lookup")):  # fmt: skip
+        n = b.get(f"{kind}_n", 0)
+        if n:
+            us = {st: b.get(f"{kind}_{st}_ns", 0) / n / 1e3 for st in STAGES}
+            parts.append(f"{name} {sum(us.values()):.0f} us (" + ", ".join(
+                f"{st} {v:.0f}" for st, v in us.items() if v >= 0.5) + ")")  # fmt: skip
+    for kind, legs in LEGS.items():
+        n = b.get(f"{kind}_n", 0)
+        if n:
+            what = "fetches" if kind == "fetch" else "answers to peers"
+            means = (f"{leg} {b.get(f'{kind}_{leg}_ns', 0) / n / 1e3:.0f}" for leg in legs)
+            parts.append(f"{what} ({', '.join(means)} us)")
+    if b.get("spin_ns"):
+        parts.append(f"the leader polled {b['spin_ns'] / 1e9:.2f} s")
+    return "; ".join(parts)
+
+
 def render(s: Status) -> str:
     """The human view of `fanfs status`."""
     st, rd, p = s.store, s.reader, s.peers
@@ -302,6 +333,8 @@ def render(s: Status) -> str:
             f"({rd.hedges_won} won); {rd.fallbacks} image fallbacks, {p.peer_timeouts} peer "
             f"timeouts, dead peers {p.dead_peers}"
         )
+    if budget := _budget(s.budget):
+        lines.append("budget:   " + budget)
     pl = s.plan
     if pl.shares:
         lines.append(

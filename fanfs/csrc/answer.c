@@ -78,8 +78,11 @@ static int read_(struct fanfs_front *f, const struct fuse_in_header *in,
                  const struct fuse_read_in *r) {
     int64_t began = fanfs_now_ns();
     if (fanfs_pool_fast_answer(f->fd, in->unique, in->nodeid, (int64_t)r->offset, r->size) !=
-        0)
+        0) {
+        fanfs_budget_end(&f->budget, 0);
         return -1;
+    }
+    fanfs_budget_end(&f->budget, 1);
     fanfs_latency_add(&f->lat, began);
     fanfs_front_count(f, FANFS_FRONT_READS);
     if (r->offset == 0)

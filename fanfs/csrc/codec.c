@@ -233,6 +233,8 @@ void fanfs_tbuf_settle(struct fanfs_tbuf *b) {
 
 uint64_t fanfs_tls_kept(void) { return __atomic_load_n(&codec.tls_kept, __ATOMIC_RELAXED); }
 
+struct fanfs_marks *fanfs_marks(void) { return tls != NULL && tls->marks.on ? &tls->marks : NULL; }
+
 /* The scratch for `len` filtered bytes (the thread's, grown to it), or NULL (ENOMEM). */
 static char *scratch_get(struct fanfs_tls *t, uint64_t len) {
     uint32_t cap;

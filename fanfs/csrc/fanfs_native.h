@@ -24,7 +24,7 @@
 #include <stdint.h>
 #include <sys/uio.h>
 
-#define FANFS_NATIVE_API 12
+#define FANFS_NATIVE_API 13
 
 /* What a piece's stored bytes are (fanfs/node/pool.py names the same numbers). */
 enum {
@@ -138,13 +138,54 @@ struct fanfs_tbuf {
     uint32_t cap;
     uint32_t counted; /* bytes of it counted as kept (fanfs_tbuf_settle) */
 };
+/* The latency budget of a READ the front answers (follow.c, docs/performance.md): the time
+ * from taking the request to the reply, cut at these marks, each stage the time since the one
+ * before. A stage may be marked more than once (a job of several pieces). */
+enum {
+    FANFS_STAGE_LEAD,   /* the request taken; the lead handed to another thread */
+    FANFS_STAGE_JOB,    /* the job built from the catalog's columns */
+    FANFS_STAGE_CACHE,  /* the piece found or reserved in the cache (or waited for: read at LOOKUP) */
+    FANFS_STAGE_DISK,   /* the stored bytes read (cachestat, pread: O_DIRECT or the page cache) */
+    FANFS_STAGE_CHECK,  /* their CRC-32 checked */
+    FANFS_STAGE_DECODE, /* decoded (compressed pieces) */
+    FANFS_STAGE_PEER,   /* a peer's piece fetched by the MPI thread, this thread woken */
+    FANFS_STAGE_REPLY,  /* the reply written to the FUSE device (the kernel's copy, the wake) */
+    FANFS_STAGE_PUSH,   /* the rest of the file queued for the pusher */
+    FANFS_STAGE_END,    /* pieces let go, counted: the READ done */
+    FANFS_STAGES
+};
+struct fanfs_marks {
+    int on;                      /* this thread traces a READ */
+    int remote;                  /* ... of a peer's piece */
+    int64_t last;                /* CLOCK_MONOTONIC ns of the last mark */
+    int64_t ns[FANFS_STAGES];    /* per stage, this READ */
+};
+/* A budget's sums (follow.c): 0 local, 1 a peer's piece. A thread begins tracing a READ at the
+ * time it took it and ends it once answered (added if `answered`). */
+#define FANFS_BUDGET_LEN (2 * (1 + FANFS_STAGES) + 1)
+struct fanfs_budget {
+    uint64_t n[2];                /* atomic */
+    uint64_t ns[2][FANFS_STAGES]; /* atomic */
+    uint64_t spin_ns;             /* atomic: the front's leader's polling */
+};
+void fanfs_budget_begin(int64_t taken_ns);
+void fanfs_budget_end(struct fanfs_budget *b, int answered);
+/* n[0], ns[0][...], n[1], ns[1][...], spin_ns. */
+void fanfs_budget_take(const struct fanfs_budget *b, uint64_t out[FANFS_BUDGET_LEN]);
 struct fanfs_tls {
     struct fanfs_tbuf stored, out; /* the pool's: stored bytes read for a decode, a decoded file */
     struct fanfs_tbuf scratch;     /* codec.c's: the filtered bytes between zstd and a filter */
     void *dctx;                    /* codec.c's: zstd's decompression context */
+    struct fanfs_marks marks;      /* the front's READ being traced (follow.c) */
 };
 /* The calling thread's buffers, or NULL (ENOMEM). */
 struct fanfs_tls *fanfs_tls(void);
+/* The calling thread's marks while it traces a READ, else NULL (never allocates). */
+struct fanfs_marks *fanfs_marks(void);
+/* The time since the calling thread's last mark goes to `stage` (nothing unless it traces). */
+void fanfs_mark(int stage);
+/* CLOCK_MONOTONIC in nanoseconds (the clock of every stamp, and of Python's monotonic_ns). */
+int64_t fanfs_now_ns(void);
 /* After a call used `b`: keep it for the next, or free it when it is larger than one thread
  * may keep or all threads keep too much already. */
 void fanfs_tbuf_settle(struct fanfs_tbuf *b);
@@ -257,6 +298,7 @@ struct fanfs_rreq {
     int64_t off;
     uint32_t len, crc;
     int32_t peers[FANFS_MAX_OWNERS];
+    int64_t queued_ns, taken_ns; /* when the front queued it, when the MPI thread took it */
 };
 /* The MPI thread's eventfd, written when a request is queued (-1: the remote path is off, and
  * what is queued or pending is given up). At most `max_waiting` READs wait for peers' pieces
@@ -275,6 +317,12 @@ void fanfs_remote_fail(const struct fanfs_rreq *r);
 int fanfs_remote_pending(const struct fanfs_rreq *r);
 /* Pieces fetched, given up, and reserved at LOOKUP. */
 void fanfs_remote_counters(uint64_t out[3]);
+/* The legs of the fetches filled (the requester's side of the latency budget): fills, then
+ * the nanoseconds from queued to taken by the MPI thread, from taken to the bytes handed back
+ * (the request out, the owner, the reply in, Python), and of the fills (check, decode, wake). */
+void fanfs_remote_legs(uint64_t out[4]);
+/* The reads the pool began at LOOKUP (fast.c), traced as the front's READs are (as local). */
+void fanfs_pool_ahead_budget(uint64_t out[FANFS_BUDGET_LEN]);
 
 /* Run a job in the calling thread with the same code as the pool, the reply copied to `out`
  * (`count` bytes); 0 or an errno. For Python callers and unit tests. */
@@ -381,6 +429,10 @@ void fanfs_front_counters(struct fanfs_front *f, uint64_t out[FANFS_FRONT_COUNTS
 #define FANFS_FRONT_SAMPLES 4096
 int fanfs_front_latencies(struct fanfs_front *f, uint32_t out[FANFS_FRONT_SAMPLES],
                           uint32_t *longest);
+/* The front's latency budget (follow.c): for the READs it answered from this node's disk,
+ * then for those of peers' pieces, how many and the nanoseconds spent in each FANFS_STAGE_*
+ * (1 + FANFS_STAGES each); then the nanoseconds the leader polled for requests (spinning). */
+void fanfs_front_budget(struct fanfs_front *f, uint64_t out[FANFS_BUDGET_LEN]);
 
 /* Planned epochs: while `efd` >= 0 (an eventfd; -1 stops it), the front records the entries
  * of the regular files it looks up and of those it READs from offset 0 (FANFS_FOLLOW_READ

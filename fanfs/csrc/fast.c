@@ -295,6 +295,10 @@ void fanfs_pool_looked_up(uint64_t ino) {
     __atomic_sub_fetch(&P->answering, 1, __ATOMIC_SEQ_CST);
 }
 
+void fanfs_pool_ahead_budget(uint64_t out[FANFS_BUDGET_LEN]) {
+    fanfs_budget_take(&pool_live()->ahead, out);
+}
+
 void fanfs_lookahead_counters(uint64_t out[3]) {
     struct lookahead *la = &pool_live()->la;
     pthread_mutex_lock(&la->lock);
@@ -316,6 +320,7 @@ int fanfs_pool_fast_answer(int fd, uint64_t unique, uint64_t ino, int64_t off, u
         __atomic_sub_fetch(&P->answering, 1, __ATOMIC_SEQ_CST);
         return -1;
     }
+    fanfs_mark(FANFS_STAGE_JOB);
     err = job_answer(P, NULL, &t, &j);
     job_buffers_trim();
     __atomic_sub_fetch(&P->answering, 1, __ATOMIC_SEQ_CST);

@@ -11,9 +11,15 @@
  * Latencies: a ring of the last FANFS_FRONT_SAMPLES READs' times, written by any front thread
  * with atomics alone (a sample may be overwritten while read: `fanfs status` takes
  * percentiles, one stale sample does not move them).
+ *
+ * Budget: the thread that took a READ marks the end of each stage of its answer in its own
+ * fanfs_marks (fanfs_native.h; no lock, no atomic, a clock read per mark, about 30 ns), and adds
+ * the READ's stages to its front's sums once answered (atomics). A thread not tracing a READ
+ * (the pool's, Python's) finds its marks off and reads no clock.
  */
 #define _GNU_SOURCE
 #include <stdint.h>
+#include <string.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -96,4 +102,51 @@ int fanfs_latency_take(const struct fanfs_latencies *lat, uint32_t out[FANFS_FRO
         out[i] = __atomic_load_n(&lat->us[i], __ATOMIC_RELAXED);
     *longest = __atomic_load_n(&lat->longest, __ATOMIC_RELAXED);
     return (int)n;
+}
+
+/* -- the latency budget ------------------------------------------------------------------- */
+
+void fanfs_mark(int stage) {
+    struct fanfs_marks *m = fanfs_marks();
+    int64_t now;
+    if (m == NULL)
+        return;
+    now = fanfs_now_ns();
+    m->ns[stage] += now - m->last;
+    m->last = now;
+}
+
+void fanfs_budget_begin(int64_t taken_ns) {
+    struct fanfs_tls *t = fanfs_tls();
+    if (t == NULL)
+        return; /* (no buffers either: the READ fails or goes to Python) */
+    memset(&t->marks, 0, sizeof t->marks);
+    t->marks.on = 1;
+    t->marks.last = taken_ns;
+}
+
+void fanfs_budget_end(struct fanfs_budget *b, int answered) {
+    struct fanfs_marks *m = fanfs_marks();
+    int k, remote;
+    if (m == NULL)
+        return;
+    fanfs_mark(FANFS_STAGE_END);
+    m->on = 0;
+    if (!answered)
+        return;
+    remote = m->remote;
+    __atomic_add_fetch(&b->n[remote], 1, __ATOMIC_RELAXED);
+    for (k = 0; k < FANFS_STAGES; k++)
+        if (m->ns[k] > 0)
+            __atomic_add_fetch(&b->ns[remote][k], (uint64_t)m->ns[k], __ATOMIC_RELAXED);
+}
+
+void fanfs_budget_take(const struct fanfs_budget *b, uint64_t out[FANFS_BUDGET_LEN]) {
+    int r, k;
+    for (r = 0; r < 2; r++) {
+        out[r * (1 + FANFS_STAGES)] = __atomic_load_n(&b->n[r], __ATOMIC_RELAXED);
+        for (k = 0; k < FANFS_STAGES; k++)
+            out[r * (1 + FANFS_STAGES) + 1 + k] = __atomic_load_n(&b->ns[r][k], __ATOMIC_RELAXED);
+    }
+    out[2 * (1 + FANFS_STAGES)] = __atomic_load_n(&b->spin_ns, __ATOMIC_RELAXED);
 }

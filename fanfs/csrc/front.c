@@ -42,12 +42,21 @@
 
 #include "front.h"
 
+/* The leader's polling since *spun (if it polled) goes to the budget. */
+static void spun_for(struct fanfs_front *f, int64_t *spun) {
+    if (*spun != 0)
+        __atomic_add_fetch(&f->budget.spin_ns, (uint64_t)(fanfs_now_ns() - *spun),
+                           __ATOMIC_RELAXED);
+    *spun = 0;
+}
+
 /* As the leader: the next request into `buf` (f->bufsize), 0 to stop, -1 once the session has
  * ended (unmounted, or the kernel refused the buffer: the wire's `why` says so). */
 static ssize_t take(struct fanfs_front *f, char *buf) {
     struct epoll_event ev[2];
     int64_t until = f->last_ns + f->spin_ns;
     int spin = f->spin_ns > 0 && !fanfs_cpu_pressed();
+    int64_t spun = 0; /* when this call began polling (0: it has not) */
     for (;;) {
         ssize_t n;
         int i, got;
@@ -59,6 +68,7 @@ static ssize_t take(struct fanfs_front *f, char *buf) {
         n = read(f->fd, buf, f->bufsize);
         if (n > 0) {
             f->last_ns = fanfs_now_ns();
+            spun_for(f, &spun);
             return n;
         }
         if (n < 0 && (errno == EINTR || errno == ENOENT))
@@ -69,10 +79,15 @@ static ssize_t take(struct fanfs_front *f, char *buf) {
             return -1; /* ENODEV: unmounted */
         if (__atomic_load_n(&f->stopping, __ATOMIC_ACQUIRE))
             return 0;
-        if (spin && fanfs_now_ns() < until) {
-            sched_yield();
-            continue;
+        if (spin) {
+            int64_t now = fanfs_now_ns();
+            if (now < until) {
+                spun = spun ? spun : now;
+                sched_yield();
+                continue;
+            }
         }
+        spun_for(f, &spun);
         got = epoll_wait(f->ep, ev, 2, -1);
         for (i = 0; i < got; i++)
             if (ev[i].data.fd == f->stopfd)
@@ -119,12 +134,15 @@ static void *front_main(void *arg) {
             break;
         }
         if ((size_t)n >= sizeof *in && in->opcode == FUSE_READ) {
+            fanfs_budget_begin(f->last_ns);
             pthread_mutex_lock(&f->lock); /* a READ may wait for the disk: lead on, someone */
             hand_lead_locked(f, 0);
             pthread_mutex_unlock(&f->lock);
             leading = 0;
+            fanfs_mark(FANFS_STAGE_LEAD);
         }
         fanfs_front_handle(f, &buf, n);
+        fanfs_budget_end(&f->budget, 0); /* (a READ forwarded: its trace is dropped) */
     }
     free(buf);
     return NULL;
@@ -329,6 +347,10 @@ void fanfs_front_counters(struct fanfs_front *f, uint64_t out[FANFS_FRONT_COUNTS
 int fanfs_front_latencies(struct fanfs_front *f, uint32_t out[FANFS_FRONT_SAMPLES],
                           uint32_t *longest) {
     return fanfs_latency_take(&f->lat, out, longest);
+}
+
+void fanfs_front_budget(struct fanfs_front *f, uint64_t out[FANFS_BUDGET_LEN]) {
+    fanfs_budget_take(&f->budget, out);
 }
 
 void fanfs_front_follow(struct fanfs_front *f, int efd) { fanfs_follow_set(&f->follow, efd); }

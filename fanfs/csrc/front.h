@@ -10,7 +10,7 @@
  *   forward.c  the forward queue to pyfuse3's session loop: its receiver, the drain.
  *   front.c    the threads: start, the leader and its followers, the stop; counters.
  *   follow.c   what a planned epoch follows (struct fanfs_follow), the READs' latencies
- *              (struct fanfs_latencies).
+ *              (struct fanfs_latencies) and their budget (struct fanfs_budget).
  *   writes.c   writes behind, for the output wing (struct fanfs_writes).
  *   cpu.c      the kernel's CPU pressure, sampled.
  * Imports go one way: front -> answer, forward -> meta, wire, follow, writes, the pool; the
@@ -112,7 +112,6 @@ struct fanfs_latencies {
     uint64_t n;                       /* atomic: samples taken */
     uint32_t longest;                 /* atomic */
 };
-int64_t fanfs_now_ns(void);
 void fanfs_latency_add(struct fanfs_latencies *lat, int64_t began_ns);
 int fanfs_latency_take(const struct fanfs_latencies *lat, uint32_t out[FANFS_FRONT_SAMPLES],
                        uint32_t *longest);
@@ -207,6 +206,7 @@ struct fanfs_front {
     uint64_t counts[FANFS_FRONT_COUNTS]; /* atomic */
     uint64_t waits;       /* atomic: times the leader slept in epoll (not caught by the poll) */
     struct fanfs_latencies lat;
+    struct fanfs_budget budget;
     struct fanfs_follow follow;
     struct fanfs_writes wb; /* writes mode's */
 };

@@ -67,7 +67,9 @@ static int load_piece(struct pieces *c, const struct fanfs_job *j, const struct 
     if (*buf == NULL)
         return ENOMEM;
     *data = *buf;
-    return fanfs_decode(dicts, p, (const unsigned char *)at, (unsigned char *)*buf);
+    err = fanfs_decode(dicts, p, (const unsigned char *)at, (unsigned char *)*buf);
+    fanfs_mark(FANFS_STAGE_DECODE);
+    return err;
 }
 
 /* A piece asked for whole and not cached: read and decoded into the thread's own buffers
@@ -103,7 +105,9 @@ static int piece_alone(struct pieces *c, const struct fanfs_job *j, const struct
             return ENOMEM;
         g->data = g->own;
     }
-    return fanfs_decode(dicts, p, (const unsigned char *)at, (unsigned char *)g->data);
+    err = fanfs_decode(dicts, p, (const unsigned char *)at, (unsigned char *)g->data);
+    fanfs_mark(FANFS_STAGE_DECODE);
+    return err;
 }
 
 /* Piece k of job j: 0 with *g filled, an errno, or WAITING when `qj` (a READ of the pool) was
@@ -130,6 +134,7 @@ static int piece_get(struct pool *P, struct qjob *qj, const struct fanfs_job *j,
         i = pieces_reserve_locked(c, j->fd, p, 1, 0, 0); /* -1: no room, read alone */
     }
     pthread_mutex_unlock(&c->lock);
+    fanfs_mark(FANFS_STAGE_CACHE);
     if (got == PIECES_HUNG)
         return WAITING;
     if (got == PIECES_HIT) {
@@ -259,8 +264,11 @@ int job_answer(struct pool *P, struct qjob *qj, const struct target *t,
     }
     if (err == 0) {
         reply_iov(t, iov, niov);
-        if ((j->flags & FANFS_JOB_PUSH) && j->ino != 0)
+        fanfs_mark(FANFS_STAGE_REPLY);
+        if ((j->flags & FANFS_JOB_PUSH) && j->ino != 0) {
             push_rest(P, t, j, got, held);
+            fanfs_mark(FANFS_STAGE_PUSH);
+        }
     }
     for (k = 0; k < j->npieces; k++)
         if (held[k])
@@ -283,6 +291,8 @@ static void run_ahead(struct pool *P, struct qjob *qj) {
         free(qj); /* its READ came first and read it */
         return;
     }
+    if (qj->lookahead)
+        fanfs_budget_begin(fanfs_now_ns());
     dicts = pool_dicts_hold(&P->work);
     for (k = 0; k < j->npieces; k++) {
         const struct fanfs_piece *p = &j->pieces[k];
@@ -295,6 +305,7 @@ static void run_ahead(struct pool *P, struct qjob *qj) {
             slot = pieces_reserve_locked(c, j->fd, p, 1,
                                          !(j->flags & FANFS_JOB_PUSH) || j->ino == 0, 0);
         pthread_mutex_unlock(&c->lock);
+        fanfs_mark(FANFS_STAGE_CACHE);
         if (slot >= 0) {
             if (load_piece(c, j, p, dicts, &buf, &cap, &data) != 0) {
                 if (buf != NULL)
@@ -305,11 +316,13 @@ static void run_ahead(struct pool *P, struct qjob *qj) {
                 if ((j->flags & FANFS_JOB_PUSH) && j->ino != 0)
                     push_queue(P, &qj->t, j->ino, slot, pos, 0, p->size);
                 pieces_release(c, slot);
+                fanfs_mark(FANFS_STAGE_PUSH);
             }
         }
         pos += p->size;
     }
     fanfs_dicts_free(dicts);
+    fanfs_budget_end(&P->ahead, 1);
     free(qj);
 }
 

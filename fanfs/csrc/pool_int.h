@@ -118,6 +118,7 @@ struct remote {
     int max_waiting;             /* atomic: READs that may wait for peers' pieces at once */
     int64_t wait_ns;             /* atomic: how long one may wait (0: no limit) */
     uint64_t fetched, failed, looked_up; /* atomic */
+    uint64_t legs[4];                    /* atomic: fanfs_remote_legs */
 };
 
 /* -- fast.c: READs answered with no Python, and reads at LOOKUP ---------------------------- */
@@ -154,6 +155,7 @@ struct pool {
      * pool's stop waits for none before it frees the cache they may hold pieces of. */
     int answering;
     struct fuse_session *last_session; /* atomic: read-aheads push through the READs' session */
+    struct fanfs_budget ahead;         /* the reads at LOOKUP, traced (n[0], ns[0]) */
 };
 
 /* The live pool: the handle every fanfs_native.h function resolves (they take none, so that

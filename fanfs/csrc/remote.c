@@ -52,6 +52,8 @@ static int rq_push_locked(struct pool *P, int i, const struct fanfs_job *j,
     r->len = p->len;
     r->crc = p->crc;
     r->ahead = ahead;
+    r->queued_ns = fanfs_now_ns();
+    r->taken_ns = 0;
     for (k = 0; k < FANFS_MAX_OWNERS; k++)
         r->peers[k] = f->owners[part * FANFS_MAX_OWNERS + k];
     rq->n++;
@@ -101,7 +103,11 @@ int remote_piece(struct pool *P, const struct fanfs_job *j, const struct fanfs_p
         how.limit = __atomic_load_n(&P->remote.max_waiting, __ATOMIC_RELAXED);
         got = pieces_get_locked(c, j->fd, p, &how, &i, &unpushed);
         if (got == PIECES_HIT) {
+            struct fanfs_marks *m = fanfs_marks();
             pthread_mutex_unlock(&c->lock);
+            if (m != NULL)
+                m->remote = 1;
+            fanfs_mark(FANFS_STAGE_PEER);
             g->fresh = unpushed;
             g->slot = i;
             g->data = c->slot[i].data;
@@ -160,15 +166,28 @@ void fanfs_remote_set_wake(int fd, int max_waiting, int64_t wait_ns) {
 int fanfs_remote_take(struct fanfs_rreq *out, int max) {
     struct remote *rq = &pool_live()->remote;
     int n = 0;
+    int64_t now = fanfs_now_ns();
     pthread_mutex_lock(&rq->lock);
     while (n < max && rq->n > 0) {
         out[n] = rq->q[rq->first];
+        out[n].taken_ns = now;
         rq->first = (rq->first + 1) % RQ_MAX;
         rq->n--;
         n++;
     }
     pthread_mutex_unlock(&rq->lock);
     return n;
+}
+
+/* A fill's legs (fanfs_remote_legs); a request made by hand (the tests') has no stamps. */
+static void legs_add(struct remote *rq, const struct fanfs_rreq *r, int64_t began) {
+    int64_t now = fanfs_now_ns();
+    if (r->queued_ns <= 0 || r->taken_ns < r->queued_ns || began < r->taken_ns)
+        return;
+    __atomic_add_fetch(&rq->legs[0], 1, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&rq->legs[1], (uint64_t)(r->taken_ns - r->queued_ns), __ATOMIC_RELAXED);
+    __atomic_add_fetch(&rq->legs[2], (uint64_t)(began - r->taken_ns), __ATOMIC_RELAXED);
+    __atomic_add_fetch(&rq->legs[3], (uint64_t)(now - began), __ATOMIC_RELAXED);
 }
 
 /* Whether slot r->slot still waits for r's piece (cache lock held). */
@@ -189,6 +208,7 @@ int fanfs_remote_fill(const struct fanfs_rreq *r, const char *stored, uint32_t l
     char *buf;
     uint32_t cap = 0;
     int err;
+    int64_t began = fanfs_now_ns();
     pthread_mutex_lock(&c->lock);
     err = rq_pending_locked(c, r) ? 0 : ESTALE;
     if (err == 0) {
@@ -231,6 +251,7 @@ int fanfs_remote_fill(const struct fanfs_rreq *r, const char *stored, uint32_t l
     pthread_mutex_unlock(&c->lock);
     pool_requeue(&P->work, w);
     __atomic_add_fetch(&P->remote.fetched, 1, __ATOMIC_RELAXED);
+    legs_add(&P->remote, r, began);
     return 0;
 }
 
@@ -261,4 +282,11 @@ void fanfs_remote_counters(uint64_t out[3]) {
     out[0] = __atomic_load_n(&rq->fetched, __ATOMIC_RELAXED);
     out[1] = __atomic_load_n(&rq->failed, __ATOMIC_RELAXED);
     out[2] = __atomic_load_n(&rq->looked_up, __ATOMIC_RELAXED);
+}
+
+void fanfs_remote_legs(uint64_t out[4]) {
+    struct remote *rq = &pool_live()->remote;
+    int k;
+    for (k = 0; k < 4; k++)
+        out[k] = __atomic_load_n(&rq->legs[k], __ATOMIC_RELAXED);
 }

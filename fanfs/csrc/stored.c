@@ -112,6 +112,7 @@ int fanfs_read_stored(int fd, int dfd, const struct fanfs_piece *p, char **buf, 
         if (err != 0)
             return err;
         err = pread_all(dfd, *buf, span, start, &got);
+        fanfs_mark(FANFS_STAGE_DISK);
         if (err == 0) {
             if (got < (uint64_t)(p->off - start) + p->len)
                 return EIO; /* the partition ends early */
@@ -131,13 +132,14 @@ int fanfs_read_stored(int fd, int dfd, const struct fanfs_piece *p, char **buf, 
     if (err != 0)
         return err;
     err = pread_all(fd, *buf, p->len, p->off, &got);
+    fanfs_mark(FANFS_STAGE_DISK);
     if (err != 0)
         return err;
     if (got < p->len)
         return EIO;
     *at = *buf;
 check:
-    if (fanfs_crc32(0, *at, p->len) != p->crc)
-        return FANFS_EBADCRC;
-    return 0;
+    err = fanfs_crc32(0, *at, p->len) != p->crc ? FANFS_EBADCRC : 0;
+    fanfs_mark(FANFS_STAGE_CHECK);
+    return err;
 }

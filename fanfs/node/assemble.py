@@ -193,4 +193,8 @@ def report(node: Node, *, image: str, mountpoint: str, rank: int, size: int, rep
             r.prefetched, r.pushed, r.prefetched_bytes, r.failed, r.followed, pool_lost
         ),
         plan_socket=plan_socket,
+        budget={
+            **node.pool.budget(),
+            **(node.transport.budget() if node.transport is not None else {}),
+        },
     )

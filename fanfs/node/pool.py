@@ -29,7 +29,7 @@ import errno
 import logging
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -54,7 +54,7 @@ from fanfs.node.jobs import (  # noqa: F401 (JOB_FIELDS, KIND_*: the tests read 
     job,
     piece_kind,
 )
-from fanfs.status import NO_FRONT, FrontStatus
+from fanfs.status import LEGS, NO_FRONT, STAGES, FrontStatus
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +152,12 @@ class Front:
                            **lib.remote_stats(), read_ms=percentiles_ms(*latencies),
                            protocol=protocol,
                            off=self.off or why)  # fmt: skip
+
+
+def _stages(kind: str, sums: Sequence[int]) -> dict[str, int]:
+    """A kind's READs ("<kind>_n") and nanoseconds per stage ("<kind>_<stage>_ns") from the C's
+    sums (the READs, then each stage's)."""
+    return {f"{kind}_n": sums[0], **{f"{kind}_{st}_ns": sums[1 + i] for i, st in enumerate(STAGES)}}
 
 
 class NativePool:
@@ -327,6 +333,23 @@ class NativePool:
     def stats(self) -> dict[str, int]:
         """The pool's counters (lib.pool_stats) and how its pieces were read (lib.read_stats)."""
         return {**lib.pool_stats(), **lib.read_stats(), "fast": lib.pool_fast_count()}
+
+    def budget(self) -> dict[str, int]:
+        """The latency budget (Status.budget) of the READs the front answered, the reads at
+        LOOKUP and the fetches of peers' pieces (lib.Front.budget, lib.pool_budget); empty while
+        the pool is off."""
+        if not self.running:
+            return {}
+        ahead, legs = lib.pool_budget()
+        out = dict(zip(("fetch_n", *(f"fetch_{leg}_ns" for leg in LEGS["fetch"])), legs,
+                       strict=True))  # fmt: skip
+        out.update(_stages("ahead", ahead))
+        native = self.front.native if self.front is not None else None
+        if native is not None:
+            sums = native.budget()
+            out.update(_stages("local", sums), **_stages("remote", sums[len(STAGES) + 1 :]))
+            out["spin_ns"] = sums[-1]
+        return out
 
     def front_status(self) -> FrontStatus:
         if self.front is not None:

@@ -3,7 +3,8 @@
 Through a real mount: lookups, attributes, reads of staged files and terminal checks are
 answered with no request reaching Python (the daemon's status counts what the front answered
 and what it forwarded), every byte is the source's, files looked up are read ahead into the
-pool's cache and their READs find them, a stat walk stops the reads ahead, the leader polls
+pool's cache and their READs find them, every READ's time is in the latency budget stage by
+stage, a stat walk stops the reads ahead, the leader polls
 for the next request only while a core is free, and with the front off (FANFS_FRONT=0)
 pyfuse3's loop answers everything.
 """
@@ -24,6 +25,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import Mount, mounted, prepare
+
+from fanfs.status import STAGES
 
 N_FILES = 120
 
@@ -89,6 +92,33 @@ def test_lookups_attributes_and_reads_never_reach_python(tree: tuple[Path, Path]
                 assert (m.mountpoint / f.relative_to(src)).stat().st_size == f.stat().st_size
 
         assert forwarded_by(m, stat_again) == 0
+
+
+def test_the_latency_budget_names_every_reads_time(tree: tuple[Path, Path],
+                                                   tmp_path: Path) -> None:  # fmt: skip
+    """Every READ the front answered is in its latency budget (`fanfs status`'s "budget"),
+    cut into its stages: the hand-off of the lead, the job, the cache, the disk (or the wait for
+    the read begun at LOOKUP), the check, the reply; the reads at LOOKUP have their own; the
+    stages add up to no more than the READs' own times."""
+    src, image = tree
+    with mounted(image, tmp_path / "mnt", tmp_path / "local") as m:
+        m.wait_staged()
+        read_all(src, m.mountpoint)
+        st = m.status()
+        front, b = st["front"], st["budget"]
+        assert b["local_n"] == front["reads"] >= N_FILES - 3, (b, front)
+        assert b["remote_n"] == 0 and b["remote_peer_ns"] == 0, b
+        for stage in ("lead", "job", "cache", "reply", "end"):
+            assert b[f"local_{stage}_ns"] > 0, (stage, b)
+        # A file's bytes came from the disk in the READ, or in the read at its LOOKUP.
+        assert b["local_disk_ns"] + b["ahead_disk_ns"] > 0, b
+        assert b["local_check_ns"] + b["ahead_check_ns"] > 0, b
+        assert b["ahead_n"] >= front["lookahead_started"] // 2 and b["ahead_disk_ns"] > 0, b
+        assert b["local_peer_ns"] == b["local_decode_ns"] == 0, b  # raw files, all local
+        # From the job on, a READ's stages are its time from taking it to the reply and after:
+        # their mean is at most the longest READ the front timed.
+        answering = sum(b[f"local_{s}_ns"] for s in STAGES if s != "lead") / b["local_n"]
+        assert 0 < answering <= front["read_ms_max"] * 1e6 + 1e5, (answering, front)
 
 
 def test_a_terminal_check_is_answered_by_the_front(tree: tuple[Path, Path],

@@ -26,7 +26,7 @@ from conftest import prepare
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fanfs import native
+from fanfs import native, status
 from fanfs.image import catalog as cat
 from fanfs.image import codec, filters
 from fanfs.native import lib
@@ -40,6 +40,7 @@ def test_the_contract_is_one_version_and_one_set_of_ids() -> None:
     assert lib.API_VERSION == native.API_VERSION
     assert {name: fid for fid, name in filters.NAMES.items()} == lib.FILTERS
     assert lib.MAX_PIECES == jobs.MAX_PIECES and lib.DECODES
+    assert len(status.STAGES) == lib.BUDGET_STAGES  # the latency budget's stages, named once
 
 
 @settings(max_examples=200, deadline=None)

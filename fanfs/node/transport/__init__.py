@@ -211,6 +211,11 @@ class PeerTransport:
             self._hedge_s = max(HEDGE_MIN_S, HEDGE_P99 * self.latency_ms().p99 / 1e3)
         return min(self._hedge_s, self.peer_timeout)
 
+    def budget(self) -> dict[str, int]:
+        """The owner's side of the latency budget (`Answers.budget`): none unless it answers
+        peers over MPI."""
+        return {}
+
     def statistics(self) -> PeerStatus:
         return PeerStatus(
             remote_fetches=self._latency.count,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -67,6 +68,11 @@ class Answers:
         self.reply_bytes = 0  # bytes of replies not yet sent (the MPI thread's)
         self._header = np.empty(4, dtype=np.int64)  # a request's, taken into (the MPI thread's)
         self._batch = np.empty(BATCH_HEADER, dtype=np.int64)  # a batch's
+        # The owner's side of the latency budget (the MPI thread's; read by others as ints):
+        # requests answered without the event loop, the nanoseconds from taking each to its
+        # read begun (queued for a server thread), of the read, and from then to its send
+        # posted (the MPI thread's turn).
+        self.timed = self.queue_ns = self.read_ns = self.post_ns = 0
 
     def start(self, nursery: trio.Nursery) -> None:
         """Start the server threads; requests for the event loop go to `nursery`."""
@@ -112,6 +118,18 @@ class Answers:
                             size, peer)  # fmt: skip
         return busy
 
+    def posted(self, reply: Reply) -> None:
+        """(The MPI thread.) A reply's send is posted: its times go to the budget."""
+        if reply.taken_ns and reply.ready_ns:
+            self.timed += 1
+            self.queue_ns += reply.started_ns - reply.taken_ns
+            self.read_ns += reply.ready_ns - reply.started_ns
+            self.post_ns += time.monotonic_ns() - reply.ready_ns
+
+    def budget(self) -> dict[str, int]:
+        return {"owner_n": self.timed, "owner_queue_ns": self.queue_ns,
+                "owner_read_ns": self.read_ns, "owner_post_ns": self.post_ns}  # fmt: skip
+
     def sent(self, reserved: int) -> None:
         """(The MPI thread.) A reply is out (or failed): its bytes are no longer reserved."""
         self.reply_bytes -= reserved
@@ -124,6 +142,7 @@ class Answers:
         if entry == -1 and length == 0:
             self._post(Reply(peer, tag, None, entry))
             return
+        taken = time.monotonic_ns()
         if length > MAX_REQUEST or self.reply_bytes + length > REPLY_BYTES:
             # Too much at once: refused (the requester tries another source); the bytes are
             # reserved until the reply has been sent, which a requester that gave up never takes.
@@ -136,12 +155,14 @@ class Answers:
             if located is not None and length <= INLINE_READ_LIMIT:
                 data = self.server.cached(*located, length)
                 if data is not None:
-                    self._post(Reply(peer, tag, data, entry, direct=True, reserved=length))
+                    self._post(Reply(peer, tag, data, entry, direct=True, reserved=length,
+                                     taken_ns=taken, started_ns=taken,
+                                     ready_ns=time.monotonic_ns()))  # fmt: skip
                     return
         except Exception as e:  # a disk error: the server thread tries again and reports it
             log.debug("inline read for rank %d failed: %s", peer, e)
         if located is not None:
-            self._reads.put(Read(peer, tag, entry, ((*located, length),)))
+            self._reads.put(Read(peer, tag, entry, ((*located, length),), taken))
         else:
             self._call_trio(self._on_request, peer, entry, offset, length, tag)
 
@@ -178,6 +199,7 @@ class Answers:
     def _reader(self) -> None:
         """Read what peers asked for that is not in the page cache (may wait for the disk)."""
         while (read := self._reads.get()) is not None:
+            started = time.monotonic_ns()
             data: Any = None
             try:
                 if len(read.pieces) == 1:
@@ -190,4 +212,5 @@ class Answers:
                 log.exception("serving entry %d to rank %d failed", read.entry, read.peer)
             reserved = sum(n for _, _, n in read.pieces)
             self._post(Reply(read.peer, read.tag, data, read.entry, True, reserved,
-                             len(read.pieces)))  # fmt: skip
+                             len(read.pieces), read.taken_ns, started,
+                             time.monotonic_ns()))  # fmt: skip

@@ -45,6 +45,9 @@ class Reply:
     direct: bool = False  # read by the transport's threads, not through the event loop
     reserved: int = 0  # reply bytes the server side reserved for it, released once sent
     files: int = 1  # files it answers (a batch's)
+    taken_ns: int = 0  # monotonic_ns: its request taken (0: not timed, the event loop's)
+    started_ns: int = 0  # ... its read begun (a server thread took it)
+    ready_ns: int = 0  # ... its bytes read
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +71,7 @@ class Read:
     tag: int  # the reply's
     entry: int  # (the first, for a batch: for the log and the counters)
     pieces: tuple[tuple[int, int, int], ...]  # (partition, start, length)
+    taken_ns: int = 0  # monotonic_ns: its request taken
 
 
 class Outgoing(NamedTuple):

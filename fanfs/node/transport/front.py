@@ -62,6 +62,8 @@ class FrontRequest(NamedTuple):
     length: int
     crc: int
     holders: tuple[int, ...]
+    queued_ns: int = 0  # CLOCK_MONOTONIC: when the front queued it (the latency budget)
+    taken_ns: int = 0  # ... when the MPI thread took it
 
 
 @dataclass(frozen=True, slots=True)

@@ -141,6 +141,9 @@ class MpiTransport(MpiFetches):
     def _say_bye(self) -> None:
         self._post(Bye())
 
+    def budget(self) -> dict[str, int]:
+        return self.answers.budget()
+
     def stop(self) -> None:
         self.answers.stop()
         self._post(Stop())
@@ -257,6 +260,7 @@ class MpiTransport(MpiFetches):
                         last = off + CHUNK >= len(view)
                         isend = comm.Isend(view[off : off + CHUNK], cmd.peer, cmd.tag)
                         sending.append(Outgoing(isend, cmd.data, cmd.reserved if last else 0))
+                    self.answers.posted(cmd)
             elif isinstance(cmd, Bye):
                 me = np.array([self.rank], dtype=np.int64)
                 for peer in range(self.size):
