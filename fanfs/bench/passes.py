@@ -69,6 +69,8 @@ class Side:
     root: Path  # where its files are
     cold: Callable[[], str]  # empties its caches, says how (make_cold)
     pids: list[int] = field(default_factory=list)  # its daemons, for their CPU time
+    # Its daemons' latency budgets summed (`fanfs status`'s "budget"), for the per-file budget.
+    budget: Callable[[], dict[str, int]] | None = None
 
 
 @dataclass
@@ -85,6 +87,8 @@ class Result:
     daemon_cpu_s: float = 0.0  # CPU time its daemons spent during the pass
     samples: list[int] | None = None  # torch: each sample's CRC-32, by file name
     max_ms: float = 0.0  # the slowest file
+    mean_ms: float = 0.0  # a file's mean time (open, read, close)
+    budget: dict[str, int] = field(default_factory=dict)  # the daemons' budget over the pass
 
     @property
     def files_per_s(self) -> float:
@@ -230,15 +234,19 @@ def measure(case: Case, side: Side, rels: list[str], seed: int) -> Result:
         wall = _pass(paths, case, None)[0]  # warm up what is measured
         rounds = max(1, min(WARM_MAX_ROUNDS, round(WARM_MIN_S / max(wall, 1e-3))))
     plan = side.root if planned and side.name == "fanfs" else None
+    budget = side.budget() if side.budget is not None else {}
     before = cpu_seconds(side.pids) if side.pids else 0.0
     wall, nbytes, lat, samples = _pass(paths * rounds, case, plan)
     spent = cpu_seconds(side.pids) - before if side.pids else 0.0
+    if side.budget is not None:
+        budget = {k: v - budget.get(k, 0) for k, v in side.budget().items()}
     if samples is not None:  # in the order of the files' names, so that sides compare
         samples = [crc for _, crc in sorted(zip(order * rounds, samples, strict=True))]
     p50, p99 = np.percentile(np.array(lat) * 1e3, [50, 99])
     folio = pagecache.folio_kib(paths[:FOLIO_SAMPLE]) if case.client != "torch" else None
     return Result(case, side.name, wall, len(paths) * rounds, nbytes, float(p50), float(p99),
-                  folio, cold_by, spent, samples, max(lat) * 1e3)  # fmt: skip
+                  folio, cold_by, spent, samples, max(lat) * 1e3, float(np.mean(lat)) * 1e3,
+                  budget)  # fmt: skip
 
 
 def _pass(paths: list[str], case: Case, plan: Path | None

@@ -9,6 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from fanfs.bench import budget
 from fanfs.bench.passes import COLD_BY, Result, size_label
 
 # Ratios between sides reported beside fanfs/native, when both sides were measured.
@@ -36,6 +37,10 @@ def summarize(results: list[Result]) -> list[dict[str, Any]]:
             row[f"{key}_max_ms"] = max(r.max_ms for r in rs)
             folios = [r.folio_kib for r in rs if r.folio_kib is not None]
             row[f"{key}_folio_kib"] = statistics.median(folios) if folios else None
+        for k, rs in by.items():
+            row[f"{k.replace('-', '_')}_mean_ms"] = statistics.mean(r.mean_ms for r in rs)
+        if case.temp == "cold" and (spent := budget.per_file(by.get("fanfs", []))):
+            row["budget_us"] = spent
         row["ratio"] = statistics.median(ratios)
         row["ratio_min"], row["ratio_max"] = min(ratios), max(ratios)
         for name, (a, b) in VERSUS.items():
@@ -82,6 +87,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                          f"{', remote' if key[2] else ''}): "
                          + "; ".join(f"{k} p50/p99/max {v[0]}/{v[1]}/{v[2]} ms"
                                      for k, v in lat.items()))  # fmt: skip
+    lines += [budget.line(r, f"{_where(r)} {size_label(r['size'])} {r['temp']} x{r['readers']}")
+              for r in rows if r.get("budget_us")]  # fmt: skip
     lines += [f"front: {f}" for f in sorted({r["front"] for r in rows if r.get("front")})]
     idle = [r["daemon_idle_cpu_pct"] for r in rows if "daemon_idle_cpu_pct" in r]
     if idle:

@@ -134,8 +134,15 @@ def _dataset_cases(
 
 
 def _fanfs_side(name: str, d: Daemons) -> Side:
+    def budget() -> dict[str, int]:
+        total: dict[str, int] = {}
+        for rank in range(d.ranks):
+            for k, v in d.status(rank).get("budget", {}).items():
+                total[k] = total.get(k, 0) + v
+        return total
+
     return Side(name, d.mnts[0], lambda: make_cold((), d.mnts),
-                global_epoch.daemon_pids(d))  # fmt: skip
+                global_epoch.daemon_pids(d), budget)  # fmt: skip
 
 
 def _squash_cold(sq: squashfs.Squash) -> Any:

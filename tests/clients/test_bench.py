@@ -59,9 +59,21 @@ def test_bench_runs_and_reports(tmp_path: Path) -> None:
         source = "peer" if r["where"] == "remote" else "front (C)"
         p50, p99, longest = r["daemon_latency_ms"][source]
         assert 0 < p50 <= p99 <= longest, r
+        # Cold: the latency budget per file, beside native's time per file.
+        assert r["native_mean_ms"] > 0 and r["fanfs_mean_ms"] > 0, r
+        if r["temp"] == "cold":
+            kind = "remote" if r["where"] == "remote" else "local"
+            b = r["budget_us"]
+            assert b[f"{kind}_reads"] >= 0.5 and b[f"{kind}_reply"] > 0, b
+            if kind == "remote":
+                assert b["fetch_away"] > 0 and b["owner_read"] > 0, b
+        else:
+            assert "budget_us" not in r, r
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "ratio" in done.stdout and "local" in done.stdout and "remote" in done.stdout
     assert re.search(r"daemon latency \(random 64K, remote\): .*peer p50/p99/max", done.stdout)
+    assert re.search(r"budget remote 64K cold x1 \(us/file\): native \d+, fanfs \d+ = READ, a peer",
+                     done.stdout)  # fmt: skip
     assert not list((tmp_path / "work").glob("*/src"))  # datasets removed after the run
 
 
