@@ -11,7 +11,8 @@ DEST strictly in the journal's order, one at a time, but for what coalescing cha
   previous put, is the smaller of the two, so an append still lands as one.
 - A file removed from the mount (its last name unlinked, or replaced by a rename) loses its
   pending puts: a version nobody can see any more is never landed (a checkpoint rotated before
-  it landed costs DEST nothing).
+  it landed costs DEST nothing). One being applied then is orphaned: it goes if that attempt
+  fails (lander.py), so a checkpoint replaced while DEST failed never lands once it is back.
 - A put that was not landed (`drop`: a conditional put that would have replaced what is not
   ours, or the user's `fanfs sync --skip`) hands its older bytes' `keep` to the next put of
   the same file, which then knows less is unchanged.
@@ -84,6 +85,7 @@ class Op:
     attempts: int = 0
     error: str = ""
     busy: bool = False  # being applied: no longer merged into, nor dropped
+    orphaned: bool = False  # its node lost its name while it was applied: goes if that fails
     gone: bool = False  # dropped: left in the deque until it reaches the head (O(1) removal)
 
     # An op changes through these (the journal and the lander call them).
@@ -99,6 +101,10 @@ class Op:
 
     def drop(self) -> None:
         self.gone = True
+
+    def orphan(self) -> None:
+        """Its node lost its name while it was being applied (it could not be dropped then)."""
+        self.orphaned = True
 
     def narrow(self, keep: int) -> None:
         """Fewer leading bytes are known unchanged (the put before it did not land)."""
@@ -311,8 +317,13 @@ class Journal:
         return pending[-1] if pending else None
 
     def remove_node(self, node: int) -> list[Op]:
-        """`node` has no name any more: its pending puts that are not being applied go."""
-        gone = [op for op in self._puts.get(node, ()) if not op.busy]
+        """`node` has no name any more: its pending puts that are not being applied go; one
+        being applied is orphaned (the lander drops it if that attempt fails)."""
+        pending = self._puts.get(node, [])
+        for op in pending:
+            if op.busy:
+                op.orphan()
+        gone = [op for op in pending if not op.busy]
         for op in gone:
             self._forget(op)
             self._record({"drop": op.seq})

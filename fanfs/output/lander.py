@@ -7,7 +7,8 @@ DEST never blocks the mount's requests.
 Failures: an op that fails (DEST unwritable, full, gone, replaced) stays at the head and is
 retried with backoff, for as long as the daemon runs; nothing behind it lands out of order.
 The user can get past it without losing anything: a newer version of the file (or its
-removal) supersedes it (journal.py), and `fanfs sync --skip` skips it (`skip`): its bytes stay
+removal) supersedes it (journal.py; a put whose file was removed or replaced during its attempt,
+orphaned, goes when that attempt fails), and `fanfs sync --skip` skips it (`skip`): its bytes stay
 on the node, named (view.py keeps them), and the rest lands. Its error and attempts are in
 `statistics()` (`fanfs status`); `sync` and `umount` report it.
 
@@ -48,6 +49,11 @@ class Source:
     record: Callable[[dict[str, Any]], None]  # its journal file's record of a landing
     idents: dict[int, Ident] = field(default_factory=dict)
     strict: bool = True
+
+
+def _message(e: Exception) -> str:
+    """What an op's failure says (status, sync, the log)."""
+    return os.strerror(e.errno) if isinstance(e, OSError) and e.errno else str(e)
 
 
 def track(idents: dict[int, Ident], op: Op, ident: Ident | None, landed: bool) -> None:
@@ -225,6 +231,9 @@ class Lander:
                     )  # fmt: skip
                 except (OSError, LandingError) as e:
                     op.stop()
+                    if op.orphaned and source is self.own:
+                        self._orphan_failed(op, e)
+                        return None
                     await self._failed(op, e)
                     continue
                 op.stop()
@@ -263,8 +272,19 @@ class Lander:
         else:
             source.record({"skip": op.seq})
 
+    def _orphan_failed(self, op: Op, e: Exception) -> None:
+        """A put whose file was removed or replaced while this attempt was failing: it goes
+        now, as it would have gone then had it not been busy (journal.remove_node), instead of
+        landing a superseded version once DEST is back. Counted as an attempt first, so that
+        `_land` clears what it may have left at DEST (its partial file)."""
+        op.failed(_message(e))
+        log.warning("%s %s at DEST failed (%s); its file was removed or replaced meanwhile: "
+                    "it will not land", op.kind, op.describe(), op.error)  # fmt: skip
+        self.journal.drop(op)
+        self.on_dropped(op)
+
     async def _failed(self, op: Op, e: Exception) -> None:
-        op.failed(os.strerror(e.errno) if isinstance(e, OSError) and e.errno else str(e))
+        op.failed(_message(e))
         log.warning("%s %s at DEST failed (attempt %d): %s", op.kind, op.describe(),
                     op.attempts, op.error)  # fmt: skip
         self.wake()

@@ -227,11 +227,13 @@ class View(Files):
         self.journal.compact(self.journal_files)
 
     def dropped(self, op: Op) -> None:
-        """A conditional put that did not land (it would have replaced what is not ours)."""
+        """A put that will not land: a conditional one (it would have replaced what is not
+        ours; its file lands again later), or an orphaned one (its file lost its name while
+        the put was failing: nothing of it is to land, so its node is not made dirty)."""
         self.tree.release(op.data, op.size)
         n = self.tree.nodes.get(op.node)
         if n is not None:
-            if self.journal.last_put(n.ino) is None:
+            if not op.orphaned and self.journal.last_put(n.ino) is None:
                 n.unlanded(op.keep)
                 self._touched.add(n.ino)
             self._hold(n)

@@ -10,6 +10,7 @@ import errno
 import json
 import os
 import stat
+import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -19,7 +20,8 @@ import trio
 
 from fanfs.node.staging import StagingDir
 from fanfs.output import assemble, fs
-from fanfs.output.dest import Dest
+from fanfs.output.apply import partial_name
+from fanfs.output.dest import Dest, LandingError
 from fanfs.output.tree import ROOT
 
 CTX = pyfuse3.RequestContext()
@@ -34,8 +36,30 @@ def dest(tmp_path: Path) -> Path:
     return d
 
 
+class Outage(Dest):
+    """DEST, which the test can take down: while `down` is set, an attempt waits in `root`
+    until `up` is set, then fails (as a DEST refusing everything would): the test knows an op
+    is being applied (`entered`) and chooses when that attempt ends."""
+
+    def __init__(self, path: str):
+        super().__init__(path)
+        self.down, self.entered, self.up = threading.Event(), threading.Event(), threading.Event()
+
+    def root(self) -> int:
+        if self.down.is_set():
+            self.entered.set()
+            self.up.wait(LAND_S)
+            raise LandingError(f"DEST {self.path}: down (the test's outage)")
+        return super().root()
+
+
 @pytest.fixture
-def wing(tmp_path: Path, dest: Path) -> Iterator[assemble.Wing]:
+def outage(dest: Path) -> Outage:
+    return Outage(str(dest))
+
+
+@pytest.fixture
+def wing(tmp_path: Path, dest: Path, outage: Outage) -> Iterator[assemble.Wing]:
     staging = StagingDir(tmp_path / "local")
     built: list[assemble.Wing] = []
 
@@ -47,7 +71,7 @@ def wing(tmp_path: Path, dest: Path) -> Iterator[assemble.Wing]:
         stack.callback(staging.close)
         stack.callback(_empty, staging)  # as the daemon does when everything landed
         place = assemble.Place(None, 0, 1, str(tmp_path / "mnt"), str(dest), "0-test")
-        built.append(assemble.build(stack, place, Dest(str(dest)), staging, [], replicas=1,
+        built.append(assemble.build(stack, place, outage, staging, [], replicas=1,
                                     peer_timeout=1.0, max_ops=1 << 20, status=status))  # fmt: skip
         yield built[0]
 
@@ -118,6 +142,35 @@ async def test_fsync_returns_once_the_file_is_at_dest(landing: assemble.Wing, de
         await ops.fsync(info.fh, False)
     assert (dest / "log.txt").read_bytes() == b"line 1\n"
     await ops.release(info.fh)
+
+
+async def test_a_checkpoint_replaced_while_its_put_is_failing_never_lands(
+    landing: assemble.Wing, dest: Path, outage: Outage
+) -> None:
+    """A rotation (write ckpt.tmp, rename it over ckpt.pt) while DEST is down, the replaced
+    checkpoint's put in the middle of an attempt (busy: the journal could not drop it then):
+    it goes when that attempt fails instead of being tried again, so once DEST is back only
+    the newest checkpoint lands, and the partial file the attempt left at DEST goes too."""
+    ops = landing.ops
+    outage.down.set()
+    await write_file(ops, ROOT, b"ckpt.tmp", b"old" * 1000)
+    assert await trio.to_thread.run_sync(outage.entered.wait, LAND_S)
+    put = landing.lander.current
+    assert put is not None and put.busy and put.path == b"ckpt.tmp"
+    # What an attempt that got further leaves when DEST refuses its removal too.
+    (dest / partial_name(landing.lander.own.token, put.seq)).write_bytes(b"old")
+    await ops.rename(ROOT, b"ckpt.tmp", ROOT, b"ckpt.pt", 0, CTX)
+    new = b"new" * 2000
+    await write_file(ops, ROOT, b"ckpt.tmp", new)
+    await ops.rename(ROOT, b"ckpt.tmp", ROOT, b"ckpt.pt", 0, CTX)  # the old one loses its name
+    outage.down.clear()
+    outage.up.set()  # the attempt fails; DEST takes everything after it
+    await landed(landing)
+    assert sorted(p.name for p in dest.iterdir()) == ["ckpt.pt"]
+    assert (dest / "ckpt.pt").read_bytes() == new
+    stats = landing.lander.statistics()
+    assert (stats["landed_files"], stats["landed_bytes"]) == (1, len(new)), stats
+    assert stats["dropped_puts"] == 1 and put.attempts == 1, stats
 
 
 async def test_read_back_through_a_read_write_handle(wing: assemble.Wing) -> None:

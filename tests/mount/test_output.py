@@ -23,10 +23,12 @@ from conftest import FANFS, User, teardown, wait_until
 from fanfs import mounts
 from fanfs.errors import ExitCode
 
-# The writer, run as the user: checkpoints written to a temporary name, renamed into place,
-# rotated (only the newest two kept), a log appended to after every one, a directory made and
-# renamed, a file truncated; then what the mount holds, read back through it, as {path: hex
-# digest} (only the user can enter the user's mount, not even root).
+# The writer, run as the user: checkpoints written to a temporary name, fsynced (which returns
+# once the file is at DEST: so every checkpoint lands, and is renamed and rotated at DEST, in
+# every run), renamed into place, rotated (only the newest two kept), a log appended to after
+# every one, a directory made and renamed, a file truncated; then what the mount holds, read
+# back through it, as {path: hex digest} (only the user can enter the user's mount, not even
+# root).
 WRITER = r"""
 import hashlib, json, os, sys
 from pathlib import Path
@@ -41,6 +43,8 @@ for i in range(n):
     tmp = mnt / "ckpt" / f".epoch-{i}.tmp"
     with open(tmp, "wb") as f:
         f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
     os.rename(tmp, mnt / "ckpt" / f"epoch-{i}.pt")
     if i >= 2:
         os.unlink(mnt / "ckpt" / f"epoch-{i - 2}.pt")
@@ -162,8 +166,17 @@ def test_checkpoints_renamed_and_rotated_land_exactly(user: User, work: Path) ->
         written = json.loads(done.stdout)
         assert sorted(written) == ["ckpt/epoch-3.pt", "ckpt/epoch-4.pt", "run/config.yaml",
                                    "run/samples.bin", "run/train.log"]  # fmt: skip
+        # Landing is asynchronous: what landed is counted after a sync, as a user would.
+        assert out.fanfs("sync", out.mnt).returncode == 0
         status = out.status()
-        assert status["kind"] == "output" and status["landing"]["landed_files"] >= 7
+        assert status["kind"] == "output"
+        # 13 snapshots: config.yaml, 5 checkpoints, 5 closes of the log, samples.bin written
+        # and truncated. Each checkpoint landed before its rename (fsync), so none was dropped
+        # at its rotation; the log's puts cannot merge either (each checkpoint's fsync waits
+        # for the log's put before it): only samples.bin's truncate may take its write's place.
+        landing = status["landing"]
+        assert landing["dropped_puts"] == 0 and landing["merged_puts"] <= 1, landing
+        assert landing["landed_files"] + landing["merged_puts"] == 13, landing
         done = out.fanfs("umount", out.mnt)
         assert done.returncode == 0, done.stderr
         assert out.proc.wait(30) == 0, out.log.read_text()
