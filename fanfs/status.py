@@ -262,9 +262,9 @@ def _budget(b: dict[str, int]) -> str:
                        ("ahead", "a read at lookup")):  # fmt: skip
         n = b.get(f"{kind}_n", 0)
         if n:
-            us = {st: b.get(f"{kind}_{st}_ns", 0) / n / 1e3 for st in STAGES}
-            parts.append(f"{name} {sum(us.values()):.0f} us (" + ", ".join(
-                f"{st} {v:.0f}" for st, v in us.items() if v >= 0.5) + ")")  # fmt: skip
+            us = {st: b[f"{kind}_{st}_ns"] / n / 1e3 for st in STAGES if b.get(f"{kind}_{st}_ns")}
+            stages = ", ".join(f"{st} {v:.0f}" for st, v in us.items())
+            parts.append(f"{name} {sum(us.values()):.0f} us ({stages})")
     for kind, legs in LEGS.items():
         n = b.get(f"{kind}_n", 0)
         if n:

@@ -16,6 +16,7 @@ import errno
 import fcntl
 import itertools
 import os
+import re
 import subprocess
 import sys
 import termios
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import Mount, mounted, prepare
+from conftest import Mount, fanfs, mounted, prepare
 
 from fanfs.status import STAGES
 
@@ -119,6 +120,10 @@ def test_the_latency_budget_names_every_reads_time(tree: tuple[Path, Path],
         # their mean is at most the longest READ the front timed.
         answering = sum(b[f"local_{s}_ns"] for s in STAGES if s != "lead") / b["local_n"]
         assert 0 < answering <= front["read_ms_max"] * 1e6 + 1e5, (answering, front)
+        # The human view says it per READ.
+        shown = fanfs("status", m.mountpoint).stdout
+        shape = r"budget:   a local READ \d+ us \(lead \d+, job \d+, cache \d+, "
+        assert re.search(shape, shown), shown
 
 
 def test_a_terminal_check_is_answered_by_the_front(tree: tuple[Path, Path],
