@@ -209,9 +209,12 @@ static inline void sums8(__m128i x[8], __m128i *carry) {
     *carry = _mm_add_epi64(*carry, before);
 }
 
-/* The vector steps of a 4-byte filter; the words done, `*acc` the running sum after them. */
-static uint64_t blocks4(int fid, const unsigned char *in, uint64_t words, double inv,
-                        unsigned char *out, uint32_t *acc) {
+/* The vector steps of a 4-byte filter; the words done, `*acc` the running sum after them.
+ * Inlined for each filter (blocks4, blocks8 below), so that each loop holds only its own
+ * filter's work and its vectors stay in registers. */
+static inline __attribute__((always_inline)) uint64_t
+steps4(const int fid, const unsigned char *in, uint64_t words, double inv, unsigned char *out,
+       uint32_t *acc) {
     const __m128i one = _mm_set1_epi32(1), zero = _mm_setzero_si128();
     const __m128d scale = _mm_set1_pd(inv);
     __m128i carry = zero, x[4];
@@ -252,8 +255,9 @@ static inline __m128d to_double(__m128i n, __m128i *bad) {
     return _mm_sub_pd(_mm_castsi128_pd(_mm_add_epi64(n, magic)), _mm_castsi128_pd(magic));
 }
 
-static uint64_t blocks8(int fid, const unsigned char *in, uint64_t words, double p10,
-                        unsigned char *out, uint64_t *acc) {
+static inline __attribute__((always_inline)) uint64_t
+steps8(const int fid, const unsigned char *in, uint64_t words, double p10, unsigned char *out,
+       uint64_t *acc) {
     const __m128i one = _mm_set1_epi64x(1), zero = _mm_setzero_si128();
     const __m128d scale = _mm_set1_pd(p10);
     __m128i carry = zero, x[8];
@@ -296,6 +300,24 @@ static uint64_t blocks8(int fid, const unsigned char *in, uint64_t words, double
     }
     *acc = (uint64_t)_mm_cvtsi128_si64(carry);
     return i;
+}
+
+static uint64_t blocks4(int fid, const unsigned char *in, uint64_t words, double inv,
+                        unsigned char *out, uint32_t *acc) {
+    if (fid == FANFS_DELTA4)
+        return steps4(FANFS_DELTA4, in, words, inv, out, acc);
+    if (fid == FANFS_DECIMAL4)
+        return steps4(FANFS_DECIMAL4, in, words, inv, out, acc);
+    return steps4(FANFS_SHUFFLE4, in, words, inv, out, acc);
+}
+
+static uint64_t blocks8(int fid, const unsigned char *in, uint64_t words, double p10,
+                        unsigned char *out, uint64_t *acc) {
+    if (fid == FANFS_DELTA8)
+        return steps8(FANFS_DELTA8, in, words, p10, out, acc);
+    if (fid == FANFS_DECIMAL8)
+        return steps8(FANFS_DECIMAL8, in, words, p10, out, acc);
+    return steps8(FANFS_SHUFFLE8, in, words, p10, out, acc);
 }
 #endif
 
