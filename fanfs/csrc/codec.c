@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include "fanfs_native.h"
+#include "filters.h"
 
 typedef unsigned long (*zlib_crc32_fn)(unsigned long, const unsigned char *, unsigned int);
 typedef uint32_t (*isal_crc32_fn)(uint32_t, const unsigned char *, uint64_t);
@@ -249,142 +250,6 @@ static char *scratch_get(struct fanfs_tls *t, uint64_t len) {
     return p;
 }
 
-/* -- filters: the inverse of fanfs/image/filters.py, byte for byte ------------------------------ */
-static int filter_width(int fid) {
-    switch (fid) {
-    case FANFS_SHUFFLE4: case FANFS_DELTA4: case FANFS_DECIMAL4: return 4;
-    case FANFS_SHUFFLE8: case FANFS_DELTA8: case FANFS_DECIMAL8: return 8;
-    default: return 0;
-    }
-}
-
-/* The most bytes a filter's output of `size` bytes may have (decimal adds its exceptions). */
-static uint64_t filtered_max(int fid, uint32_t size) {
-    int w = filter_width(fid);
-    if (fid == FANFS_DECIMAL4 || fid == FANFS_DECIMAL8)
-        return 8 + (uint64_t)(size / w) * (4 + w) + size;
-    return size;
-}
-
-/* The filters' loops are written to vectorize, which GCC does at -O3 only (Python's builds use
- * -O2): ask for it per function. */
-#if defined(__GNUC__) && !defined(__clang__)
-#define VECTORIZE __attribute__((optimize("O3")))
-#else
-#define VECTORIZE
-#endif
-
-/* The words of a shuffled stream (byte b of word i is in plane b: in[b * words + i]). */
-VECTORIZE static void unshuffle4(const unsigned char *in, uint32_t words, uint32_t *out) {
-    const unsigned char *p0 = in, *p1 = in + words, *p2 = in + 2 * (uint64_t)words,
-                        *p3 = in + 3 * (uint64_t)words;
-    uint32_t i;
-    for (i = 0; i < words; i++)
-        out[i] = (uint32_t)p0[i] | (uint32_t)p1[i] << 8 | (uint32_t)p2[i] << 16 |
-                 (uint32_t)p3[i] << 24;
-}
-
-VECTORIZE static void unshuffle8(const unsigned char *in, uint32_t words, uint64_t *out) {
-    uint32_t i;
-    int b;
-    for (i = 0; i < words; i++)
-        out[i] = 0;
-    for (b = 0; b < 8; b++) {
-        const unsigned char *plane = in + (uint64_t)b * words;
-        for (i = 0; i < words; i++)
-            out[i] |= (uint64_t)plane[i] << (8 * b);
-    }
-}
-
-/* 10^e for decimal8 (a division, so every decimal round-trips) and the double nearest 10^-e
- * for decimal4 (a multiplication: rounding to float32 hides its last-bit error, and the
- * encoder keeps as exceptions the values it does not give back). Literals, as fanfs/image/filters.py
- * parses the same strings. */
-static const double pow10[19] = {1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9,
-                                 1e10, 1e11, 1e12, 1e13, 1e14, 1e15, 1e16, 1e17, 1e18};
-static const double inv10[11] = {1e-0, 1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6, 1e-7, 1e-8,
-                                 1e-9, 1e-10};
-
-/* The decoders pass over one buffer as words, then as numbers: views that may alias. */
-typedef int32_t i32a __attribute__((may_alias));
-typedef int64_t i64a __attribute__((may_alias));
-typedef float f32a __attribute__((may_alias));
-typedef double f64a __attribute__((may_alias));
-
-/* Undo filter `fid` of `in` (`n` bytes) into `out` (`size` bytes, 8-byte aligned); 0 or
- * FANFS_EBADDATA. Separate passes (unshuffle, running sum, scaling) so that all but the
- * running sum vectorize. */
-VECTORIZE static int unfilter(int fid, const unsigned char *in, uint64_t n, unsigned char *out,
-                              uint32_t size) {
-    int w = filter_width(fid);
-    uint32_t words, i, k, e;
-    if (w == 0 || size % w)
-        return FANFS_EBADDATA;
-    words = size / w;
-    if (fid == FANFS_DECIMAL4 || fid == FANFS_DECIMAL8) {
-        const unsigned char *pos, *kept;
-        if (n < 8)
-            return FANFS_EBADDATA;
-        e = in[0];
-        memcpy(&k, in + 4, 4);
-        if (e > (uint32_t)(w == 4 ? 10 : 18) || k > words ||
-            n != 8 + (uint64_t)k * (4 + w) + size)
-            return FANFS_EBADDATA;
-        pos = in + 8;
-        kept = pos + (uint64_t)k * 4;
-        if (w == 4) {
-            /* n[i]: the running sum of the unzigzagged differences, mod 2^32, as int32. */
-            uint32_t *z = (uint32_t *)out, acc = 0;
-            i32a *nn = (i32a *)out;
-            f32a *f = (f32a *)out;
-            const double inv = inv10[e];
-            unshuffle4(kept + (uint64_t)k * 4, words, z);
-            for (i = 0; i < words; i++) {
-                acc += (z[i] >> 1) ^ (0u - (z[i] & 1u));
-                z[i] = acc;
-            }
-            for (i = 0; i < words; i++)
-                f[i] = (float)((double)nn[i] * inv);
-        } else {
-            uint64_t *z = (uint64_t *)out, acc = 0;
-            i64a *nn = (i64a *)out;
-            f64a *v = (f64a *)out;
-            const double p10 = pow10[e];
-            unshuffle8(kept + (uint64_t)k * 8, words, z);
-            for (i = 0; i < words; i++) {
-                acc += (z[i] >> 1) ^ (0u - (z[i] & 1u));
-                z[i] = acc;
-            }
-            for (i = 0; i < words; i++)
-                v[i] = (double)nn[i] / p10;
-        }
-        for (i = 0; i < k; i++) {
-            uint32_t at;
-            memcpy(&at, pos + (uint64_t)i * 4, 4);
-            if (at >= words)
-                return FANFS_EBADDATA;
-            memcpy(out + (uint64_t)at * w, kept + (uint64_t)i * w, w);
-        }
-        return 0;
-    }
-    if (n != size)
-        return FANFS_EBADDATA;
-    if (w == 4) {
-        uint32_t *x = (uint32_t *)out, acc = 0;
-        unshuffle4(in, words, x);
-        if (fid == FANFS_DELTA4)
-            for (i = 0; i < words; i++)
-                x[i] = acc += x[i];
-    } else {
-        uint64_t *x = (uint64_t *)out, acc = 0;
-        unshuffle8(in, words, x);
-        if (fid == FANFS_DELTA8)
-            for (i = 0; i < words; i++)
-                x[i] = acc += x[i];
-    }
-    return 0;
-}
-
 /* One zstd frame into `out` (room for `cap` bytes); its decoded length, -1 if the bytes do
  * not decode, or -ENOMEM (the memory of the moment, not the bytes: the file is not bad). */
 static int64_t unzstd(struct fanfs_tls *t, const struct fanfs_dicts *dicts,
@@ -445,16 +310,19 @@ int fanfs_decode(const struct fanfs_dicts *dicts, const struct fanfs_piece *p,
         got = unzstd(t, dicts, in, n, out, p->size);
         return got == -ENOMEM ? ENOMEM : got == (int64_t)p->size ? 0 : FANFS_EBADDATA;
     }
-    if (filter_width(fid) == 0)
+    if (fanfs_filter_width(fid) == 0)
         return FANFS_EBADDATA;
-    cap = filtered_max(fid, p->size);
+    cap = fanfs_filtered_max(fid, p->size);
     filtered = scratch_get(t, cap);
     if (filtered == NULL)
         return ENOMEM;
     got = unzstd(t, NULL, in, n, (unsigned char *)filtered, cap);
-    err = got == -ENOMEM ? ENOMEM
-          : got < 0      ? FANFS_EBADDATA
-                         : unfilter(fid, (unsigned char *)filtered, (uint64_t)got, out, p->size);
+    if (got == -ENOMEM)
+        err = ENOMEM;
+    else if (got < 0)
+        err = FANFS_EBADDATA;
+    else
+        err = fanfs_unfilter(fid, (unsigned char *)filtered, (uint64_t)got, out, p->size);
     fanfs_tbuf_settle(&t->scratch); /* kept for the next piece, or freed */
     return err;
 }

@@ -18,7 +18,7 @@ whole words) and has a one-byte id, the same in whole files (codec zstd-filtered
 
 Lossless always: `decode(fid, encode(fid, data)) == data` for every input an encoder accepts, and
 each decoder checks the sizes it is given (CorruptFile), since stored bytes may be hostile. The
-C extension decodes the same bytes (fanfs/csrc/codec.c, used by every path); tests
+C extension decodes the same bytes (fanfs/csrc/filters.c, used by every path); tests
 compare the two on every filter.
 
 `choose(data)` picks the filter to try for a block: each candidate compresses a sample, the
