@@ -9,13 +9,15 @@ by round so drift hits all alike:
   memcpy  a plain copy of the decoded size (ctypes.memmove between two buffers);
   zstd    libzstd's own one-shot decode of the same zstd frame (ZSTD_decompressDCtx, one
           context, a buffer kept: the library fanfs's C loads; filtered frames never use a
-          dictionary, so none is given);
+          dictionary, so none is given), checking the frame's content checksum (XXH64);
+  zstd-nx the same, skipping the content checksum (ZSTD_d_forceIgnoreChecksum), as fanfs's C
+          does: its CRC-32 of the stored frame is checked before any decode;
   fanfs   the C decoder with its filter, as the pool and every Python caller run it
           (fanfs._native.decode: fanfs_decode, GIL released), checked byte for byte once.
 
 Reports GB/s of decoded bytes (median of the rounds) and fanfs/zstd, the share of zstd's own
 speed the decoder keeps (the median of each round's: load from elsewhere comes and goes). A
-`zstd` row (no filter) is the control: fanfs/zstd should be 1.
+`zstd` row (no filter) is the control: fanfs/zstd-nx should be 1.
 Results: docs/performance.md, "Compression".
 
     nice -n 10 python tools/decode_bench.py --rounds 9
@@ -71,9 +73,10 @@ def frames(data: bytes, every: bool, enc: codec.Encoder) -> list[tuple[int, byte
 
 
 class Zstd:
-    """libzstd.so.1 through ctypes: one decompression context, reused."""
+    """libzstd.so.1 through ctypes: one decompression context, reused; with `unchecked`, it
+    skips the frames' content checksum as fanfs's C does (ZSTD_d_forceIgnoreChecksum)."""
 
-    def __init__(self) -> None:
+    def __init__(self, unchecked: bool = False) -> None:
         self.lib = ctypes.CDLL("libzstd.so.1")
         self.lib.ZSTD_createDCtx.restype = ctypes.c_void_p
         self.lib.ZSTD_isError.argtypes, self.lib.ZSTD_isError.restype = (
@@ -85,6 +88,11 @@ class Zstd:
         f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p,
                       ctypes.c_size_t]  # fmt: skip
         self.dctx = self.lib.ZSTD_createDCtx()
+        if unchecked:  # zstd.h: ZSTD_d_forceIgnoreChecksum (1002), ZSTD_d_ignoreChecksum (1)
+            self.lib.ZSTD_DCtx_setParameter.restype = ctypes.c_size_t
+            self.lib.ZSTD_DCtx_setParameter.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+            if self.lib.ZSTD_isError(self.lib.ZSTD_DCtx_setParameter(self.dctx, 1002, 1)):
+                raise SystemExit("decode_bench: this libzstd cannot skip content checksums")
 
     def decoder(self, frame: bytes, cap: int) -> Callable[[], object]:
         out = ctypes.create_string_buffer(cap)
@@ -103,7 +111,8 @@ def seconds_each(fn: Callable[[], object]) -> float:
     return spent / n
 
 
-def run_case(data: bytes, fid: int, frame: bytes, zstd: Zstd, rounds: int) -> dict[str, float]:
+def run_case(data: bytes, fid: int, frame: bytes, zstd: Zstd, unchecked: Zstd,
+             rounds: int) -> dict[str, float]:  # fmt: skip
     size = len(data)
     kind = native.lib.KIND_ZSTD if fid == 0 else native.lib.KIND_FILTER + fid
     if native.decode(frame, kind, size) != data:
@@ -113,6 +122,7 @@ def run_case(data: bytes, fid: int, frame: bytes, zstd: Zstd, rounds: int) -> di
     ways: dict[str, Callable[[], object]] = {
         "memcpy": lambda: ctypes.memmove(dst, src, size),
         "zstd": zstd.decoder(frame, cap),
+        "zstd-nx": unchecked.decoder(frame, cap),
         "fanfs": lambda: native.decode(frame, kind, size),
     }
     times: dict[str, list[float]] = {name: [] for name in ways}
@@ -122,8 +132,9 @@ def run_case(data: bytes, fid: int, frame: bytes, zstd: Zstd, rounds: int) -> di
     row = {name: size / statistics.median(ts) / 1e9 for name, ts in times.items()}
     row["ratio"] = size / len(frame)
     # Per round, so that load from elsewhere (which comes and goes) cancels out.
-    pairs = zip(times["zstd"], times["fanfs"], strict=True)
-    row["share"] = statistics.median(z / f for z, f in pairs)
+    for base, key in (("zstd", "share"), ("zstd-nx", "share_nx")):
+        pairs = zip(times[base], times["fanfs"], strict=True)
+        row[key] = statistics.median(z / f for z, f in pairs)
     return row
 
 
@@ -137,17 +148,20 @@ def main() -> int:
     if not native.DECODES:
         print("decode_bench: libzstd.so.1 is missing: fanfs's C cannot decode", file=sys.stderr)
         return 1
-    zstd, enc = Zstd(), codec.Encoder(codec.parse_compress("auto"))
-    print(f"{'array':12} {'filter':9} {'ratio':>5} {'memcpy':>7} {'zstd':>6} {'fanfs':>6} "
-          f"{'fanfs/zstd':>10}")  # fmt: skip
+    zstd, unchecked = Zstd(), Zstd(unchecked=True)
+    enc = codec.Encoder(codec.parse_compress("auto"))
+    print(f"{'array':12} {'filter':9} {'ratio':>5} {'memcpy':>7} {'zstd':>6} {'zstd-nx':>7} "
+          f"{'fanfs':>6} {'fanfs/zstd':>10} {'/zstd-nx':>8}")  # fmt: skip
     for name, data in arrays(np.random.default_rng(args.seed)).items():
         for fid, frame in frames(data, args.every_filter, enc):
-            r = run_case(data, fid, frame, zstd, args.rounds)
+            r = run_case(data, fid, frame, zstd, unchecked, args.rounds)
             label = filters.NAMES.get(fid, "zstd")
             print(f"{name:12} {label:9} {r['ratio']:5.2f} {r['memcpy']:7.2f} {r['zstd']:6.2f} "
-                  f"{r['fanfs']:6.2f} {r['share']:10.2f}", flush=True)  # fmt: skip
+                  f"{r['zstd-nx']:7.2f} {r['fanfs']:6.2f} {r['share']:10.2f} "
+                  f"{r['share_nx']:8.2f}", flush=True)  # fmt: skip
     print(f"(GB/s of decoded bytes, one thread, median of {args.rounds} rounds; frames of "
-          f"{FRAME_SIZE >> 20} MiB)")  # fmt: skip
+          f"{FRAME_SIZE >> 20} MiB; zstd-nx: libzstd skipping the content checksum, as fanfs "
+          "does after its CRC-32 of the stored frame)")  # fmt: skip
     return 0
 
 

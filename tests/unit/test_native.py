@@ -106,6 +106,21 @@ def test_bytes_that_do_not_decode_are_refused(data: bytes, cut: int) -> None:
         native.decode(data, lib.KIND_RAW, len(data) + 1)
 
 
+def test_the_c_leaves_the_content_checksum_to_the_crc() -> None:
+    """A frame's XXH64 content checksum is not computed by the C (libzstd's
+    forceIgnoreChecksum): every piece is decoded only after the CRC-32 of its stored bytes,
+    checksum included, matched. A frame whose checksum alone is wrong still decodes (zstandard,
+    which checks it, refuses it), and one with a wrong block is still refused."""
+    data = bytes(range(256)) * 400
+    stored = zstandard.ZstdCompressor(write_checksum=True).compress(data)
+    wrong_sum = stored[:-4] + bytes(b ^ 0xFF for b in stored[-4:])
+    with pytest.raises(zstandard.ZstdError):
+        zstandard.ZstdDecompressor().decompress(wrong_sum)
+    assert native.decode(wrong_sum, lib.KIND_ZSTD, len(data)) == data
+    with pytest.raises(native.CorruptPiece):
+        native.decode(stored[:8] + bytes(len(stored) - 12) + stored[-4:], lib.KIND_ZSTD, len(data))
+
+
 def test_dictionaries_are_taken_from_the_frame_header() -> None:
     samples = [f"row {i},{i * 7 % 13},label-{i % 5}\n".encode() * 20 for i in range(400)]
     d = zstandard.train_dictionary(4096, samples, dict_id=1)
