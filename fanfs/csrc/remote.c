@@ -179,7 +179,8 @@ int fanfs_remote_take(struct fanfs_rreq *out, int max) {
     return n;
 }
 
-/* A fill's legs (fanfs_remote_legs); a request made by hand (the tests') has no stamps. */
+/* A fill's legs (fanfs_remote_legs), the fill timed until its READs are woken; a request
+ * made by hand (the tests') has no stamps. */
 static void legs_add(struct remote *rq, const struct fanfs_rreq *r, int64_t began) {
     int64_t now = fanfs_now_ns();
     if (r->queued_ns <= 0 || r->taken_ns < r->queued_ns || began < r->taken_ns)
@@ -247,11 +248,13 @@ int fanfs_remote_fill(const struct fanfs_rreq *r, const char *stored, uint32_t l
         pthread_mutex_unlock(&c->lock);
         return ESTALE;
     }
+    /* Counted before the READs waiting for it are woken: whoever they answer may ask the
+     * status next, and finds it counted. */
+    __atomic_add_fetch(&P->remote.fetched, 1, __ATOMIC_RELAXED);
+    legs_add(&P->remote, r, began);
     w = pieces_ready_locked(c, r->slot, buf, cap, buf);
     pthread_mutex_unlock(&c->lock);
     pool_requeue(&P->work, w);
-    __atomic_add_fetch(&P->remote.fetched, 1, __ATOMIC_RELAXED);
-    legs_add(&P->remote, r, began);
     return 0;
 }
 
