@@ -107,7 +107,10 @@ def test_the_latency_budget_names_every_reads_time(tree: tuple[Path, Path],
         read_all(src, m.mountpoint)
         st = m.status()
         front, b = st["front"], st["budget"]
-        assert b["local_n"] == front["reads"] >= N_FILES - 3, (b, front)
+        # (A READ is added to the budget just before it is counted as answered, right after its
+        # reply: the last one's may be on its way.)
+        assert front["reads"] <= b["local_n"] <= front["reads"] + 1, (b, front)
+        assert b["local_n"] >= N_FILES - 3, b
         assert b["remote_n"] == 0 and b["remote_peer_ns"] == 0, b
         for stage in ("lead", "job", "cache", "reply", "end"):
             assert b[f"local_{stage}_ns"] > 0, (stage, b)

@@ -208,12 +208,15 @@ def test_fetch_at_lookup_and_a_stat_walk(tree: Path, image: Path, tmp_path: Path
         assert s["reads"] == 0 and f["remote_failed"] == 0, (s, f)  # no READ reached Python
         # The latency budget has each READ and each fetch's legs, and the owner's side.
         b, owner = st["budget"], m.status(1)
-        assert b["remote_n"] == len(read) and b["local_n"] == 0, b
+        # (Each READ is added to the budget right after its reply: the last one's may be on
+        # its way.)
+        assert len(read) - 1 <= b["remote_n"] <= len(read) and b["local_n"] == 0, b
         assert b["remote_peer_ns"] > 0 and b["remote_reply_ns"] > 0, b
         assert b["fetch_n"] == f["remote_fetched"], (b, f)
         assert min(b["fetch_queued_ns"], b["fetch_away_ns"], b["fetch_fill_ns"]) > 0, b
-        served = owner["reader"]["served_without_event_loop"]
-        assert owner["budget"]["owner_n"] == served >= len(read), (owner["budget"], served)
+        served = owner["reader"]["served_without_event_loop"]  # (counted before it is sent)
+        assert served - 1 <= owner["budget"]["owner_n"] <= served, (owner["budget"], served)
+        assert served >= len(read), served
         assert owner["budget"]["owner_read_ns"] > 0 and owner["budget"]["owner_post_ns"] > 0
         for rel in walked:
             os.stat(m.mnts[0] / rel)
