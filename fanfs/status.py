@@ -249,8 +249,9 @@ def _latencies(s: Status) -> str:
                      for name, ms, _ in sources(s))  # fmt: skip
 
 
-# The stages of the latency budget (fanfs_native.h's FANFS_STAGE_*, in its order: `lib.STAGES`,
-# which tests/unit checks against this), and the legs of peers' pieces on both daemons.
+# The stages of the latency budget, in the order of fanfs_native.h's FANFS_STAGE_* (their count
+# is the C's lib.BUDGET_STAGES: tests/unit checks it), and the legs of peers' pieces on both
+# daemons.
 STAGES = ("lead", "job", "cache", "disk", "check", "decode", "peer", "reply", "push", "end")
 LEGS = {"fetch": ("queued", "away", "fill"), "owner": ("queue", "read", "post")}
 

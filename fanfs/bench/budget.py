@@ -2,7 +2,7 @@
 budget"): what the daemons' traces (`fanfs status`'s "budget", fanfs/csrc/follow.c) say a file
 cost over a case's passes, stage by stage, in microseconds per file read.
 
-A READ the front answers is cut into stages (fanfs_native.h's FANFS_STAGE_*, `lib.STAGES`):
+A READ the front answers is cut into stages (fanfs_native.h's FANFS_STAGE_*, fanfs.status.STAGES):
 taking it and handing the lead on, the job from the catalog, the cache, the disk, the check,
 the decode, a peer's piece (the wait for the MPI thread), the reply into the kernel, the push
 of the rest, the end. The reads the pool begins at a LOOKUP are traced the same way ("at
