@@ -150,17 +150,14 @@ class Lifecycle:
                 raise failed(verdict[0], f"rank {rank} failed to start: {verdict[1]}")
 
     def mount(self, stack: contextlib.ExitStack, ops: Any, mountpoint: Path,
-              options: set[str] | None = None,
+              options: set[str] = fuse_ops.MOUNT_OPTIONS, background: int = 0,
               before_unmount: Callable[[], None] = lambda: None) -> None:  # fmt: skip
         """Mount `ops` at `mountpoint` (all ranks agree it worked, or fail together) and
         register the unmount; `before_unmount` runs first (what still answers requests in
-        the session stops)."""
+        the session stops). `background`: as fuse_ops.mount's."""
         error = None
         try:
-            if options is None:
-                fuse_ops.mount(ops, str(mountpoint))
-            else:
-                fuse_ops.mount(ops, str(mountpoint), options)
+            fuse_ops.mount(ops, str(mountpoint), options, background)
             self._mounted = mountpoint
             self._before_unmount = before_unmount
             stack.callback(self.unmount)

@@ -95,15 +95,20 @@ def _user_id(superopts: str) -> int | None:
 FUSECTL = Path("/sys/fs/fuse/connections")
 
 
+def connection(entry: MountEntry) -> Path:
+    """The fuse control file system's directory of a FUSE mount's connection (abort, waiting,
+    max_background, congestion_threshold)."""
+    return FUSECTL / entry.device.rpartition(":")[2]
+
+
 def abort_connection(entry: MountEntry) -> bool:
     """Abort the FUSE connection behind a mount: every request waiting on its daemon fails at
     once (ENOTCONN) instead of waiting for a daemon that is stopped, stuck in the kernel or
     gone, and the daemon's own calls into the kernel end. Through the fuse control file system
     (`/sys/fs/fuse/connections/N/abort`, writable by the user who mounted); False when it is
     not mounted there or the write fails."""
-    minor = entry.device.rpartition(":")[2]
     try:
-        (FUSECTL / minor / "abort").write_text("1\n")
+        (connection(entry) / "abort").write_text("1\n")
         return True
     except OSError:
         return False

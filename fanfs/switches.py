@@ -26,6 +26,10 @@ class Switches:
     # 7.N's layout and flags, so this kernel talks to the daemon as an older one would
     # (tests/adapter/test_kernels.py); 0: as sent.
     pretend_protocol: int = 0
+    # FANFS_BACKGROUND: how many READs the kernel may keep outstanding in the background (its
+    # readahead; it stops async readahead at 3/4 of it); None: sized to the node (the
+    # daemon's BACKGROUND); 0: the kernel's own (12).
+    background: int | None = None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> Switches:
@@ -34,7 +38,7 @@ class Switches:
         def value(name: str) -> str:
             return environ.get(PREFIX + name, "").strip()
 
-        spin, pretend = value("SPIN_US"), value("PRETEND_PROTOCOL")
+        spin, pretend, background = value("SPIN_US"), value("PRETEND_PROTOCOL"), value("BACKGROUND")
         return cls(
             front=value("FRONT") != "0",
             native_decode=value("NATIVE_DECODE") != "0",
@@ -42,4 +46,5 @@ class Switches:
             push=value("PUSH") != "0",
             spin_us=int(spin) if spin else SPIN_US,
             pretend_protocol=int(pretend.partition(".")[2]) if pretend else 0,
+            background=int(background) if background else None,
         )

@@ -20,7 +20,11 @@ from the FUSE device in threads of its own (answering what it can) and hands the
 the others; the loop calls it instead of reading the device and waits for `fd` instead of the
 device's fd (`terminate` wakes that wait too). `session_fileno()` gives it the device.
 
-4. The session loop takes a request that is already queued at once, going through trio's wait
+4. The background limit: `pyfuse3.set_background(n)` before `init` makes the INIT ask the
+kernel for `n` requests in the background (and a congestion threshold of 3/4 of it), so that
+many readers' readahead READs are neither queued in the kernel nor skipped.
+
+5. The session loop takes a request that is already queued at once, going through trio's wait
 for readability (a lock, an epoll_ctl, an epoll_wait) only when there is none.
 
 Idempotent: does nothing when the patched build is already installed in this interpreter (its
@@ -75,6 +79,14 @@ REPLY_REPLACEMENT = """    else:
             PyBuffer_Release(&pybuf)
 """
 HANDLERS_INCLUDE = 'include "handlers.pxi"'
+# The INIT handler, before it calls Operations.init (handlers.pxi).
+INIT_ANCHOR = """    # Blocking rather than async, in case we decide to let the
+    # init handler modify `conn` in the future.
+    operations.init()
+"""
+INIT_REPLACEMENT = """    _fanfs_init(conn)  # fanfs: the background limit (fanfs_hooks.pxi)
+    operations.init()
+"""
 # terminate() wakes the loop's wait: with a receiver that is a wait on the receiver's fd.
 TERMINATE_ANCHOR = """    fuse_session_exit(session)
     trio.lowlevel.notify_closing(session_fd)
@@ -211,13 +223,14 @@ def main() -> int:
         text, init_text, loop = handlers.read_text(), init.read_text(), internal.read_text()
         reply_at = text.find("async def fuse_read_async")
         if (text.count(ANCHOR) != 1 or text.find(REPLY_ANCHOR, reply_at) < 0
+                or text.count(INIT_ANCHOR) != 1
                 or init_text.count(HANDLERS_INCLUDE) != 1
                 or init_text.count(TERMINATE_ANCHOR) != 1
                 or any(loop.count(a) != 1 for a, _ in LOOP_PATCHES)):  # fmt: skip
             sys.exit(
                 f"install_pyfuse3: unexpected pyfuse3 source in {sdist.name}; patch not applied"
             )
-        text = text.replace(ANCHOR, REPLACEMENT)
+        text = text.replace(ANCHOR, REPLACEMENT).replace(INIT_ANCHOR, INIT_REPLACEMENT)
         text = text[:reply_at] + text[reply_at:].replace(REPLY_ANCHOR, REPLY_REPLACEMENT, 1)
         handlers.write_text(text)
         for anchor, replacement in LOOP_PATCHES:

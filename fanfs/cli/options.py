@@ -179,6 +179,10 @@ CHECKED_ENV: dict[str, tuple[Callable[[str], bool], str]] = {
     "NATIVE_REMOTE": (lambda v: v in _SWITCH, "0 (off) or 1 (on)"),
     "PUSH": (lambda v: v in _SWITCH, "0 (off) or 1 (on)"),
     "SPIN_US": (lambda v: v.isascii() and v.isdecimal(), "a whole number of microseconds"),
+    "BACKGROUND": (
+        lambda v: v.isascii() and v.isdecimal() and int(v) < 1 << 16,
+        "a whole number of requests below 65536",
+    ),
     "LOG_LEVEL": (_level, "a log level: DEBUG, INFO, WARNING, ERROR or CRITICAL"),
     "PRETEND_PROTOCOL": (_pretend, "7.N, a FUSE protocol from 7.12 (tests only)"),
 }

@@ -39,6 +39,7 @@ from fanfs.errors import FanfsError
 from fanfs.image.catalog import Catalog
 from fanfs.lifecycle import Lifecycle, check_mountpoint, expand, failed, node_name
 from fanfs.node import assemble, fuse_ops
+from fanfs.node.pool import THREADS
 from fanfs.node.staging import default_parent
 from fanfs.node.store import PartitionStore, check_partitions
 from fanfs.status import Status
@@ -49,6 +50,12 @@ log = logging.getLogger(__name__)
 # Readahead of the mount's bdi: with 1 MiB the kernel asks for big files in 1 MiB requests
 # instead of 128 KiB ones (+17 to 28 % on 2 to 8 MiB files here, docs/environment.md).
 READ_AHEAD_KB = 1024
+# READs the kernel may keep outstanding in the background: its readahead READs are all
+# background requests, and at 3/4 of this limit it skips async readahead, so the kernel's own
+# 12 would throttle many readers before the front's threads are busy. Four per front thread (a
+# reader's READ and its readahead, as many readers as cores); a user's mount gets at most the
+# fuse module's max_user_bgreq (thousands: sized from the node's memory).
+BACKGROUND = 4 * THREADS
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +179,9 @@ class Daemon:
         self.life.agree(error)  # every rank fails together, or none
         self.node = assemble.build(catalog, store, owners, self.rank, self.life.world, cfg,
                                    lambda: self.status().to_json())  # fmt: skip
+        background = cfg.switches.background
         self.life.mount(stack, self.node.ops, self.mountpoint,
+                        background=BACKGROUND if background is None else background,
                         before_unmount=self._before_unmount)  # fmt: skip
         self.node.pool.start(stack)  # stopped before the unmount (the stack is LIFO)
         log.info(

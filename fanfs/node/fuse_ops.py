@@ -41,7 +41,7 @@ ROOT = pyfuse3.ROOT_INODE  # inode = entry + ROOT (entry 0 is the root directory
 assert ROOT == INODE_BASE  # the native pool's jobs name inodes the same way
 # The level of tools/install_pyfuse3.py's patch this fanfs needs (its one definition: the
 # installer reads it from here and writes it into the build as pyfuse3.FANFS_PATCH).
-PATCH_LEVEL = 13
+PATCH_LEVEL = 14
 PATCHED = bool(getattr(pyfuse3, "FANFS_READ_PASSES_INODE", False))
 # pyfuse3 can hand READs to the native read pool (its read hook).
 READ_HOOK = getattr(pyfuse3, "FANFS_PATCH", 0) >= PATCH_LEVEL and hasattr(pyfuse3, "set_read_hook")
@@ -249,10 +249,14 @@ MOUNT_OPTIONS = {"fsname=fanfs", "subtype=fanfs", "ro", "default_permissions", "
 _session_open = False
 
 
-def mount(ops: pyfuse3.Operations, mountpoint: str, options: set[str] = MOUNT_OPTIONS) -> None:
+def mount(ops: pyfuse3.Operations, mountpoint: str, options: set[str] = MOUNT_OPTIONS,
+          background: int = 0) -> None:  # fmt: skip
     """Mount `ops` at `mountpoint` (RuntimeError if the kernel refuses); the output daemon
-    (output/fs.py) mounts its own operations with its own options."""
+    (output/fs.py) mounts its own operations with its own options. `background`: how many
+    READs the kernel may have outstanding in the background (its readahead; 0: its default)."""
     global _session_open
+    if hasattr(pyfuse3, "set_background"):
+        pyfuse3.set_background(background)
     pyfuse3.init(ops, mountpoint, set(pyfuse3.default_options) | options)
     _session_open = True
 

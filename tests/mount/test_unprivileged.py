@@ -24,6 +24,7 @@ import pytest
 from conftest import FANFS, REPO, User, teardown, wait_until
 
 from fanfs import mounts
+from fanfs.node.daemon import BACKGROUND
 
 READ_CHECK = REPO / "tools" / "read_check.py"
 
@@ -69,6 +70,13 @@ def test_user_prepares_mounts_reads_and_unmounts(user: User, work: Path) -> None
         staging = Path(json.loads(status.stdout)["store"]["local_dir"])
         assert staging.parent == user.home / "tmp"  # the default: $TMPDIR
         assert staging.stat().st_uid == user.uid and staging.stat().st_mode & 0o777 == 0o700
+        # The kernel keeps as many readahead READs in the background as the daemon asked
+        # for (its own 12 and 9 would throttle many readers); a user may raise them.
+        entry = mounts.find(mnt)  # root may not stat a user's mount: its device from mountinfo
+        assert entry is not None
+        limits = [int((mounts.connection(entry) / f).read_text())
+                  for f in ("max_background", "congestion_threshold")]  # fmt: skip
+        assert limits == [BACKGROUND, BACKGROUND * 3 // 4] and BACKGROUND > 12
         done = user.run(*FANFS, "umount", mnt)
         assert done.returncode == 0, done.stderr
         assert proc.wait(30) == 0, (work / "mount.log").read_text()

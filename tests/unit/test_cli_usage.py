@@ -34,6 +34,8 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ("FANFS_NATIVE_REMOTE", "yes"),
         ("FANFS_SPIN_US", "-5"),
         ("FANFS_SPIN_US", "²"),
+        ("FANFS_BACKGROUND", "-1"),
+        ("FANFS_BACKGROUND", "65536"),
         ("FANFS_PRETEND_PROTOCOL", "27"),
         ("FANFS_PRETEND_PROTOCOL", "7.11"),
     ],

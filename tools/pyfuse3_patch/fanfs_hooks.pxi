@@ -9,6 +9,8 @@
 #   session loop the others: the loop calls it instead of fuse_session_receive_buf and waits
 #   for `fd` to become readable instead of the FUSE fd.
 # - session_fileno(): the FUSE session's fd, for such a receiver.
+# - set_background(n): the kernel's limit of requests in the background (its readahead READs
+#   among them) that the next session's INIT asks for.
 
 from cpython.pycapsule cimport PyCapsule_GetPointer
 from libc.stdint cimport uint64_t
@@ -89,3 +91,22 @@ def session_fileno():
 def _fanfs_notify_closing():
     if _receiver != NULL:
         trio.lowlevel.notify_closing(_receiver_fd)
+
+
+cdef unsigned _background = 0
+
+
+def set_background(unsigned n):
+    '''How many requests the kernel may keep in the background (readahead READs, which it
+    sends asynchronously) that the next mount's INIT asks for; it stops async readahead at
+    three quarters of it (the congestion threshold). 0: the kernel's own (12, and 9). The kernel
+    caps both at the fuse module's max_user_bgreq and max_user_congthresh for a mount by a
+    user without CAP_SYS_ADMIN.'''
+    global _background
+    _background = n
+
+
+cdef void _fanfs_init(fuse_conn_info *conn):
+    if _background:
+        conn.max_background = _background
+        conn.congestion_threshold = max(_background * 3 // 4, 1)
