@@ -108,7 +108,7 @@ static void hand_lead_locked(struct fanfs_front *f, int all) {
 static void *front_main(void *arg) {
     struct fanfs_front *f = arg;
     char *buf = malloc(f->bufsize);
-    int leading = 0;
+    int leading = 0, traced;
     if (buf == NULL)
         return NULL;
     for (;;) {
@@ -133,7 +133,8 @@ static void *front_main(void *arg) {
             pthread_mutex_unlock(&f->lock);
             break;
         }
-        if ((size_t)n >= sizeof *in && in->opcode == FUSE_READ) {
+        traced = (size_t)n >= sizeof *in && in->opcode == FUSE_READ;
+        if (traced) {
             fanfs_budget_begin(f->last_ns);
             pthread_mutex_lock(&f->lock); /* a READ may wait for the disk: lead on, someone */
             hand_lead_locked(f, 0);
@@ -142,7 +143,8 @@ static void *front_main(void *arg) {
             fanfs_mark(FANFS_STAGE_LEAD);
         }
         fanfs_front_handle(f, &buf, n);
-        fanfs_budget_end(&f->budget, 0); /* (a READ forwarded: its trace is dropped) */
+        if (traced) /* answered, it was added and ended; forwarded, its trace is dropped */
+            fanfs_budget_end(&f->budget, 0);
     }
     free(buf);
     return NULL;
