@@ -20,8 +20,10 @@
 #ifndef FANFS_NATIVE_H
 #define FANFS_NATIVE_H
 
+#include <endian.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 #include <sys/uio.h>
 
 #define FANFS_NATIVE_API 13
@@ -227,6 +229,19 @@ void fanfs_pool_counters(struct fanfs_pool_stats *out);
 /* -- READs answered with no Python: the catalog's columns, read in place ----------------- */
 
 #define FANFS_FAST_NO 255 /* in `kind`: this entry's READs go to Python */
+
+/* Entry e of a catalog column (little-endian, maybe unaligned, as in the image). */
+static inline uint64_t fanfs_col64(const char *col, uint64_t e) {
+    uint64_t v;
+    memcpy(&v, col + e * sizeof v, sizeof v);
+    return le64toh(v);
+}
+
+static inline uint32_t fanfs_col32(const char *col, uint64_t e) {
+    uint32_t v;
+    memcpy(&v, col + e * sizeof v, sizeof v);
+    return le32toh(v);
+}
 
 /* The catalog's columns (contiguous, little-endian and maybe unaligned, as in the image) and
  * which entries the pool may answer alone. The memory must outlive the pool (the daemon's

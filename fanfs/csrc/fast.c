@@ -15,18 +15,6 @@
 
 #include "pool_int.h"
 
-static uint64_t field64(const char *col, uint64_t e) {
-    uint64_t v;
-    memcpy(&v, col + e * sizeof v, sizeof v);
-    return le64toh(v);
-}
-
-static uint32_t field32(const char *col, uint64_t e) {
-    uint32_t v;
-    memcpy(&v, col + e * sizeof v, sizeof v);
-    return le32toh(v);
-}
-
 int fanfs_pool_fast_set(const struct fanfs_fast_table *t) {
     struct fast *f = &pool_live()->fast;
     uint32_t i;
@@ -137,7 +125,7 @@ static int fast_build(struct pool *P, uint64_t ino, int64_t off, uint64_t size,
         (__atomic_load_n(&f->plan[e], __ATOMIC_ACQUIRE) & FANFS_PLAN_HELD))
         return -1;
     kind = f->t.kind[e];
-    part = field32(f->t.part, e);
+    part = fanfs_col32(f->t.part, e);
     if (part >= f->t.nparts)
         return -1;
     fd = __atomic_load_n(&f->fd[part], __ATOMIC_ACQUIRE);
@@ -145,8 +133,8 @@ static int fast_build(struct pool *P, uint64_t ino, int64_t off, uint64_t size,
              __atomic_load_n(&P->remote.on, __ATOMIC_ACQUIRE);
     if (fd < 0 && !remote)
         return -1;
-    length = field64(f->t.size, e);
-    stored = field64(f->t.stored, e);
+    length = fanfs_col64(f->t.size, e);
+    stored = fanfs_col64(f->t.stored, e);
     if (off < 0 || (uint64_t)off >= length || size == 0 || length > FANFS_PIECE_MAX ||
         stored > FANFS_PIECE_MAX)
         return -1; /* EOF, or not a piece: Python answers */
@@ -167,9 +155,9 @@ static int fast_build(struct pool *P, uint64_t ino, int64_t off, uint64_t size,
     j->count = (uint32_t)size;
     j->flags = whole ? 0 : f->t.flags;
     j->npieces = 1;
-    j->pieces[0].off = (int64_t)field64(f->t.off, e);
+    j->pieces[0].off = (int64_t)fanfs_col64(f->t.off, e);
     j->pieces[0].len = (uint32_t)stored;
-    j->pieces[0].crc = field32(f->t.crc, e);
+    j->pieces[0].crc = fanfs_col32(f->t.crc, e);
     j->pieces[0].size = (uint32_t)length;
     j->pieces[0].kind = kind;
     j->pieces[0].cache = !whole || remote; /* a peer's piece always lands in the cache */
@@ -244,7 +232,7 @@ static void looked_up(struct pool *P, uint64_t ino) {
     int i, fetch;
     uint64_t e = ino - 1;
     if (!__atomic_load_n(&f->on, __ATOMIC_ACQUIRE) || f->fd == NULL || ino < 1 ||
-        e >= f->t.n || field64(f->t.size, e) > f->t.parts_limit ||
+        e >= f->t.n || fanfs_col64(f->t.size, e) > f->t.parts_limit ||
         __atomic_load_n(&f->plan[e], __ATOMIC_ACQUIRE))
         return; /* (a planned epoch reads it ahead, or holds it read) */
     pthread_mutex_lock(&la->lock);
@@ -261,7 +249,7 @@ static void looked_up(struct pool *P, uint64_t ino) {
     pthread_mutex_unlock(&la->lock);
     if (!fetch)
         return;
-    if (fast_build(P, ino, 0, field64(f->t.size, e), &j) != 0)
+    if (fast_build(P, ino, 0, fanfs_col64(f->t.size, e), &j) != 0)
         return;
     if (j.fd <= FANFS_REMOTE_FD(0)) { /* a peer's: the MPI thread fetches it, no pool thread */
         int started;

@@ -14,21 +14,9 @@
 
 #include "front.h"
 
-static uint64_t col64(const char *col, uint64_t e) {
-    uint64_t v;
-    memcpy(&v, col + e * sizeof v, sizeof v);
-    return le64toh(v);
-}
-
-static uint32_t col32(const char *col, uint64_t e) {
-    uint32_t v;
-    memcpy(&v, col + e * sizeof v, sizeof v);
-    return le32toh(v);
-}
-
 void fanfs_meta_fill(const struct fanfs_meta *m, uint64_t e, struct fuse_attr *a) {
-    uint64_t size = col64(m->size, e);
-    int64_t t = (int64_t)col64(m->mtime, e);
+    uint64_t size = fanfs_col64(m->size, e);
+    int64_t t = (int64_t)fanfs_col64(m->mtime, e);
     int64_t sec = t / 1000000000, nsec = t % 1000000000;
     if (nsec < 0) { /* before 1970: the nanoseconds count forwards from a whole second */
         nsec += 1000000000;
@@ -37,10 +25,10 @@ void fanfs_meta_fill(const struct fanfs_meta *m, uint64_t e, struct fuse_attr *a
     memset(a, 0, sizeof *a);
     a->ino = e + 1;
     a->size = size;
-    a->blocks = col64(m->blocks, e);
+    a->blocks = fanfs_col64(m->blocks, e);
     a->atime = a->mtime = a->ctime = (uint64_t)sec;
     a->atimensec = a->mtimensec = a->ctimensec = (uint32_t)nsec;
-    a->mode = col32(m->mode, e);
+    a->mode = fanfs_col32(m->mode, e);
     a->nlink = m->nlink[e];
     a->uid = m->uid;
     a->gid = m->gid;
@@ -48,10 +36,10 @@ void fanfs_meta_fill(const struct fanfs_meta *m, uint64_t e, struct fuse_attr *a
 }
 
 int fanfs_meta_is_file(const struct fanfs_meta *m, uint64_t e) {
-    return S_ISREG(col32(m->mode, e));
+    return S_ISREG(fanfs_col32(m->mode, e));
 }
 
-uint32_t fanfs_meta_part(const struct fanfs_meta *m, uint64_t e) { return col32(m->part, e); }
+uint32_t fanfs_meta_part(const struct fanfs_meta *m, uint64_t e) { return fanfs_col32(m->part, e); }
 
 int fanfs_meta_attr(const struct fanfs_meta *m, uint64_t e, uint64_t out[12]) {
     struct fuse_attr a;
@@ -67,15 +55,15 @@ int fanfs_meta_attr(const struct fanfs_meta *m, uint64_t e, uint64_t out[12]) {
 int64_t fanfs_meta_lookup(const struct fanfs_meta *m, uint64_t parent, const char *name,
                           size_t len) {
     uint64_t lo, hi;
-    if (parent >= m->n || !S_ISDIR(col32(m->mode, parent)))
+    if (parent >= m->n || !S_ISDIR(fanfs_col32(m->mode, parent)))
         return -1;
-    lo = col32(m->child_start, parent);
-    hi = lo + col32(m->child_count, parent);
+    lo = fanfs_col32(m->child_start, parent);
+    hi = lo + fanfs_col32(m->child_count, parent);
     if (hi > m->n)
         return -1;
     while (lo < hi) { /* names sorted by their bytes, a prefix before what extends it */
-        uint64_t mid = lo + (hi - lo) / 2, off = col64(m->name_off, mid);
-        uint32_t nlen = col32(m->name_len, mid);
+        uint64_t mid = lo + (hi - lo) / 2, off = fanfs_col64(m->name_off, mid);
+        uint32_t nlen = fanfs_col32(m->name_len, mid);
         int c;
         if (off > m->strings_len || nlen > m->strings_len - off)
             return -1; /* the catalog was checked at load; never trust it further */
