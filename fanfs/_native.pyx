@@ -88,6 +88,7 @@ cdef extern from "fanfs_native.h" nogil:
     void fanfs_pool_set_dicts(fanfs_dicts *d)
     int fanfs_pool_submit(void *session, void *req, const fanfs_job *job)
     int fanfs_pool_read_ahead(const fanfs_job *job)
+    int fanfs_pool_push_file(const fanfs_job *job, int devfd) nogil
     void fanfs_pool_drop()
     void fanfs_pool_counters(fanfs_pool_stats *out)
     struct fanfs_fast_table:
@@ -455,6 +456,19 @@ def pool_read_ahead(tuple job):
     if _job_from(job, &j) != 0:
         return False
     return fanfs_pool_read_ahead(&j) == 0
+
+
+def pool_push_file(tuple job, int devfd):
+    """Read, check and decode a file stored whole (`job`: one piece) and store it into the
+    kernel's page cache through the FUSE device `devfd`, in this thread (it may wait for READs
+    in flight): 1 stored, 0 the kernel does not know its inode, else an errno."""
+    cdef fanfs_job j
+    cdef int r
+    if _job_from(job, &j) != 0:
+        return EINVAL
+    with nogil:
+        r = fanfs_pool_push_file(&j, devfd)
+    return r
 
 
 def pool_drop():

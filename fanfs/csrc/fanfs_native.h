@@ -26,7 +26,7 @@
 #include <string.h>
 #include <sys/uio.h>
 
-#define FANFS_NATIVE_API 13
+#define FANFS_NATIVE_API 14
 
 /* What a piece's stored bytes are (fanfs/node/pool.py names the same numbers). */
 enum {
@@ -218,6 +218,13 @@ int fanfs_pool_submit(void *session, void *req, const struct fanfs_job *job);
 /* Queue a read-ahead (no request): its pieces are decoded into the cache, and pushed when the
  * job says so. 0, or -1 if it was not queued. */
 int fanfs_pool_read_ahead(const struct fanfs_job *job);
+/* A planned epoch's read-ahead of one file stored whole (`job`: its one piece, as a READ of
+ * all of it), in the calling thread, which may wait for the page locks of READs in flight (a
+ * planner's thread, never one that answers READs): read, checked and decoded into the
+ * thread's own buffers as a READ's would be, then stored into the kernel's page cache through
+ * the FUSE device `devfd`. 1 stored, 0 the kernel does not know the inode yet, else an errno
+ * (FANFS_EBADCRC, FANFS_EBADDATA: the file is bad; a failed read or store). */
+int fanfs_pool_push_file(const struct fanfs_job *job, int devfd);
 /* Empty the cache of decoded pieces (cold measurements). */
 void fanfs_pool_drop(void);
 

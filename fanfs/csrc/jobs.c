@@ -280,6 +280,22 @@ int job_answer(struct pool *P, struct qjob *qj, const struct target *t,
     return 0;
 }
 
+int fanfs_pool_push_file(const struct fanfs_job *j, int devfd) {
+    struct pool *P = pool_live();
+    struct fanfs_dicts *dicts;
+    struct got g = {NULL, -1, NULL, 0, 0};
+    int err;
+    if (j->npieces != 1 || j->ino == 0 || j->fd < 0 || devfd < 0)
+        return EINVAL;
+    dicts = pool_dicts_hold(&P->work);
+    err = piece_alone(&P->pieces, j, &j->pieces[0], dicts, &g);
+    fanfs_dicts_free(dicts);
+    if (err == 0)
+        err = -fanfs_raw_notify_store(devfd, j->ino, 0, g.data, j->pieces[0].size);
+    job_buffers_trim();
+    return err == 0 ? 1 : err == ENOENT ? 0 : err;
+}
+
 /* A read-ahead: decode each piece nobody holds into the cache (and push it, if asked). */
 static void run_ahead(struct pool *P, struct qjob *qj) {
     struct pieces *c = &P->pieces;

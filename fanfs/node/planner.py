@@ -4,8 +4,10 @@
 task takes what is due and hands it to PUSH_THREADS threads, which fetch the stored bytes
 (fanfs/node/sources.py's blocking side: the staged partition, a peer, or the image), check them,
 decode them and store them straight into the kernel's page cache (`push`, notify_store), so
-the job's READ never reaches the daemon. A whole file the kernel cannot take yet (it has not
-looked up its inode) goes back to the event loop to wait in `Plans` for its READ. A framed
+the job's READ never reaches the daemon. A file stored whole in a partition staged here is read,
+checked, decoded and stored by the C in the thread, with no Python per byte (`_in_c`,
+fanfs_pool_push_file). A whole file the kernel cannot take yet (it has not looked up its
+inode) goes back to the event loop to wait in `Plans` for its READ. A framed
 file is read frame by frame, each frame decoded and stored at its offset, up to the bytes
 `Plans` planned for it: memory never holds more than one frame per thread.
 
@@ -44,6 +46,9 @@ import trio
 
 from fanfs.image import catalog as cat
 from fanfs.image import codec
+from fanfs.native import lib
+from fanfs.node.jobs import WHOLE_CODECS, piece_kind
+from fanfs.node.jobs import job as native_job
 from fanfs.node.plans import Plans, Share
 from fanfs.node.pool import NativePool
 from fanfs.node.sources import Sources
@@ -103,6 +108,7 @@ class ReadAhead:
         self.pushed = 0
         self.prefetched_bytes = 0
         self.failed = 0
+        self.in_c = 0  # of the pushed, files read, checked, decoded and stored by the C alone
         self.followed = 0  # files the front answered and told of
 
     async def run(self) -> None:
@@ -245,9 +251,37 @@ class ReadAhead:
         assert self._token is not None
         return self.sources.stored_blocking(entry, offset, length, crc, self._token)
 
+    def _in_c(self, entry: int) -> bool | None:
+        """Read, check, decode and store a file staged here all in C, in this thread
+        (fanfs_pool_push_file): True stored, False the kernel does not know it yet, None where
+        the C does not read it (no front, not staged yet, a kind the pool leaves to Python).
+        OSError if the read, check, decode or store failed."""
+        c, pool, local = self.catalog, self.pool, self.sources.local
+        size, codec_id = int(c.size[entry]), int(c.codec[entry])
+        kinds = WHOLE_CODECS if pool.decodes else (cat.CODEC_RAW,)
+        if (pool.front is None or not pool.front.running or not local.mine(entry)
+                or not 0 < size <= lib.PIECE_MAX or int(c.stored_len[entry]) > lib.PIECE_MAX
+                or codec_id not in kinds):  # fmt: skip
+            return None
+        part, _ = local.where(entry)
+        if not local.staged(part):
+            return None
+        piece = (int(c.data_off[entry]), int(c.stored_len[entry]), int(c.crc[entry]),
+                 piece_kind(codec_id), size, 0)  # fmt: skip
+        # Read through the page cache (no O_DIRECT descriptor): `_queue` advised the kernel to
+        # read the file when it was due, and an O_DIRECT read would read it from the disk again.
+        one = native_job(local.fd(part), -1, entry, 0, 0, size, 0, [piece])
+        done = lib.pool_push_file(one, pool.front.session_fd())
+        if done not in (0, 1):
+            raise OSError(done, os.strerror(done))
+        return done == 1
+
     def _whole(self, job: Job, stored: bytes | None = None) -> None:
         share, s, pos, entry, _ = job
         c = self.catalog
+        if stored is None and self._in_c(entry):
+            self._done(int(c.size[entry]), True, in_c=True)
+            return
         crc = int(c.crc[entry])
         checked = stored is not None
         if stored is None:
@@ -283,8 +317,9 @@ class ReadAhead:
             done += len(data)
         self._done(done, pushed)
 
-    def _done(self, nbytes: int, pushed: bool) -> None:
+    def _done(self, nbytes: int, pushed: bool, in_c: bool = False) -> None:
         with self._count:
             self.prefetched += 1
             self.prefetched_bytes += nbytes
             self.pushed += pushed
+            self.in_c += in_c

@@ -372,7 +372,8 @@ class Plans:
                 self.dropped_unread_bytes += len(held.data)
 
     def statistics(self, prefetched: int, pushed: int, prefetched_bytes: int, failed: int,
-                   followed: int = 0, followed_lost: int = 0) -> PlanStatus:  # fmt: skip
+                   followed: int = 0, followed_lost: int = 0,
+                   in_c: int = 0) -> PlanStatus:  # fmt: skip
         shares = list(self.shares.values())
         return PlanStatus(
             shares=len(shares),
@@ -381,6 +382,7 @@ class Plans:
             position=sum(s.position for s in shares),
             prefetched=prefetched,
             pushed_to_kernel=pushed,
+            pushed_in_c=in_c,
             prefetched_bytes=prefetched_bytes,
             held_bytes=self.held_bytes,
             hits=self.hits,

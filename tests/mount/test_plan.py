@@ -9,6 +9,7 @@ in the daemon's memory until the READ takes them."""
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import json
 import os
 import random
@@ -25,6 +26,7 @@ import pytest
 from conftest import FANFS, Mount, fanfs, mounted, prepare, wait_until
 
 from fanfs import mounts, plan
+from fanfs.image import catalog as cat
 from fanfs.node.plans import MIN_WINDOW as SLACK
 from fanfs.plan import PlanRefused
 
@@ -72,14 +74,52 @@ def test_listed_files_go_into_the_page_cache(tree: Path, mount: Mount) -> None:
     rels = order(tree, 1)
     for d in mount.mountpoint.iterdir():  # as ImageFolder does: the kernel learns every inode
         list(os.scandir(d))
+    assert wait_until(lambda: mount.status()["store"]["staging_done"], 30)
     taken = plan.publish(mount.mountpoint, [mount.mountpoint / r for r in rels])
     assert (taken.planned, taken.missing) == (N_FILES, 0)
     s = read_ahead(mount, N_FILES)
     assert s["pushed_to_kernel"] == N_FILES and s["held_bytes"] == 0
+    assert s["pushed_in_c"] == N_FILES  # staged here: read, checked and stored with no Python
     reads = mount.status()["reader"]["reads"]
     for r in rels:
         assert (mount.mountpoint / r).read_bytes() == (tree / r).read_bytes(), r
     assert mount.status()["reader"]["reads"] == reads  # every byte came from the page cache
+
+
+def test_a_staged_file_gone_bad_is_left_to_its_read(tree: Path, image: Path,
+                                                     tmp_path: Path) -> None:  # fmt: skip
+    """The C's read-ahead of a planned file checks it as a READ does: a staged copy that went
+    bad after staging is never stored into the page cache; the read-ahead counts it failed and
+    its READ answers EIO, every other file its bytes."""
+    rels = order(tree, 4)
+    c, _ = cat.Catalog.load(image)
+    victim = c.resolve(rels[7].encode())
+    assert victim is not None
+    with mounted(image, tmp_path / "mnt", tmp_path / "local", "--keep-local") as m:
+        assert wait_until(lambda: m.status()["store"]["staging_done"], 30)
+        staged = Path(m.status()["store"]["local_dir"]) / cat.partition_name(int(c.part[victim]))
+        fd = os.open(staged, os.O_RDWR)
+        try:
+            at = int(c.data_off[victim]) + int(c.stored_len[victim]) // 2
+            os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0x5A]), at)
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        for d in m.mountpoint.iterdir():
+            list(os.scandir(d))
+        plan.publish(m.mountpoint, [m.mountpoint / r for r in rels])
+        assert wait_until(lambda: plan_status(m)["prefetched"] + plan_status(m)["failed"]
+                          >= N_FILES, 30), plan_status(m)  # fmt: skip
+        s = plan_status(m)
+        assert (s["failed"], s["pushed_in_c"]) == (1, N_FILES - 1), s
+        for r in rels:
+            if r == rels[7]:
+                with pytest.raises(OSError) as err:
+                    (m.mountpoint / r).read_bytes()
+                assert err.value.errno == errno.EIO
+            else:
+                assert (m.mountpoint / r).read_bytes() == (tree / r).read_bytes(), r
 
 
 def test_reading_at_once_while_the_daemon_reads_ahead(tree: Path, mount: Mount) -> None:
