@@ -17,7 +17,9 @@ gone (MPI_Finalize can wait for it forever).
 Signals (SIGTERM, SIGINT, SIGHUP) mean "stop", whenever they come, never Python's defaults
 (which would kill the daemon without cleaning up): outside trio the first one is noted (and
 the next `agree` fails every rank together, exit 130); inside trio `watch_signals` hands
-each one to the daemon, which decides what stopping means for it.
+each one to the daemon, which decides what stopping means for it. One that came before `run`
+took them, while the daemon loaded, is noted by the daemon command's `Early`
+(fanfs/stopsignals.py) and taken as if it came then.
 
 Concurrency: the main thread, outside trio (run, agree, mount, unmount) or in it
 (watch_signals); the signal handler only notes.
@@ -40,8 +42,7 @@ from fanfs import mounts
 from fanfs import world as mpi
 from fanfs.errors import ExitCode, FanfsError, Interrupted, MountFailed, MountpointError
 from fanfs.node import fuse_ops
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+from fanfs.stopsignals import STOP_SIGNALS, Early
 
 
 def node_name(rank: int) -> str:
@@ -91,12 +92,15 @@ class Lifecycle:
     """One daemon's life around its body. `log` is the daemon's logger (its lines keep their
     name); `noted`, if not None, is the line logged (with the signal's name) when a stop signal
     comes outside trio; `interrupted` the message of a start-up cut short by one (with
-    `{signal}`, its name)."""
+    `{signal}`, its name); `early`: what held the signals before (the daemon command's first
+    step), whose signal counts as the first."""
 
-    def __init__(self, log: logging.Logger, *, noted: str | None, interrupted: str):
+    def __init__(self, log: logging.Logger, *, noted: str | None, interrupted: str,
+                 early: Early | None = None):  # fmt: skip
         self.log = log
         self.noted = noted
         self.interrupted = interrupted
+        self.early = early
         self.rank, self.size = 0, 1
         self.world: mpi.World | None = None
         self.stop_signal = 0  # the first stop signal received
@@ -110,6 +114,8 @@ class Lifecycle:
         with contextlib.ExitStack() as stack:
             for sig in STOP_SIGNALS:
                 stack.callback(signal.signal, sig, signal.signal(sig, self._on_signal))
+            if self.early is not None and self.early.first:  # it came while the daemon loaded
+                self._on_signal(self.early.first, None)
             self.world = mpi.join(dict(os.environ))
             if self.world is not None:
                 self.rank, self.size = self.world.rank, self.world.size

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fanfs import mounts
+from fanfs import mounts, stopsignals
 from fanfs.cli.options import (
     Subparsers,
     env_default,
@@ -46,6 +46,7 @@ POLL_S = 0.1  # wait/umount poll interval: fast enough for tests, idle enough fo
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
+    early = stopsignals.Early()  # first: the imports below take a few hundred milliseconds
     from fanfs.node.daemon import Daemon, MountConfig
 
     if args.keep_size is not None and not args.keep:
@@ -65,7 +66,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         linger=args.linger,
         switches=switches(),
     )
-    Daemon(cfg).run()
+    Daemon(cfg, early).run()
     return ExitCode.OK
 
 

@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any
 
-from fanfs import mounts
+from fanfs import mounts, stopsignals
 from fanfs.cli.options import (
     Subparsers,
     env_default,
@@ -34,6 +34,7 @@ GIVE_UP_ATTEMPTS = 3
 
 
 def cmd_output(args: argparse.Namespace) -> int:
+    early = stopsignals.Early()  # first: the imports below take a few hundred milliseconds
     from fanfs.output.daemon import OutputConfig, OutputDaemon
 
     if args.mountpoint is None and not args.recover:
@@ -43,7 +44,7 @@ def cmd_output(args: argparse.Namespace) -> int:
         dest=args.dest, mountpoint=args.mountpoint, local=args.local, nonempty=args.nonempty,
         replicas=args.replicas, peer_timeout=args.peer_timeout, drain=args.drain,
         interval=args.interval, switches=switches(),
-    )).run()  # fmt: skip
+    ), early).run()  # fmt: skip
     return ExitCode.OK
 
 

@@ -43,6 +43,7 @@ from fanfs.node.pool import THREADS
 from fanfs.node.staging import default_parent
 from fanfs.node.store import PartitionStore, check_partitions
 from fanfs.status import Status
+from fanfs.stopsignals import Early
 from fanfs.switches import Switches
 
 log = logging.getLogger(__name__)
@@ -88,12 +89,14 @@ def _tune_readahead(mountpoint: Path) -> None:
 
 
 class Daemon:
-    def __init__(self, cfg: MountConfig):
+    def __init__(self, cfg: MountConfig, early: Early | None = None):
+        """`early`: what held the stop signals since the command's start (stopsignals)."""
         self.cfg = cfg
         self.started = time.time()
         self.serving = False
         self.life = Lifecycle(log, noted="%s: stopping",
-                              interrupted="stopped by {signal} before serving")  # fmt: skip
+                              interrupted="stopped by {signal} before serving",
+                              early=early)  # fmt: skip
         self.node: assemble.Node | None = None  # every part of the daemon, once built
         self.plan_socket = ""
         self.mountpoint = Path(cfg.mountpoint)

@@ -50,6 +50,7 @@ from fanfs.node.staging import StagingDir, default_parent
 from fanfs.output import assemble, fs, recover
 from fanfs.output.dest import Dest
 from fanfs.output.salvage import cancel_on, land_dead
+from fanfs.stopsignals import Early
 from fanfs.switches import Switches
 
 log = logging.getLogger(__name__)
@@ -103,10 +104,11 @@ def check_dest(dest: Path, mountpoint: Path | None, local: Path) -> None:
 
 
 class OutputDaemon:
-    def __init__(self, cfg: OutputConfig):
+    def __init__(self, cfg: OutputConfig, early: Early | None = None):
+        """`early`: what held the stop signals since the command's start (stopsignals)."""
         self.cfg = cfg
         self.started = time.time()
-        self.life = Lifecycle(log, noted=None, interrupted="stopped before serving")
+        self.life = Lifecycle(log, noted=None, interrupted="stopped before serving", early=early)
         self.phase = "starting"
         self.mountpoint = Path(cfg.mountpoint or ".")
         self.dest = Path(cfg.dest)

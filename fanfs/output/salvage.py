@@ -17,11 +17,11 @@ from pathlib import Path
 import trio
 
 from fanfs.errors import NotLanded
-from fanfs.lifecycle import STOP_SIGNALS
 from fanfs.output import recover
 from fanfs.output.dest import Dest, LandingError
 from fanfs.output.journal import Journal
 from fanfs.output.lander import Lander, Source
+from fanfs.stopsignals import STOP_SIGNALS
 
 GIVE_UP = 3  # failed attempts of one op after which a recovery without a mount gives up
 
