@@ -461,7 +461,8 @@ def pool_read_ahead(tuple job):
 def pool_push_file(tuple job, int devfd):
     """Read, check and decode a file stored whole (`job`: one piece) and store it into the
     kernel's page cache through the FUSE device `devfd`, in this thread (it may wait for READs
-    in flight): 1 stored, 0 the kernel does not know its inode, else an errno."""
+    in flight): 0 stored, -1 the kernel does not know its inode (nothing read), else an
+    errno."""
     cdef fanfs_job j
     cdef int r
     if _job_from(job, &j) != 0:

@@ -21,6 +21,7 @@ import fcntl
 import os
 import pwd
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -33,6 +34,7 @@ from typing import Protocol, TypeVar
 
 import pytest
 
+from fanfs import mounts
 from fanfs.bench import datagen, launch
 
 FANFS = launch.FANFS  # the installed entry point
@@ -46,6 +48,13 @@ REPO = TESTS.parent
 # whichever files a run collects. Test files' names stay unique across folders (pytest's
 # default import mode needs that anyway).
 sys.path.extend(str(d) for d in sorted(TESTS.iterdir()) if d.is_dir() and any(d.glob("test_*.py")))
+# The daemons the tests start get the stop signals' default dispositions, as from a terminal,
+# whatever started the run: a script's `cmd &` starts it ignoring SIGINT and nohup SIGHUP, exec
+# keeps both, and a daemon signalled before it takes them (its first ~0.1 s) would then not
+# stop. (tests/mount/test_signals.py makes a daemon ignore them on purpose where it means to.)
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def tiers(config: pytest.Config) -> list[str]:
@@ -348,3 +357,21 @@ def user() -> Iterator[User]:
                 subprocess.run(["umount", "-l", line.split()[1]], check=False, timeout=30)
         shutil.rmtree(home, ignore_errors=True)
         subprocess.run(["userdel", TEST_USER], check=False, timeout=30)
+
+
+@pytest.fixture
+def fusectl() -> Iterator[None]:
+    """The fuse control file system, where a connection can be aborted and its limits read
+    (systemd mounts it at boot; this machine's setup script does when it is missing)."""
+    # Mounted or not, the directory is empty while no FUSE connection exists: ask the table.
+    with open("/proc/self/mounts") as f:
+        present = any(line.split()[1:3] == [str(mounts.FUSECTL), "fusectl"] for line in f)
+    mounted_here = not present
+    if mounted_here:
+        subprocess.run(["mount", "-t", "fusectl", "none", str(mounts.FUSECTL)], check=True,
+                       timeout=30)  # fmt: skip
+    try:
+        yield
+    finally:
+        if mounted_here:
+            subprocess.run(["umount", str(mounts.FUSECTL)], check=False, timeout=30)

@@ -222,8 +222,9 @@ int fanfs_pool_read_ahead(const struct fanfs_job *job);
  * all of it), in the calling thread, which may wait for the page locks of READs in flight (a
  * planner's thread, never one that answers READs): read, checked and decoded into the
  * thread's own buffers as a READ's would be, then stored into the kernel's page cache through
- * the FUSE device `devfd`. 1 stored, 0 the kernel does not know the inode yet, else an errno
- * (FANFS_EBADCRC, FANFS_EBADDATA: the file is bad; a failed read or store). */
+ * the FUSE device `devfd`. 0 stored, -1 the kernel does not know the inode (nothing read), else
+ * an errno (FANFS_EBADCRC, FANFS_EBADDATA: the file is bad, and reported as a READ's would be;
+ * a failed read or store). */
 int fanfs_pool_push_file(const struct fanfs_job *job, int devfd);
 /* Empty the cache of decoded pieces (cold measurements). */
 void fanfs_pool_drop(void);

@@ -287,13 +287,19 @@ int fanfs_pool_push_file(const struct fanfs_job *j, int devfd) {
     int err;
     if (j->npieces != 1 || j->ino == 0 || j->fd < 0 || devfd < 0)
         return EINVAL;
+    /* An empty store first: the kernel answers ENOENT for an inode it does not know, having
+     * copied nothing, and the file is then not read for nothing. */
+    if ((err = -fanfs_raw_notify_store(devfd, j->ino, 0, NULL, 0)) != 0)
+        return err == ENOENT ? -1 : err;
     dicts = pool_dicts_hold(&P->work);
     err = piece_alone(&P->pieces, j, &j->pieces[0], dicts, &g);
     fanfs_dicts_free(dicts);
     if (err == 0)
         err = -fanfs_raw_notify_store(devfd, j->ino, 0, g.data, j->pieces[0].size);
+    else if (bad_data(err))
+        post_error(P, j->entry, err); /* marked bad, as a READ's failure would */
     job_buffers_trim();
-    return err == 0 ? 1 : err == ENOENT ? 0 : err;
+    return err == ENOENT ? -1 : err;
 }
 
 /* A read-ahead: decode each piece nobody holds into the cache (and push it, if asked). */

@@ -104,6 +104,10 @@ class ReadAhead:
         self._scope = trio.CancelScope()
         self._finished = trio.Event()
         self._threads: list[threading.Thread] = []
+        # The FUSE device for `_in_c`'s stores, a descriptor of the engine's own: once the
+        # session has closed its own, a late store reaches a dead connection, never a file
+        # that reused the number. Closed when every pusher has stopped.
+        self._device = -1
         self.prefetched = 0
         self.pushed = 0
         self.prefetched_bytes = 0
@@ -114,6 +118,8 @@ class ReadAhead:
     async def run(self) -> None:
         """Read ahead of every share until cancelled or stopped."""
         self._token = trio.lowlevel.current_trio_token()
+        if self.pool.front is not None and self.pool.front.running:
+            self._device = os.dup(self.pool.front.session_fd())
         self._threads = [threading.Thread(target=self._pusher, name=f"fanfs-plan-{i}",
                                           daemon=True) for i in range(PUSH_THREADS)]  # fmt: skip
         for t in self._threads:
@@ -188,6 +194,9 @@ class ReadAhead:
                                 STOP_TIMEOUT_S)  # fmt: skip
 
         await trio.to_thread.run_sync(join)
+        if self._device >= 0 and not any(t.is_alive() for t in self._threads):
+            os.close(self._device)
+            self._device = -1
 
     # -- the pusher threads -----------------------------------------------------------------
 
@@ -253,13 +262,13 @@ class ReadAhead:
 
     def _in_c(self, entry: int) -> bool | None:
         """Read, check, decode and store a file staged here all in C, in this thread
-        (fanfs_pool_push_file): True stored, False the kernel does not know it yet, None where
-        the C does not read it (no front, not staged yet, a kind the pool leaves to Python).
-        OSError if the read, check, decode or store failed."""
+        (fanfs_pool_push_file): True stored, False the kernel does not know it yet (nothing
+        read), None where the C does not read it (no front, not staged yet, a kind the pool
+        leaves to Python). OSError if the read, check, decode or store failed."""
         c, pool, local = self.catalog, self.pool, self.sources.local
         size, codec_id = int(c.size[entry]), int(c.codec[entry])
         kinds = WHOLE_CODECS if pool.decodes else (cat.CODEC_RAW,)
-        if (pool.front is None or not pool.front.running or not local.mine(entry)
+        if (self._device < 0 or not local.mine(entry)
                 or not 0 < size <= lib.PIECE_MAX or int(c.stored_len[entry]) > lib.PIECE_MAX
                 or codec_id not in kinds):  # fmt: skip
             return None
@@ -271,10 +280,10 @@ class ReadAhead:
         # Read through the page cache (no O_DIRECT descriptor): `_queue` advised the kernel to
         # read the file when it was due, and an O_DIRECT read would read it from the disk again.
         one = native_job(local.fd(part), -1, entry, 0, 0, size, 0, [piece])
-        done = lib.pool_push_file(one, pool.front.session_fd())
-        if done not in (0, 1):
+        done = lib.pool_push_file(one, self._device)
+        if done > 0:
             raise OSError(done, os.strerror(done))
-        return done == 1
+        return done == 0
 
     def _whole(self, job: Job, stored: bytes | None = None) -> None:
         share, s, pos, entry, _ = job

@@ -14,7 +14,6 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -225,24 +224,6 @@ def test_umount_after_the_daemon_was_killed(small_image: Path, tmp_path: Path) -
         done = fanfs("umount", m.mountpoint, timeout=30)
         assert done.returncode == 0, done.stderr
         assert mounts.find(m.mountpoint) is None
-
-
-@pytest.fixture
-def fusectl() -> Iterator[None]:
-    """The fuse control file system, where a connection can be aborted (systemd mounts it at
-    boot; this machine's setup script does when it is missing)."""
-    # Mounted or not, the directory is empty while no FUSE connection exists: ask the table.
-    with open("/proc/self/mounts") as f:
-        present = any(line.split()[1:3] == [str(mounts.FUSECTL), "fusectl"] for line in f)
-    mounted_here = not present
-    if mounted_here:
-        subprocess.run(["mount", "-t", "fusectl", "none", str(mounts.FUSECTL)], check=True,
-                       timeout=30)  # fmt: skip
-    try:
-        yield
-    finally:
-        if mounted_here:
-            subprocess.run(["umount", str(mounts.FUSECTL)], check=False, timeout=30)
 
 
 def test_umount_frees_readers_of_a_stopped_daemon(
