@@ -113,7 +113,12 @@ class Lifecycle:
         its parts register their teardown on; `gone()`: the ranks known dead at the end."""
         with contextlib.ExitStack() as stack:
             for sig in STOP_SIGNALS:
-                stack.callback(signal.signal, sig, signal.signal(sig, self._on_signal))
+                # Once everything registered after this has run, the work is done and a stop
+                # signal has nothing left to stop: ignored, not given back its default action,
+                # which Python's exit would do (a daemon that had cleaned up was killed by a
+                # late SIGTERM and exited -15).
+                signal.signal(sig, self._on_signal)
+                stack.callback(signal.signal, sig, signal.SIG_IGN)
             if self.early is not None and self.early.first:  # it came while the daemon loaded
                 self._on_signal(self.early.first, None)
             self.world = mpi.join(dict(os.environ))
