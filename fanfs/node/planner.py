@@ -118,8 +118,9 @@ class ReadAhead:
     async def run(self) -> None:
         """Read ahead of every share until cancelled or stopped."""
         self._token = trio.lowlevel.current_trio_token()
-        if self.pool.front is not None and self.pool.front.running:
-            self._device = os.dup(self.pool.front.session_fd())
+        device = self.pool.front.session_fd() if self.pool.front is not None else -1
+        if device >= 0 and self.pool.front is not None and self.pool.front.running:
+            self._device = os.dup(device)
         self._threads = [threading.Thread(target=self._pusher, name=f"fanfs-plan-{i}",
                                           daemon=True) for i in range(PUSH_THREADS)]  # fmt: skip
         for t in self._threads:
