@@ -166,8 +166,10 @@ void fanfs_remote_set_wake(int fd, int max_waiting, int64_t wait_ns) {
 int fanfs_remote_take(struct fanfs_rreq *out, int max) {
     struct remote *rq = &pool_live()->remote;
     int n = 0;
-    int64_t now = fanfs_now_ns();
+    int64_t now;
     pthread_mutex_lock(&rq->lock);
+    now = fanfs_now_ns(); /* under the lock: a request queued while this thread waited for it
+                             was stamped later than a clock read before (its legs were lost) */
     while (n < max && rq->n > 0) {
         out[n] = rq->q[rq->first];
         out[n].taken_ns = now;
