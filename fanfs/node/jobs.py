@@ -45,6 +45,12 @@ def piece_kind(codec_id: int) -> int:
     return KIND_FILTERED
 
 
+def whole_piece(c: cat.Catalog, entry: int, cache: int) -> tuple[int, ...]:
+    """A file stored whole as a job's piece (kept in the pool's cache of pieces if `cache`)."""
+    return (int(c.data_off[entry]), int(c.stored_len[entry]), int(c.crc[entry]),
+            piece_kind(int(c.codec[entry])), int(c.size[entry]), cache)  # fmt: skip
+
+
 def frame_kind(table: codec.FrameTable, i: int) -> int:
     """The kind of frame i of a framed file."""
     fid = int(table.filters[i])

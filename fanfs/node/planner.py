@@ -47,8 +47,8 @@ import trio
 from fanfs.image import catalog as cat
 from fanfs.image import codec
 from fanfs.native import lib
-from fanfs.node.jobs import WHOLE_CODECS, piece_kind
 from fanfs.node.jobs import job as native_job
+from fanfs.node.jobs import whole_piece
 from fanfs.node.plans import Plans, Share
 from fanfs.node.pool import NativePool
 from fanfs.node.sources import Sources
@@ -264,23 +264,17 @@ class ReadAhead:
     def _in_c(self, entry: int) -> bool | None:
         """Read, check, decode and store a file staged here all in C, in this thread
         (fanfs_pool_push_file): True stored, False the kernel does not know it yet (nothing
-        read), None where the C does not read it (no front, not staged yet, a kind the pool
-        leaves to Python). OSError if the read, check, decode or store failed."""
-        c, pool, local = self.catalog, self.pool, self.sources.local
-        size, codec_id = int(c.size[entry]), int(c.codec[entry])
-        kinds = WHOLE_CODECS if pool.decodes else (cat.CODEC_RAW,)
-        if (self._device < 0 or not local.mine(entry)
-                or not 0 < size <= lib.PIECE_MAX or int(c.stored_len[entry]) > lib.PIECE_MAX
-                or codec_id not in kinds):  # fmt: skip
+        read), None where the C does not read it (no front, not staged yet, a file the front's
+        pool leaves to Python). OSError if the read, check, decode or store failed."""
+        c, kinds, local = self.catalog, self.pool.kinds, self.sources.local
+        if self._device < 0 or kinds is None or kinds[entry] == lib.FAST_NO:
             return None
-        part, _ = local.where(entry)
-        if not local.staged(part):
+        if not local.mine(entry) or not local.staged(part := local.where(entry)[0]):
             return None
-        piece = (int(c.data_off[entry]), int(c.stored_len[entry]), int(c.crc[entry]),
-                 piece_kind(codec_id), size, 0)  # fmt: skip
         # Read through the page cache (no O_DIRECT descriptor): `_queue` advised the kernel to
         # read the file when it was due, and an O_DIRECT read would read it from the disk again.
-        one = native_job(local.fd(part), -1, entry, 0, 0, size, 0, [piece])
+        one = native_job(local.fd(part), -1, entry, 0, 0, int(c.size[entry]), 0,
+                         [whole_piece(c, entry, 0)])  # fmt: skip
         done = lib.pool_push_file(one, self._device)
         if done > 0:
             raise OSError(done, os.strerror(done))

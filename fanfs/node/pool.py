@@ -53,6 +53,7 @@ from fanfs.node.jobs import (  # noqa: F401 (JOB_FIELDS, KIND_*: the tests read 
     frame_piece,
     job,
     piece_kind,
+    whole_piece,
 )
 from fanfs.status import LEGS, NO_FRONT, STAGES, FrontStatus
 
@@ -191,6 +192,9 @@ class NativePool:
         self.crc32 = lib.CRC_LIBRARY  # the library the pool checks CRCs with
         self.can_decode = False  # libzstd found and the image's dictionaries taken
         self.jobs = 0  # READs handed to the pool
+        # Per entry, the piece kind the front's pool reads it as alone (jobs.fast_kinds), or
+        # lib.FAST_NO; None while it has no front.
+        self.kinds: np.ndarray | None = None
 
     @property
     def decodes(self) -> bool:
@@ -226,9 +230,9 @@ class NativePool:
         self.install_hook(lib.read_hook())
         if self.front is not None:
             c = self.catalog
-            lib.pool_fast(c.size, c.part, c.data_off, c.stored_len, c.crc,
-                          fast_kinds(c, self.decodes), c.n_partitions, self.flags,
-                          PARTS_LIMIT)  # fmt: skip
+            self.kinds = fast_kinds(c, self.decodes)
+            lib.pool_fast(c.size, c.part, c.data_off, c.stored_len, c.crc, self.kinds,
+                          c.n_partitions, self.flags, PARTS_LIMIT)  # fmt: skip
             self.front.give_holders()
             lib.pool_fast_enable(True)
             self.fast = self.front.start(c, stack)
@@ -366,11 +370,8 @@ class NativePool:
         """A job answering [offset, offset + size) of a file stored whole: the pool reads,
         checks and decodes all of it; when the request is a part it keeps the file in its
         cache of pieces (the rest is likely asked next) and pushes the rest to the kernel."""
-        c = self.catalog
-        length = int(c.size[entry])
-        whole = offset == 0 and size == length
-        piece = (int(c.data_off[entry]), int(c.stored_len[entry]), int(c.crc[entry]),
-                 piece_kind(int(c.codec[entry])), length, 0 if whole else 1)  # fmt: skip
+        whole = offset == 0 and size == int(self.catalog.size[entry])
+        piece = whole_piece(self.catalog, entry, 0 if whole else 1)
         self.jobs += 1
         return job(fd, dfd, entry, 0, offset, size, 0 if whole else self.flags, [piece])
 
