@@ -211,7 +211,9 @@ class Daemon:
                 nursery.start_soon(n.pool.errors)
             nursery.start_soon(n.read_ahead.run)
             self.plan_socket = str(await nursery.start(n.plan_server.serve))
-            n.store.start_staging()
+            # As each partition is staged, the fast path answers its files' READs alone, and
+            # the data plane the peers' asks for them.
+            n.store.start_staging(lambda p: n.pool.fast_part(p, n.store.fd(p), n.store.dfd(p)))
             self.serving = True
             if self.phase == "starting":
                 self.phase = "serving"

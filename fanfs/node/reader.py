@@ -194,8 +194,6 @@ class Reader:
         c = self.catalog
         part, start = self.local.where(entry)
         length = int(c.size[entry])
-        if self.local.staged(part):  # from now on the pool answers its files' READs alone
-            self.pool.fast_part(part, self.local.fd(part), self.local.dfd(part))
         if codec_id == cat.CODEC_RAW and offset == 0 and size == length <= NOWAIT_LIMIT:
             began = time.perf_counter()
             cached = self.local.cached(part, start, length)

@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from fanfs.errors import StagingError
@@ -161,15 +161,21 @@ class PartitionStore:
 
     # -- staging ---------------------------------------------------------------------------
 
-    def start_staging(self) -> None:
-        self._thread = threading.Thread(target=self._stage_all, name="fanfs-stage", daemon=True)
+    def start_staging(self, staged: Callable[[int], None]) -> None:
+        """Stage the owned partitions in a thread of its own, calling `staged(p)` there as each
+        one's staged copy (or adopted one) becomes its source."""
+        self._thread = threading.Thread(target=self._stage_all, args=(staged,), name="fanfs-stage",
+                                        daemon=True)  # fmt: skip
         self._thread.start()
 
-    def _stage_all(self) -> None:
+    def _stage_all(self, staged: Callable[[int], None]) -> None:
         start = time.monotonic()
         last_log = start
         try:
             todo = self.owned if self.keep is None else self._adopt_all()
+            for p in self.owned:
+                if self._staged_set[p]:  # adopted
+                    staged(p)
             for p in todo:
                 if self._stop.is_set():
                     return
@@ -185,6 +191,8 @@ class PartitionStore:
                     # One unreadable partition (a bad sector of the image): the image stays
                     # its source, and its files get EIO only where the image fails too.
                     log.error("cannot stage partition %d, reading it from the image: %s", p, e)
+                if self._staged_set[p]:
+                    staged(p)
                 now = time.monotonic()
                 if now - last_log >= PROGRESS_INTERVAL_S:
                     last_log = now
