@@ -5,6 +5,7 @@ requests itself); the headers come from pkg-config, as pyfuse3's own build finds
 (tools/setup_system.sh installs libfuse3-dev).
 """
 
+import os
 import shlex
 import subprocess
 from glob import glob
@@ -23,12 +24,33 @@ def fuse3(flag: str) -> list[str]:
     return shlex.split(out)
 
 
+def mpi_includes() -> list[str]:
+    """mpi.h's directories, from the MPI compiler wrapper ($MPICC, else mpicc: Open MPI's
+    --showme:incdirs, MPICH's -show); none when there is no wrapper. The data plane
+    (fanfs/csrc/plane.c) is built only with them; it links no MPI (it calls the library mpi4py
+    loaded), so the module imports where MPI is absent."""
+    wrapper = os.environ.get("MPICC", "mpicc")
+    for args, parse in (([wrapper, "--showme:incdirs"], str.split),
+                        ([wrapper, "-show"], lambda out: [w[2:] for w in shlex.split(out)
+                                                         if w.startswith("-I")])):  # fmt: skip
+        try:
+            out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+        except (OSError, subprocess.CalledProcessError):
+            continue
+        dirs = parse(out)
+        if any(os.path.exists(os.path.join(d, "mpi.h")) for d in dirs):
+            return dirs
+    return []
+
+
 cflags = fuse3("--cflags")
+mpi = mpi_includes()
 native = Extension(
     "fanfs._native",
     # Every C file of fanfs/csrc, one per concern (tests/sanitizers/test_sanitizers.py builds the same).
     ["fanfs/_native.pyx", *sorted(glob("fanfs/csrc/*.c"))],
-    include_dirs=["fanfs/csrc", *(f[2:] for f in cflags if f.startswith("-I"))],
+    include_dirs=["fanfs/csrc", *(f[2:] for f in cflags if f.startswith("-I")), *mpi],
+    define_macros=[("FANFS_PLANE", "1")] if mpi else [],
     extra_compile_args=[f for f in cflags if not f.startswith("-I")] + ["-O2", "-Wall"],
     extra_link_args=fuse3("--libs") + ["-ldl", "-lpthread"],
     depends=sorted(glob("fanfs/csrc/*.h")),

@@ -125,6 +125,7 @@ cdef extern from "fanfs_native.h" nogil:
         uint32_t len, crc
         int32_t peers[4]
         int64_t queued_ns, taken_ns
+        int32_t tried
     int fanfs_pool_fast_owners(const int32_t *owners, uint32_t nparts, int self)
     void fanfs_remote_set_wake(int fd, int max_waiting, int64_t wait_ns)
     int fanfs_remote_take(fanfs_rreq *out, int max)
@@ -136,6 +137,23 @@ cdef extern from "fanfs_native.h" nogil:
     enum: FANFS_STAGES
     enum: FANFS_BUDGET_LEN
     void fanfs_pool_ahead_budget(uint64_t *out)
+    struct fanfs_plane_conf:
+        uintptr_t comm, byte
+        const char *lib
+        int rank, size, tag_ub
+        int fetch
+        int64_t hand_back_ns, hedge_ns, quarantine_ns
+    int fanfs_plane_built()
+    int fanfs_plane_start(const fanfs_plane_conf *c)
+    void fanfs_plane_stop() nogil
+    void fanfs_plane_dead(int rank)
+    void fanfs_plane_hedge(int64_t ns)
+    enum: FANFS_PLANE_COUNTS
+    enum: FANFS_PLANE_ASK
+    enum: FANFS_PLANE_FIRST_TAG
+    long long FANFS_PLANE_MAGIC
+    void fanfs_plane_counters(uint64_t *out)
+    int fanfs_plane_latencies(uint64_t since, int64_t *ns, uint32_t *len, int max, uint64_t *now)
     struct fanfs_meta:
         uint64_t n
         const char *mode
@@ -870,7 +888,7 @@ def remote_set_wake(int fd, int max_waiting=0, double wait_s=0):
 cdef tuple _rreq_tuple(fanfs_rreq *r):
     return (r.slot, r.ahead, r.entry, r.part, r.off, r.len, r.crc,
             tuple(r.peers[k] for k in range(FANFS_MAX_OWNERS) if r.peers[k] >= 0),
-            r.queued_ns, r.taken_ns)
+            r.queued_ns, r.taken_ns, r.tried)
 
 
 cdef int _rreq_from(tuple t, fanfs_rreq *r) except -1:
@@ -879,12 +897,14 @@ cdef int _rreq_from(tuple t, fanfs_rreq *r) except -1:
     for k in range(FANFS_MAX_OWNERS):
         r.peers[k] = t[7][k] if k < len(t[7]) else -1
     r.queued_ns, r.taken_ns = t[8:10] if len(t) >= 10 else (0, 0)
+    r.tried = t[10] if len(t) >= 11 else -1
     return 0
 
 
 def remote_take(int most=64):
     """Requests the front queued for peers' pieces: (slot, ahead, entry, partition, offset,
-    length, crc, holders) each; never waits."""
+    length, crc, holders, queued_ns, taken_ns, tried) each, `tried` the holder the data plane
+    asked before it handed the request back (-1: none); never waits."""
     cdef fanfs_rreq out[64]
     cdef int n = fanfs_remote_take(out, min(most, 64))
     return [_rreq_tuple(&out[i]) for i in range(n)]
@@ -919,6 +939,71 @@ def remote_pending(tuple request):
     cdef fanfs_rreq r
     _rreq_from(request, &r)
     return bool(fanfs_remote_pending(&r))
+
+
+# -- the data plane: remote reads over MPI in C (plane.c) -------------------------------------
+
+PLANE_ASK = FANFS_PLANE_ASK
+PLANE_FIRST_TAG = FANFS_PLANE_FIRST_TAG
+PLANE_MAGIC = FANFS_PLANE_MAGIC
+PLANE_COUNTERS = ("asked", "filled", "handed_back", "answered", "answered_bytes", "refused",
+                  "malformed", "owner_n", "owner_read_ns", "owner_post_ns", "hedged", "hedges_won", "owner_queue_ns")
+
+
+def plane_built():
+    """Whether this build has the data plane (mpi.h was found when it was built)."""
+    return bool(fanfs_plane_built())
+
+
+def plane_start(uintptr_t comm, uintptr_t byte, str lib, int rank, int size, int tag_ub,
+                bint fetch, double hand_back_s, double hedge_s, double quarantine_s):
+    """Start the data plane's thread on communicator `comm` (its MPI_BYTE `byte`: mpi4py's
+    handles), through the MPI library loaded with `lib` (mpi4py's MPI module); `fetch`: take
+    the front's requests for peers' pieces too (remote_set_wake was called). OSError if it
+    cannot start (ENOSYS: not built)."""
+    cdef fanfs_plane_conf c
+    encoded = os.fsencode(lib)
+    c.comm, c.byte, c.lib = comm, byte, encoded
+    c.rank, c.size, c.tag_ub, c.fetch = rank, size, tag_ub, fetch
+    c.hand_back_ns = <int64_t>(min(hand_back_s, 1e6) * 1e9)
+    c.hedge_ns = <int64_t>(min(hedge_s, 1e6) * 1e9)
+    c.quarantine_ns = <int64_t>(min(quarantine_s, 1e6) * 1e9)
+    cdef int err = fanfs_plane_start(&c)
+    if err != 0:
+        raise OSError(err, "plane_start: " + os.strerror(err))
+
+
+def plane_stop():
+    """Stop the data plane (idempotent; waits for its thread, at most about a second)."""
+    with nogil:
+        fanfs_plane_stop()
+
+
+def plane_hedge(double seconds):
+    """The data plane's hedge delay from now on."""
+    fanfs_plane_hedge(<int64_t>(min(seconds, 1e6) * 1e9))
+
+
+def plane_dead(int rank):
+    """Peer `rank` is dead: the data plane asks it nothing more."""
+    fanfs_plane_dead(rank)
+
+
+def plane_stats():
+    """The data plane's counters (PLANE_COUNTERS), since the process began."""
+    cdef uint64_t c[FANFS_PLANE_COUNTS]
+    fanfs_plane_counters(c)
+    return {name: c[i] for i, name in enumerate(PLANE_COUNTERS)}
+
+
+def plane_latencies(uint64_t since):
+    """(next, [(seconds, stored length), ...]): the data plane's fetches filled since the
+    `since`th (at most the last 1024), and where the next call begins."""
+    cdef int64_t ns[1024]
+    cdef uint32_t length[1024]
+    cdef uint64_t now = since
+    cdef int n = fanfs_plane_latencies(since, ns, length, 1024, &now)
+    return now, [(ns[i] / 1e9, length[i]) for i in range(n)]
 
 
 def remote_stats():

@@ -95,6 +95,8 @@ class PeerStatus:
     peers_said_bye: list[int]
     batch_fetches: int = 0  # round trips that fetched several files for a planned epoch
     batched_files: int = 0  # ... and the files they fetched
+    plane_fetches: int = 0  # peers' files the data plane fetched for the front (in C)
+    plane_handed_back: int = 0  # ... that it handed back to the MPI thread instead
 
 
 @dataclass(frozen=True, slots=True)
@@ -327,7 +329,8 @@ def render(s: Status) -> str:
         )
     if p is not None:
         lines.append(
-            f"remote:   {p.remote_fetches} fetched ({human_bytes(p.remote_bytes)}), "
+            f"remote:   {p.remote_fetches} fetched ({human_bytes(p.remote_bytes)}; "
+            f"{p.plane_fetches} by the data plane, {p.plane_handed_back} handed back), "
             f"p50 {p.remote_ms.p50} ms, p99 {p.remote_ms.p99} ms, {p.batched_files} more in "
             f"{p.batch_fetches} batches, {rd.lookup_fetches} at lookup "
             f"({rd.lookup_fetches_read} read); {p.served_to_peers} served "

@@ -19,6 +19,9 @@ class Switches:
     native_decode: bool = True  # FANFS_NATIVE_DECODE=0: compressed files are left to Python
     native_remote: bool = True  # FANFS_NATIVE_REMOTE=0: the front's READs of peers' files too
     push: bool = True  # FANFS_PUSH=0: the pool pushes nothing it decoded into the page cache
+    # FANFS_PLANE=0: peers' files and the answers to peers go through the MPI thread (Python)
+    # instead of the data plane (fanfs/csrc/plane.c)
+    plane: bool = True
     # FANFS_SPIN_US: how long after a request the front's leader polls for the next one before
     # it sleeps (0: never poll, for nodes where a core must never be busy).
     spin_us: int = SPIN_US
@@ -44,6 +47,7 @@ class Switches:
             native_decode=value("NATIVE_DECODE") != "0",
             native_remote=value("NATIVE_REMOTE") != "0",
             push=value("PUSH") != "0",
+            plane=value("PLANE") != "0",
             spin_us=int(spin) if spin else SPIN_US,
             pretend_protocol=int(pretend.partition(".")[2]) if pretend else 0,
             background=int(background) if background else None,

@@ -67,6 +67,21 @@ class World:
         self.rank: int = self.comm.Get_rank()
         self.size: int = self.comm.Get_size()
         self._posted: list[Any] = []  # requests of `post`, until they complete
+        # The data plane's communicator (fanfs/csrc/plane.c), which its C thread alone uses:
+        # another thread makes MPI calls then, which MPI allows only at THREAD_MULTIPLE. Every
+        # rank makes it (a collective) whether or not its plane runs.
+        self.plane_comm: Any = None
+        if provided >= MPI.THREAD_MULTIPLE:
+            self.plane_comm = MPI.COMM_WORLD.Dup()
+            self.plane_comm.Set_errhandler(MPI.ERRORS_RETURN)
+
+    def plane_handles(self) -> tuple[int, int, str] | None:
+        """(communicator, MPI_BYTE, a loaded library whose dependencies hold MPI's functions)
+        for the data plane, or None when MPI cannot give it a communicator of its own."""
+        if self.plane_comm is None:
+            return None
+        MPI = self.MPI
+        return MPI._handleof(self.plane_comm), MPI._handleof(MPI.BYTE), MPI.__file__
 
     def bcast_bytes(self, data: bytes | None) -> bytes:
         """Rank 0's `data` on every rank (buffer API, chunked)."""
@@ -132,5 +147,7 @@ class World:
         self.comm.Abort(code)
 
     def finalize(self) -> None:
+        if self.plane_comm is not None:
+            self.plane_comm.Free()
         self.comm.Free()
         self.MPI.Finalize()

@@ -9,7 +9,9 @@ REQUESTS requests of MAX_REQUEST bytes whose replies it does not take; it writes
 back (each reply's size, from a probe) to BASE/result.json; `done` (the test has measured
 again): it takes the pending replies, then sends batch requests (`batches`: malformed ones, one
 over MAX_REQUEST, one naming no file, one of small files) and writes what came back to
-BASE/batches.json, says bye, and leaves the job cleanly.
+BASE/batches.json; then asks on the data plane's communicator (`plane`: malformed asks, a
+reply nobody asked for, asks to refuse, a good one) and writes what came back to
+BASE/plane.json, says bye, and leaves the job cleanly.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -25,6 +28,7 @@ from fanfs import placement
 from fanfs import world as mpi
 from fanfs.image import catalog as cat
 from fanfs.image.checksum import crc32
+from fanfs.native import lib
 from fanfs.node.transport.inbox import (
     BATCH_HEADER,
     BATCH_MAX,
@@ -42,9 +46,10 @@ def wait_for(path: Path) -> None:
         time.sleep(0.05)
 
 
-def reply(world: mpi.World, tag: int, timeout: float = 30) -> bytes | None:
-    """Rank 0's reply on `tag`, or None if none came within `timeout`."""
-    comm, MPI = world.comm, world.MPI
+def reply(world: mpi.World, tag: int, timeout: float = 30, comm: Any = None) -> bytes | None:
+    """Rank 0's reply on `tag` (on `comm`, else the transport's), or None if none came within
+    `timeout`."""
+    comm, MPI = comm or world.comm, world.MPI
     status = MPI.Status()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -78,6 +83,34 @@ def batches(world: mpi.World, c: cat.Catalog, big: int, small: list[int]) -> dic
     size = [None if g is None else len(g) for g in got]
     return {"malformed_reply": got[0] is not None, "too_large": size[1], "no_file": size[2],
             "good_size": len(good), "expected_size": at, "good_crcs": all(crcs)}  # fmt: skip
+
+
+def plane(world: mpi.World, c: cat.Catalog, small: list[int]) -> dict[str, object]:
+    """Asks on the data plane's communicator that a well-behaved daemon never sends, a reply
+    nobody asked for, asks to refuse, then a good one."""
+    comm = world.plane_comm
+    if comm is None:
+        return {"plane": False}
+    e, n = small[0], int(c.stored_len[small[0]])
+    tag = lib.PLANE_FIRST_TAG + 200
+
+    def ask(*values: int) -> np.ndarray:
+        return np.array(values, dtype=np.int64)
+
+    comm.Send(ask(lib.PLANE_MAGIC ^ 1, e, n, tag), 0, lib.PLANE_ASK)  # not our magic
+    comm.Send(ask(lib.PLANE_MAGIC, e, n)[:3], 0, lib.PLANE_ASK)  # short
+    comm.Send(ask(lib.PLANE_MAGIC, e, n, 3), 0, lib.PLANE_ASK)  # no reply tag
+    comm.Send(bytearray(1000), 0, lib.PLANE_FIRST_TAG + 5)  # a reply to nothing
+    comm.Send(ask(lib.PLANE_MAGIC, e, n + 1, tag + 1), 0, lib.PLANE_ASK)  # not its length
+    comm.Send(ask(lib.PLANE_MAGIC, 1 << 40, n, tag + 2), 0, lib.PLANE_ASK)  # no such entry
+    comm.Send(ask(lib.PLANE_MAGIC, e, 1 << 40, tag + 3), 0, lib.PLANE_ASK)  # never asked: dropped
+    comm.Send(ask(lib.PLANE_MAGIC, e, n, tag + 4), 0, lib.PLANE_ASK)
+    got = [reply(world, tag + k, 2 if k == 0 else 30, comm) for k in range(5)]
+    good = got[4] or b""
+    return {"plane": True, "malformed_reply": got[0] is not None,
+            "answered": [None if g is None else len(g) for g in got[1:4]],
+            "good_size": len(good), "expected_size": n,
+            "good_crc": crc32(good) == int(c.crc[e])}  # fmt: skip
 
 
 def main() -> int:
@@ -121,6 +154,7 @@ def main() -> int:
              and 0 in owners[int(c.part[e])]]  # fmt: skip
     got = batches(world, c, entry, small)
     (base / "batches.json").write_text(json.dumps({**got, "small": len(small)}))
+    (base / "plane.json").write_text(json.dumps(plane(world, c, small)))
     comm.Send(np.array([world.rank], dtype=np.int64), 0, TAG_BYE)
     world.finalize()
     return 0

@@ -178,6 +178,7 @@ CHECKED_ENV: dict[str, tuple[Callable[[str], bool], str]] = {
     "NATIVE_DECODE": (lambda v: v in _SWITCH, "0 (off) or 1 (on)"),
     "NATIVE_REMOTE": (lambda v: v in _SWITCH, "0 (off) or 1 (on)"),
     "PUSH": (lambda v: v in _SWITCH, "0 (off) or 1 (on)"),
+    "PLANE": (lambda v: v in _SWITCH, "0 (off) or 1 (on)"),
     "SPIN_US": (lambda v: v.isascii() and v.isdecimal(), "a whole number of microseconds"),
     "BACKGROUND": (
         lambda v: v.isascii() and v.isdecimal() and int(v) < 1 << 16,

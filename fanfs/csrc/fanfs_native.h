@@ -26,7 +26,7 @@
 #include <string.h>
 #include <sys/uio.h>
 
-#define FANFS_NATIVE_API 14
+#define FANFS_NATIVE_API 15
 
 /* What a piece's stored bytes are (fanfs/node/pool.py names the same numbers). */
 enum {
@@ -322,13 +322,15 @@ struct fanfs_rreq {
     uint32_t len, crc;
     int32_t peers[FANFS_MAX_OWNERS];
     int64_t queued_ns, taken_ns; /* when the front queued it, when the MPI thread took it */
+    int32_t tried; /* the holder the data plane asked before it handed it back; -1: none */
 };
 /* The MPI thread's eventfd, written when a request is queued (-1: the remote path is off, and
  * what is queued or pending is given up). At most `max_waiting` READs wait for peers' pieces
  * at once, each at most `wait_ns` (0: no limit); the others are answered by Python. */
 void fanfs_remote_set_wake(int fd, int max_waiting, int64_t wait_ns);
 int fanfs_remote_on(void);
-/* Up to `max` queued requests (never waits). */
+/* Up to `max` queued requests (never waits): those the data plane handed back, and the new
+ * ones unless the plane takes them. */
 int fanfs_remote_take(struct fanfs_rreq *out, int max);
 /* The stored bytes for a request: checked, decoded into the cache, its READs woken. 0; ESTALE
  * if the request is over (given up); FANFS_EBADCRC or FANFS_EBADDATA for a bad copy (ask
@@ -346,6 +348,52 @@ void fanfs_remote_counters(uint64_t out[3]);
 void fanfs_remote_legs(uint64_t out[4]);
 /* The reads the pool began at LOOKUP (fast.c), traced as the front's READs are (as local). */
 void fanfs_pool_ahead_budget(uint64_t out[FANFS_BUDGET_LEN]);
+
+/* -- the data plane: the front's fetches and the owner's answers over MPI, in C (plane.c) ---
+ * One thread makes every MPI call of the plane, on a communicator of its own (a duplicate of
+ * the world's made at start-up, which nothing else uses), through the MPI library that mpi4py
+ * loaded (`lib`: a path dlopen finds loaded; its functions are looked up there, so this module
+ * links no MPI). Built only where mpi.h was found (fanfs_plane_built). */
+struct fanfs_plane_conf {
+    uintptr_t comm, byte; /* the plane's MPI_Comm and MPI_BYTE handles (mpi4py's _handleof) */
+    const char *lib;      /* a loaded library whose dependencies include the MPI library */
+    int rank, size, tag_ub;
+    int fetch;            /* take the front's requests (fanfs_remote_set_wake was called) */
+    int64_t hand_back_ns; /* a fetch not answered within this goes back to the MPI thread */
+    int64_t hedge_ns;     /* ... within this, another holder is asked too (fanfs_plane_hedge) */
+    int64_t quarantine_ns; /* ... its reply tag is not reused before its reply or this */
+};
+/* Its messages: an ask, tag FANFS_PLANE_ASK, is four int64 (FANFS_PLANE_MAGIC, entry, its
+ * stored length, the reply tag); the reply, on the reply tag (from FANFS_PLANE_FIRST_TAG), is
+ * exactly the stored bytes, or empty (refused). */
+#define FANFS_PLANE_ASK 1
+#define FANFS_PLANE_FIRST_TAG 16
+#define FANFS_PLANE_MAGIC 0x66616e66706c6e31LL /* "fanfpln1": version 1 */
+int fanfs_plane_built(void);
+/* Start the plane's thread: 0, or an errno (ENOSYS: not built; ENOENT: the library's MPI
+ * functions were not found; EALREADY). */
+int fanfs_plane_start(const struct fanfs_plane_conf *c);
+/* Stop it (idempotent): what it fetched goes back to the MPI thread, its sends are waited for
+ * at most a second (a buffer MPI may still read is then never freed). */
+void fanfs_plane_stop(void);
+/* Peer `rank` is dead (the MPI thread decides): the plane asks it nothing more. */
+void fanfs_plane_dead(int rank);
+/* The hedge delay from now on (the MPI thread's, from its fetches' latencies). */
+void fanfs_plane_hedge(int64_t ns);
+#define FANFS_PLANE_COUNTS 13
+/* asked, filled, handed back, answered (owner), bytes answered, refused, malformed messages,
+ * the owner's budget (answers timed, ns reading, ns from read to send posted), fetches hedged
+ * and hedges that filled the piece, and the owner's ns from an ask taken to its read begun. */
+void fanfs_plane_counters(uint64_t out[FANFS_PLANE_COUNTS]);
+/* The fetches filled since the `since`th (at most the last 1024 and `max`): each one's
+ * latency in ns (asked to filled) and stored length; `*now`: where the next call begins. */
+int fanfs_plane_latencies(uint64_t since, int64_t *ns, uint32_t *len, int max, uint64_t *now);
+/* The stored bytes of entry `e` (`len` of them, checked) for a peer, read by the calling
+ * thread like the fast path's (fast.c): 0 with `*at` in `*buf` (fanfs_alloc'd, `*cap`); ENOENT
+ * when it is not a file stored whole in a partition staged here (or the fast path is off),
+ * EINVAL when `len` is not its stored length or over FANFS_REMOTE_MAX; a read's errno, or
+ * FANFS_EBADCRC. */
+int fanfs_pool_fast_stored(int64_t e, uint32_t len, char **buf, uint32_t *cap, const char **at);
 
 /* Run a job in the calling thread with the same code as the pool, the reply copied to `out`
  * (`count` bytes); 0 or an errno. For Python callers and unit tests. */

@@ -296,6 +296,36 @@ void fanfs_lookahead_counters(uint64_t out[3]) {
     pthread_mutex_unlock(&la->lock);
 }
 
+int fanfs_pool_fast_stored(int64_t e, uint32_t len, char **buf, uint32_t *cap, const char **at) {
+    struct pool *P = pool_live();
+    const struct fast *f = &P->fast;
+    struct fanfs_piece p;
+    uint32_t part;
+    int fd, err = ENOENT;
+    /* Counted before the check of fast.on, as a READ: the stop waits for none to be reading
+     * before the partitions' fds may close. */
+    __atomic_add_fetch(&P->answering, 1, __ATOMIC_SEQ_CST);
+    if (!__atomic_load_n(&f->on, __ATOMIC_SEQ_CST) || f->fd == NULL || e < 0 ||
+        (uint64_t)e >= f->t.n || f->t.kind[e] == FANFS_FAST_NO ||
+        __atomic_load_n(&f->bad[e], __ATOMIC_RELAXED))
+        goto out;
+    part = fanfs_col32(f->t.part, (uint64_t)e);
+    if (part >= f->t.nparts || (fd = __atomic_load_n(&f->fd[part], __ATOMIC_ACQUIRE)) < 0)
+        goto out;
+    memset(&p, 0, sizeof p);
+    p.off = (int64_t)fanfs_col64(f->t.off, (uint64_t)e);
+    p.len = len;
+    p.crc = fanfs_col32(f->t.crc, (uint64_t)e);
+    err = EINVAL;
+    if (len == 0 || len > FANFS_REMOTE_MAX || fanfs_col64(f->t.stored, (uint64_t)e) != len)
+        goto out;
+    err = fanfs_read_stored(fd, __atomic_load_n(&f->dfd[part], __ATOMIC_RELAXED), &p, buf, cap,
+                            at);
+out:
+    __atomic_sub_fetch(&P->answering, 1, __ATOMIC_SEQ_CST);
+    return err;
+}
+
 int fanfs_pool_fast_answer(int fd, uint64_t unique, uint64_t ino, int64_t off, uint64_t size) {
     struct pool *P = pool_live();
     struct target t = {NULL, NULL, fd, unique};

@@ -17,10 +17,12 @@
  *                                                 slot was filled or given up).
  *                                                 Every function named ..._locked in pieces.c,
  *                                                 jobs.c, remote.c and fast.c runs under it.
- *   3. remote.lock   (struct remote, remote.c)    the ring of fetches for the MPI thread, its
- *                                                 wake fd. Taken under pieces.lock: a fetch is
- *                                                 queued with its slot reserved
- *                                                 (rq_push_locked).
+ *   3. remote.lock   (struct remote, remote.c)    the ring of fetches for the data plane or
+ *                                                 the MPI thread, the ring the plane hands
+ *                                                 back, their wake fds. Taken under
+ *                                                 pieces.lock: a fetch is queued with its slot
+ *                                                 reserved (rq_push_locked); the plane
+ *                                                 (plane.c) takes it alone.
  *
  *   work.lock        (struct workers, pool.c)     the job queues, `stopping`, the jobs count;
  *                                                 work.cond: a job queued, or the stop. A leaf,

@@ -32,7 +32,7 @@ static struct pool live = {
     .work = {.lock = PTHREAD_MUTEX_INITIALIZER, .cond = PTHREAD_COND_INITIALIZER, .errfd = -1,
              .dlock = PTHREAD_MUTEX_INITIALIZER},
     .push = {.lock = PTHREAD_MUTEX_INITIALIZER, .cond = PTHREAD_COND_INITIALIZER},
-    .remote = {.lock = PTHREAD_MUTEX_INITIALIZER, .wakefd = -1},
+    .remote = {.lock = PTHREAD_MUTEX_INITIALIZER, .wakefd = -1, .planefd = -1},
     .la = {.lock = PTHREAD_MUTEX_INITIALIZER, .share = 256},
 };
 

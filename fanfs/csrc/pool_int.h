@@ -114,6 +114,11 @@ struct remote {
     struct fanfs_rreq q[RQ_MAX]; /* lock: a ring from `first`, `n` long */
     int first, n;                /* lock */
     int wakefd;                  /* lock: the MPI thread's eventfd; -1: no remote path */
+    /* The data plane (plane.c), while attached, takes the queue above (written to `planefd`
+     * instead of `wakefd`) and hands what it cannot fetch back to the MPI thread here. */
+    struct fanfs_rreq back[RQ_MAX]; /* lock: a ring from `bfirst`, `bn` long */
+    int bfirst, bn;                 /* lock */
+    int planefd;                    /* lock: the plane's eventfd; -1: no plane attached */
     int on;                      /* atomic (written under lock) */
     int max_waiting;             /* atomic: READs that may wait for peers' pieces at once */
     int64_t wait_ns;             /* atomic: how long one may wait (0: no limit) */
@@ -191,6 +196,13 @@ int remote_piece(struct pool *P, const struct fanfs_job *j, const struct fanfs_p
 int remote_reserve_locked(struct pool *P, const struct fanfs_job *j,
                           const struct fanfs_piece *p, int ahead);
 void remote_fail_pending(struct pool *P);
+/* The plane's side of the queue: attach (its eventfd is written for new requests from now on;
+ * 0, or -1 when the remote path is off), detach (the MPI thread takes them again), take the
+ * new requests, and hand one back to the MPI thread (`tried`: the holder the plane asked). */
+int remote_plane_attach(struct pool *P, int fd);
+void remote_plane_detach(struct pool *P);
+int remote_plane_take(struct pool *P, struct fanfs_rreq *out, int max);
+void remote_hand_back(struct pool *P, const struct fanfs_rreq *r);
 
 /* fast.c */
 void fast_mark_bad(struct fast *f, int64_t entry);

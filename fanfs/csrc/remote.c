@@ -17,6 +17,11 @@
  * to Python at once, so a front thread is always left to answer local files. When the remote
  * path goes off, or the pool stops, every pending peer's piece is given up.
  *
+ * The data plane (plane.c), when it runs, takes the queue instead of the MPI thread: it is
+ * attached here (its own eventfd written for new requests), fetches over MPI in C, and hands
+ * back what it cannot fetch (a refusal, a bad copy, a holder slow or dead, no holder left)
+ * into a second ring, which the MPI thread takes (fanfs_remote_take) and fetches as before.
+ *
  * Lock order: the cache's lock before the remote path's (a fetch is queued with the slot
  * reserved, under the cache's lock).
  */
@@ -54,10 +59,11 @@ static int rq_push_locked(struct pool *P, int i, const struct fanfs_job *j,
     r->ahead = ahead;
     r->queued_ns = fanfs_now_ns();
     r->taken_ns = 0;
+    r->tried = -1;
     for (k = 0; k < FANFS_MAX_OWNERS; k++)
         r->peers[k] = f->owners[part * FANFS_MAX_OWNERS + k];
     rq->n++;
-    w = write(rq->wakefd, &one, sizeof one);
+    w = write(rq->planefd >= 0 ? rq->planefd : rq->wakefd, &one, sizeof one);
     (void)w;
     pthread_mutex_unlock(&rq->lock);
     return 0;
@@ -157,28 +163,89 @@ void fanfs_remote_set_wake(int fd, int max_waiting, int64_t wait_ns) {
     __atomic_store_n(&rq->wait_ns, wait_ns, __ATOMIC_RELAXED);
     __atomic_store_n(&rq->on, fd >= 0, __ATOMIC_RELEASE);
     if (fd < 0)
-        rq->n = 0; /* nothing will be fetched any more */
+        rq->n = rq->bn = 0; /* nothing will be fetched any more */
     pthread_mutex_unlock(&rq->lock);
     if (fd < 0)
         remote_fail_pending(P); /* the READs waiting go to Python */
 }
 
+/* Up to `max` requests from a ring (rq->lock held), stamped taken. */
+static int take_locked(struct fanfs_rreq *ring, int *first, int *n, struct fanfs_rreq *out,
+                       int max) {
+    int k = 0;
+    int64_t now = fanfs_now_ns(); /* under the lock: a request queued while this thread waited
+                                     for it was stamped later than a clock read before (its
+                                     legs were lost) */
+    while (k < max && *n > 0) {
+        out[k] = ring[*first];
+        if (out[k].taken_ns == 0)
+            out[k].taken_ns = now; /* (one handed back keeps the plane's stamp) */
+        *first = (*first + 1) % RQ_MAX;
+        (*n)--;
+        k++;
+    }
+    return k;
+}
+
 int fanfs_remote_take(struct fanfs_rreq *out, int max) {
     struct remote *rq = &pool_live()->remote;
-    int n = 0;
-    int64_t now;
+    int n;
     pthread_mutex_lock(&rq->lock);
-    now = fanfs_now_ns(); /* under the lock: a request queued while this thread waited for it
-                             was stamped later than a clock read before (its legs were lost) */
-    while (n < max && rq->n > 0) {
-        out[n] = rq->q[rq->first];
-        out[n].taken_ns = now;
-        rq->first = (rq->first + 1) % RQ_MAX;
-        rq->n--;
-        n++;
-    }
+    n = take_locked(rq->back, &rq->bfirst, &rq->bn, out, max);
+    if (rq->planefd < 0) /* (else the plane takes the new ones) */
+        n += take_locked(rq->q, &rq->first, &rq->n, out + n, max - n);
     pthread_mutex_unlock(&rq->lock);
     return n;
+}
+
+int remote_plane_attach(struct pool *P, int fd) {
+    struct remote *rq = &P->remote;
+    int ok;
+    pthread_mutex_lock(&rq->lock);
+    ok = rq->on && rq->wakefd >= 0;
+    if (ok)
+        rq->planefd = fd;
+    pthread_mutex_unlock(&rq->lock);
+    return ok ? 0 : -1;
+}
+
+void remote_plane_detach(struct pool *P) {
+    struct remote *rq = &P->remote;
+    uint64_t one = 1;
+    ssize_t w;
+    pthread_mutex_lock(&rq->lock);
+    rq->planefd = -1;
+    if (rq->wakefd >= 0 && rq->n > 0) /* what the plane left queued is the MPI thread's */
+        w = write(rq->wakefd, &one, sizeof one), (void)w;
+    pthread_mutex_unlock(&rq->lock);
+}
+
+int remote_plane_take(struct pool *P, struct fanfs_rreq *out, int max) {
+    struct remote *rq = &P->remote;
+    int n = 0;
+    pthread_mutex_lock(&rq->lock);
+    if (rq->planefd >= 0)
+        n = take_locked(rq->q, &rq->first, &rq->n, out, max);
+    pthread_mutex_unlock(&rq->lock);
+    return n;
+}
+
+void remote_hand_back(struct pool *P, const struct fanfs_rreq *r) {
+    struct remote *rq = &P->remote;
+    uint64_t one = 1;
+    ssize_t w;
+    int kept = 0;
+    pthread_mutex_lock(&rq->lock);
+    if (rq->on && rq->wakefd >= 0 && rq->bn < RQ_MAX) {
+        rq->back[(rq->bfirst + rq->bn) % RQ_MAX] = *r;
+        rq->bn++;
+        w = write(rq->wakefd, &one, sizeof one);
+        (void)w;
+        kept = 1;
+    }
+    pthread_mutex_unlock(&rq->lock);
+    if (!kept) /* the remote path is off (its READs went to Python), or the ring is full */
+        fanfs_remote_fail(r);
 }
 
 /* A fill's legs (fanfs_remote_legs), the fill timed until its READs are woken; a request

@@ -78,7 +78,8 @@ def build(catalog: Catalog, store: PartitionStore, owners: list[tuple[int, ...]]
 
         native = front_on and switches.native_remote
         front_fetches = FrontFetches() if native else None  # handed to the MPI thread
-        transport = MpiTransport(world, cfg.peer_timeout, server, front_fetches)
+        transport = MpiTransport(world, cfg.peer_timeout, server, front_fetches,
+                                 plane=switches.plane)  # fmt: skip
     sources = Sources(catalog, local, owners, transport)
     bad = BadFiles(catalog)
     front = None

@@ -144,8 +144,17 @@ def test_a_peer_asking_too_much_gets_refusals_and_no_memory(tmp_path: Path) -> N
         assert b["small"] > 0 and not b["malformed_reply"], b
         assert b["too_large"] == 0 and b["no_file"] == 0, b
         assert b["good_size"] == b["expected_size"] and b["good_crcs"], b
+        # The data plane (fanfs/csrc/plane.c), on its own communicator: malformed asks (one
+        # for more than any file stored whole) and a reply to nothing dropped unanswered, asks
+        # for the wrong length or no file refused with an empty reply, a good one answered
+        # with the exact stored bytes.
+        assert wait_until(lambda: (base / "plane.json").exists(), 90)
+        p = json.loads((base / "plane.json").read_text())
+        assert p["plane"] and not p["malformed_reply"], p
+        assert p["answered"] == [0, 0, None], p
+        assert p["good_size"] == p["expected_size"] and p["good_crc"], p
         s = json.loads(fanfs("status", mnt, "--json").stdout)["reader"]
-        assert s["malformed_messages"] >= 2, s
+        assert s["malformed_messages"] >= 2 + 5, s
         done = fanfs("umount", mnt, timeout=120)
         assert done.returncode == 0, done.stderr
         assert proc.wait(60) == 0, (tmp_path / "mpirun.log").read_text()

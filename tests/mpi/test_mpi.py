@@ -135,8 +135,9 @@ def test_every_rank_reads_every_file(tree: Path, image: Path, tmp_path: Path, n:
             assert (s["rank"], s["size"]) == (rank, n)
             if n > 1:
                 assert s["reader"]["remote_fetches"] > 0, s
-                # Peers' small files come through the front and the MPI thread, no Python.
+                # Peers' small files come through the front and the data plane, no Python.
                 assert s["front"]["remote_fetched"] > 0 and s["front"]["remote_failed"] == 0, s
+                assert s["reader"]["plane_fetches"] > 0, s
                 assert s["reader"]["served_to_peers"] > 0, s
                 # Plain reads for peers never wait for the event loop.
                 assert s["reader"]["served_without_event_loop"] > 0, s
@@ -153,6 +154,20 @@ def test_without_the_native_remote_path_python_fetches(
         assert assert_same_tree(tree, m.mnts[0]) > 270
         s = m.status(0)
         assert s["reader"]["remote_fetches"] > 0 and s["front"]["remote_fetched"] == 0, s
+        _clean_after(m)
+
+
+def test_without_the_data_plane_the_mpi_thread_fetches(
+    tree: Path, image: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FANFS_PLANE=0: the front's fetches and the answers to them go through the MPI thread
+    (Python), as before the data plane."""
+    monkeypatch.setenv("FANFS_PLANE", "0")
+    with mpi_mounted(image, tmp_path, 2) as m:
+        assert assert_same_tree(tree, m.mnts[0]) > 270
+        s = m.status(0)
+        assert s["front"]["remote_fetched"] > 0 and s["front"]["remote_failed"] == 0, s
+        assert s["reader"]["plane_fetches"] == 0 and s["reader"]["remote_fetches"] > 0, s
         _clean_after(m)
 
 

@@ -117,6 +117,21 @@ def test_the_c_builds_with_rhel_8s_kernel_headers(source: str, tmp_path: Path) -
     assert built.returncode == 0 and "poisoned" not in built.stderr, built.stderr[-4000:]
 
 
+@pytest.mark.parametrize("source", ["plane.c", "plane_wire.c", "plane_read.c"])
+def test_the_data_plane_builds_with_mpi_h(source: str) -> None:
+    """The data plane as setup.py builds it where mpicc gives mpi.h's directories (the test
+    above builds it without), with -Werror too."""
+    found = subprocess.run(["mpicc", "--showme:incdirs"], capture_output=True, text=True,
+                           check=True).stdout.split()  # fmt: skip
+    csrc = ROOT / "fanfs" / "csrc"
+    includes = [f"-I{csrc}", *(f"-I{d}" for d in found)]
+    flags = ["-Wall", "-Wextra", "-Werror", "-DFANFS_PLANE", *includes]
+    unit = [*flags, *_fuse3("--cflags"), str(csrc / source)]
+    built = subprocess.run(["gcc", "-fsyntax-only", *unit], capture_output=True, text=True,
+                           timeout=120)  # fmt: skip
+    assert built.returncode == 0, built.stderr[-4000:]
+
+
 # -- the C under sanitizers -------------------------------------------------------------------
 
 NATIVE = ROOT / "tests" / "native"

@@ -137,7 +137,11 @@ class PeerTransport:
         return PeerTimeout(f"rank {peer} did not answer")
 
     def _fetched(self, began: float, length: int, now: float) -> None:
-        self._latency.record(now - began)
+        self._record(now - began, length)
+
+    def _record(self, seconds: float, length: int) -> None:
+        """A fetch from a peer took `seconds` and got `length` bytes."""
+        self._latency.record(seconds)
         self.fetch_bytes += length
 
     async def ping(self, peer: int) -> bool:

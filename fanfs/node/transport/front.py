@@ -63,7 +63,8 @@ class FrontRequest(NamedTuple):
     crc: int
     holders: tuple[int, ...]
     queued_ns: int = 0  # CLOCK_MONOTONIC: when the front queued it (the latency budget)
-    taken_ns: int = 0  # ... when the MPI thread took it
+    taken_ns: int = 0  # ... when the MPI thread (or the data plane) took it
+    tried: int = -1  # the holder the data plane asked before it handed it back; -1: none
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,8 +137,10 @@ class FrontFetches:
     def step(self, inbox: Inbox, command: Callable[[Command], None]) -> bool:
         """Start the front's new requests and the retries, give up on silent holders;
         `command` runs an MPI command now. True if there was anything to do."""
-        todo: list[tuple[FrontRequest, tuple[int, ...]]]
-        todo = [(FrontRequest(*req), ()) for req in lib.remote_take()]
+        todo: list[tuple[FrontRequest, tuple[int, ...]]] = []
+        for taken in lib.remote_take():
+            req = FrontRequest(*taken)
+            todo.append((req, (req.tried,) if req.tried >= 0 else ()))
         todo += self._retry
         self._retry = []
         if self._out:

@@ -19,12 +19,20 @@ backing off to 2 ms once idle (a blocking Recv would burn a core, and on 2-core 
 matters; idle, a daemon uses about 1 % of one). After start-up no collective operation is
 used, so a dead rank can only cost its own requests a peer timeout, after which it is routed
 around.
+
+The data plane (fanfs/csrc/plane.c), where MPI gives it a communicator of its own (THREAD_MULTIPLE)
+and FANFS_PLANE is not 0, takes the front's fetches and answers peers' asks for them in C,
+in a thread of its own: this thread then fetches only what the plane hands back (front.py)
+and what Python asks for (the planner's batches, the event loop's fetches), answers those,
+records the plane's fetches with its own (`_plane_fetched`), and tells it which peers are
+dead.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import logging
 import os
 import queue
@@ -45,11 +53,13 @@ from fanfs.node.transport.front import FrontFetches
 from fanfs.node.transport.inbox import (  # noqa: F401 (the tests read the constants here)
     FIRST_REPLY_TAG,
     MAX_REQUEST,
+    QUARANTINE_TIMEOUTS,
     TAG_BYE,
     TAG_REQUEST,
     Fetch,
     Inbox,
 )
+from fanfs.status import PeerStatus
 from fanfs.world import CHUNK, World
 
 log = logging.getLogger(__name__)
@@ -64,6 +74,10 @@ SPIN_S = 300e-6
 # epoch requests and replies keep coming, and a back-off to 1 ms put up to a millisecond of
 # waiting on each side of every round trip.
 HOT_S = 20e-3
+# The data plane hands a fetch back to this thread when its holder has not answered within
+# this (or half the peer timeout): this thread then asks the other holders, hedges, and
+# times the holder out; the reply tag stays quarantined for QUARANTINE_TIMEOUTS peer timeouts.
+PLANE_HAND_BACK_S = 0.1
 PR_SET_TIMERSLACK = 29  # linux/prctl.h
 PR_SET_NAME = 15
 TIMER_SLACK_NS = 1000
@@ -87,9 +101,11 @@ class MpiTransport(MpiFetches):
         peer_timeout: float,
         server: Served,
         front: FrontFetches | None = None,
+        plane: bool = True,
     ):
         """`front`: the front's fetches of peers' files, which the MPI thread takes on
-        (front.py); None: READs of peers' files go to Python."""
+        (front.py); None: READs of peers' files go to Python. `plane`: start the data plane
+        where it can run."""
         super().__init__(world.rank, world.size, peer_timeout, server,
                          int(world.comm.Get_attr(world.MPI.TAG_UB) or 32767))  # fmt: skip
         # Written with every command (and by the front): the MPI thread waits on it.
@@ -102,14 +118,19 @@ class MpiTransport(MpiFetches):
         # The parts the MPI thread is handed: the server side and the front's fetches.
         self.answers = Answers(server, self._post, self._call_trio, self._serve_request)
         self.front = front
+        self._plane = world.plane_handles() if plane and lib.plane_built() else None
+        self.plane_on = False  # the data plane runs (set by the MPI thread, once)
+        self._plane_seen = 0  # its fetches recorded so far (`_plane_fetched`)
 
     @property
     def hedged(self) -> int:
-        return self.front.hedged if self.front is not None else 0
+        mine = self.front.hedged if self.front is not None else 0
+        return mine + (lib.plane_stats()["hedged"] if self.plane_on else 0)
 
     @property
     def hedges_won(self) -> int:
-        return self.front.hedges_won if self.front is not None else 0
+        mine = self.front.hedges_won if self.front is not None else 0
+        return mine + (lib.plane_stats()["hedges_won"] if self.plane_on else 0)
 
     # -- trio side -------------------------------------------------------------------------
 
@@ -142,13 +163,43 @@ class MpiTransport(MpiFetches):
         self._post(Bye())
 
     def budget(self) -> dict[str, int]:
-        return self.answers.budget()
+        budget = self.answers.budget()
+        if self.plane_on:  # the plane's answers
+            p = lib.plane_stats()
+            budget["owner_n"] += p["owner_n"]
+            budget["owner_queue_ns"] += p["owner_queue_ns"]
+            budget["owner_read_ns"] += p["owner_read_ns"]
+            budget["owner_post_ns"] += p["owner_post_ns"]
+        return budget
+
+    def statistics(self) -> PeerStatus:
+        s = super().statistics()
+        if not self.plane_on:
+            return s
+        p = lib.plane_stats()
+        return dataclasses.replace(
+            s,
+            served_to_peers=s.served_to_peers + p["answered"],
+            served_without_event_loop=s.served_without_event_loop + p["answered"],
+            bytes_served_to_peers=s.bytes_served_to_peers + p["answered_bytes"],
+            refused_to_peers=s.refused_to_peers + p["refused"],
+            malformed_messages=s.malformed_messages + p["malformed"],
+            plane_fetches=p["filled"],
+            plane_handed_back=p["handed_back"],
+        )
+
+    def mark_dead(self, peer: int, why: str) -> None:
+        super().mark_dead(peer, why)
+        if self.plane_on:
+            lib.plane_dead(peer)
 
     def stop(self) -> None:
         self.answers.stop()
         self._post(Stop())
         if self._thread is not None:
             self._thread.join(timeout=10)
+        if self.plane_on:  # (after the MPI thread: what it handed back went to Python)
+            lib.plane_stop()
 
     # -- the MPI thread --------------------------------------------------------------------
 
@@ -162,6 +213,7 @@ class MpiTransport(MpiFetches):
         try:
             if self.front is not None:
                 self.front.start(self._wake, self)
+            self._start_plane()
             self._serve()
         except Exception:
             # Not expected (MPI errors are handled where they happen); should it happen, peers
@@ -170,6 +222,34 @@ class MpiTransport(MpiFetches):
         finally:
             if self.front is not None:  # every READ waiting for a peer goes to Python
                 self.front.stop()
+
+    def _start_plane(self) -> None:
+        """(The MPI thread, once.) Start the data plane, if it can run; else this thread
+        does its work."""
+        if self._plane is None:
+            return
+        comm, byte, library = self._plane
+        hand_back = min(PLANE_HAND_BACK_S, self.peer_timeout / 2)
+        try:
+            lib.plane_start(comm, byte, library, self.rank, self.size, self._tag_ub,
+                            self.front is not None, hand_back, self.hedge_delay(),
+                            QUARANTINE_TIMEOUTS * self.peer_timeout)  # fmt: skip
+        except OSError as e:
+            log.warning("the data plane did not start (%s): the MPI thread does its work", e)
+            return
+        for peer in self.dead:
+            lib.plane_dead(peer)
+        self.plane_on = True
+
+    def _plane_fetched(self) -> None:
+        """(The MPI thread.) Record the data plane's fetches filled since the last turn, as
+        this thread's own are (their latency, their bytes)."""
+        self._plane_seen, done = lib.plane_latencies(self._plane_seen)
+        if done:
+            with self._lock:
+                for seconds, length in done:
+                    self._record(seconds, length)
+            lib.plane_hedge(self.hedge_delay())
 
     def _serve(self) -> None:
         MPI = self.MPI
@@ -211,6 +291,8 @@ class MpiTransport(MpiFetches):
             busy |= inbox.take_all(status)
             if self.front is not None:
                 busy |= self.front.step(inbox, command)
+            if self.plane_on:
+                self._plane_fetched()
             kept = []
             for out in sending:
                 if self._done(out.req):

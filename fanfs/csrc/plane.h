@@ -1,0 +1,121 @@
+/*
+ * The data plane's insides (plane.c: its fetches, its thread, start and stop; plane_wire.c:
+ * its messages, its sends and the owner's answers). fanfs_native.h's plane section is the
+ * contract; this header is not. Everything here is the plane thread's alone but what a field
+ * says otherwise.
+ */
+#ifndef FANFS_PLANE_H
+#define FANFS_PLANE_H
+
+#include <mpi.h>
+#include <pthread.h>
+
+#include "pool_int.h"
+
+enum { ASKED, FILLED, HANDED_BACK, ANSWERED, ANSWERED_BYTES, REFUSED, MALFORMED, OWNER_N,
+       OWNER_READ_NS, OWNER_POST_NS, HEDGED, HEDGES_WON, OWNER_QUEUE_NS };
+
+extern uint64_t plane_counts[FANFS_PLANE_COUNTS]; /* atomic: fanfs_plane_counters */
+
+static inline void count(int what, uint64_t n) {
+    __atomic_add_fetch(&plane_counts[what], n, __ATOMIC_RELAXED);
+}
+
+#define TAG_ASK FANFS_PLANE_ASK
+#define FIRST_TAG FANFS_PLANE_FIRST_TAG
+#define PLANE_HEADER (4 * (int)sizeof(int64_t)) /* magic, entry, stored length, reply tag */
+#define PLANE_OUT 256
+#define PLANE_SENDS 512
+#define PLANE_REPLY_BYTES (64u << 20)
+#define PLANE_SPIN_NS 300000
+#define PLANE_HOT_NS 20000000
+#define POLL_MIN_NS 20000
+#define POLL_MAX_NS 2000000
+#define SETTLE_NS 1000000000LL
+#define PLANE_MAX_RANKS (1 << 20)
+#define PLANE_READERS 4 /* the owner's reading threads (plane_read.c) */
+#define PLANE_READS 64  /* asks between submit and take at most */
+
+struct out { /* a fetch of ours, by reply tag */
+    int state; /* 0 free, 1 out, 2 given back: quarantined until its reply or `deadline` */
+    int tag, peer;
+    int hedge; /* asked of another holder because the first one was slow */
+    int64_t began, deadline, hedge_at;
+    struct fanfs_rreq r;
+};
+
+struct send { /* a send in flight: its buffer lives until MPI says it is done */
+    MPI_Request req;
+    char *buf;      /* fanfs_alloc'd reply bytes, or NULL */
+    uint32_t bytes; /* reserved of PLANE_REPLY_BYTES */
+    int64_t hdr[4]; /* an ask's header */
+};
+
+struct plane_read { /* an ask to read, then its completion (plane_read.c) */
+    int peer, tag;
+    int64_t entry;
+    uint32_t len;
+    int err;   /* 0: `buf` holds the `len` stored bytes (fanfs_alloc'd), else NULL */
+    char *buf;
+    int64_t taken_ns, began_ns, read_ns; /* taken by the plane, read begun, read done */
+};
+
+struct plane_reads {
+    pthread_mutex_t lock;
+    pthread_cond_t work; /* an ask queued, or the stop */
+    struct plane_read todo[PLANE_READS]; /* lock: a ring from `thead`, `tn` long */
+    struct plane_read done[PLANE_READS]; /* lock: a ring from `dhead`, `dn` long */
+    int thead, tn, dhead, dn, inflight, stopping; /* lock */
+    int wakefd, nthreads;                         /* immutable while the readers run */
+    pthread_t threads[PLANE_READERS];
+};
+
+struct plane {
+    pthread_t thread;
+    int running, stopping; /* the owner's; `stopping` atomic */
+    int wakefd;
+    struct fanfs_plane_conf c;
+    MPI_Comm comm;
+    MPI_Datatype byte;
+    __typeof__(MPI_Isend) *isend;
+    __typeof__(MPI_Improbe) *improbe;
+    __typeof__(MPI_Mrecv) *mrecv;
+    __typeof__(MPI_Test) *test;
+    __typeof__(MPI_Get_count) *get_count;
+    uint8_t *dead; /* atomic, per rank */
+    int64_t hedge_ns; /* atomic: fanfs_plane_hedge */
+    struct out out[PLANE_OUT];
+    int nout, nwait, next_tag; /* slots not free, slots out (set_state) */
+    struct send sends[PLANE_SENDS];
+    int nsends;
+    uint32_t reply_bytes; /* of replies sent and not done, and of reads not taken */
+    struct plane_reads reads;
+    char *scratch; /* FANFS_REMOTE_MAX, for what is dropped */
+};
+
+/* plane_wire.c */
+/* Post a send of `len` bytes (`buf`, owned from now on, freed when done; or an ask's header
+ * `hdr`, `bytes` of PLANE_REPLY_BYTES reserved until it is done). 0, or -1 (no room, or MPI
+ * refused it: `buf` is freed). */
+int plane_post(struct plane *pl, char *buf, uint32_t len, uint32_t bytes, const int64_t *hdr,
+               int peer, int tag);
+int plane_settle(struct plane *pl); /* the sends MPI is done with let go; 1 if any */
+int plane_receive(struct plane *pl); /* every message waiting taken; 1 if any */
+/* Receive matched message `m` of `n` bytes into `buf`, or drop it (NULL: into the scratch
+ * buffer up to FANFS_REMOTE_MAX, larger left unreceived). 0, or -1. */
+int plane_take(struct plane *pl, MPI_Message *m, void *buf, int n);
+void plane_drop(struct plane *pl, MPI_Message *m, int n); /* malformed: counted, dropped */
+
+int plane_collect(struct plane *pl); /* the reads done sent (or refused); 1 if any */
+
+/* plane_read.c */
+int plane_reads_start(struct plane_reads *q, int wakefd); /* 0, or an errno */
+void plane_reads_stop(struct plane_reads *q);
+int plane_read_submit(struct plane_reads *q, const struct plane_read *r); /* 0, or -1: full */
+int plane_read_take(struct plane_reads *q, struct plane_read *out, int max);
+
+/* plane.c */
+/* The requester: a reply of `n` bytes from `peer` on `tag` (a reply tag). */
+void plane_reply(struct plane *pl, MPI_Message *m, int peer, int tag, int n);
+
+#endif

@@ -1,0 +1,163 @@
+/*
+ * The data plane's messages (plane.h): its sends, every message it takes, and the owner's
+ * answers to peers' asks (plane.c's header says what the plane is and the rules of its
+ * messages: found by matched probe, received into exactly their size, or dropped).
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fanfs_native.h"
+
+#ifdef FANFS_PLANE
+
+#include "plane.h"
+
+/* -- sends ----------------------------------------------------------------------------------- */
+
+int plane_post(struct plane *pl, char *buf, uint32_t len, uint32_t bytes, const int64_t *hdr,
+               int peer, int tag) {
+    struct send *s;
+    const void *data = buf;
+    if (pl->nsends == PLANE_SENDS) {
+        free(buf);
+        return -1;
+    }
+    s = &pl->sends[pl->nsends];
+    s->buf = buf;
+    s->bytes = bytes;
+    if (hdr != NULL) {
+        memcpy(s->hdr, hdr, sizeof s->hdr);
+        data = s->hdr;
+    }
+    if (pl->isend(data, (int)len, pl->byte, peer, tag, pl->comm, &s->req) != MPI_SUCCESS) {
+        free(buf);
+        return -1;
+    }
+    pl->reply_bytes += bytes;
+    pl->nsends++;
+    return 0;
+}
+
+/* (A failed send too: MPI is done with it.) */
+int plane_settle(struct plane *pl) {
+    int i = 0, done, any = 0;
+    while (i < pl->nsends) {
+        struct send *s = &pl->sends[i];
+        done = 0;
+        if (pl->test(&s->req, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS)
+            done = 1; /* (an error: MPI is done with it too) */
+        if (!done) {
+            i++;
+            continue;
+        }
+        free(s->buf);
+        pl->reply_bytes -= s->bytes;
+        pl->sends[i] = pl->sends[--pl->nsends];
+        any = 1;
+    }
+    return any;
+}
+
+/* -- messages -------------------------------------------------------------------------------- */
+
+int plane_take(struct plane *pl, MPI_Message *m, void *buf, int n) {
+    if (buf == NULL && n > (int)FANFS_REMOTE_MAX) {
+        count(MALFORMED, 1);
+        return -1; /* left unreceived: never allocated for */
+    }
+    if (buf == NULL && n > 0 && pl->scratch == NULL &&
+        (pl->scratch = malloc(FANFS_REMOTE_MAX)) == NULL)
+        return -1;
+    return pl->mrecv(buf != NULL ? buf : pl->scratch, n, pl->byte, m, MPI_STATUS_IGNORE) ==
+                   MPI_SUCCESS
+               ? 0
+               : -1;
+}
+
+void plane_drop(struct plane *pl, MPI_Message *m, int n) {
+    count(MALFORMED, 1);
+    plane_take(pl, m, NULL, n);
+}
+
+/* The owner: a peer's ask of `n` bytes, checked and handed to a reader (plane_read.c), or
+ * refused. */
+static void answer(struct plane *pl, MPI_Message *m, int peer, int n) {
+    int64_t h[4];
+    struct plane_read r;
+    if (n != PLANE_HEADER) {
+        plane_drop(pl, m, n);
+        return;
+    }
+    if (plane_take(pl, m, h, n) != 0)
+        return;
+    if (h[0] != FANFS_PLANE_MAGIC || h[1] < 0 || h[2] <= 0 ||
+        h[2] > (int64_t)FANFS_REMOTE_MAX || h[3] < FIRST_TAG || h[3] >= pl->c.tag_ub) {
+        count(MALFORMED, 1);
+        return; /* (no reply tag to refuse on) */
+    }
+    r.peer = peer;
+    r.tag = (int)h[3];
+    r.entry = h[1];
+    r.len = (uint32_t)h[2];
+    r.taken_ns = fanfs_now_ns();
+    if (pl->reply_bytes + r.len > PLANE_REPLY_BYTES || pl->nsends >= PLANE_SENDS ||
+        plane_read_submit(&pl->reads, &r) != 0) {
+        count(REFUSED, 1); /* too much in flight */
+        plane_post(pl, NULL, 0, 0, NULL, peer, r.tag);
+        return;
+    }
+    pl->reply_bytes += r.len; /* (until the read is taken; then until its send is done) */
+}
+
+int plane_collect(struct plane *pl) {
+    struct plane_read done[16];
+    int i, n, any = 0;
+    while ((n = plane_read_take(&pl->reads, done, 16)) > 0) {
+        any = 1;
+        for (i = 0; i < n; i++) {
+            struct plane_read *r = &done[i];
+            pl->reply_bytes -= r->len;
+            if (r->err != 0 || plane_post(pl, r->buf, r->len, r->len, NULL, r->peer, r->tag)) {
+                count(REFUSED, 1); /* not a file staged here, a bad copy, a disk error */
+                if (r->err != 0)
+                    plane_post(pl, NULL, 0, 0, NULL, r->peer, r->tag);
+                continue;
+            }
+            count(ANSWERED, 1);
+            count(ANSWERED_BYTES, r->len);
+            count(OWNER_N, 1);
+            count(OWNER_QUEUE_NS, (uint64_t)(r->began_ns - r->taken_ns));
+            count(OWNER_READ_NS, (uint64_t)(r->read_ns - r->began_ns));
+            count(OWNER_POST_NS, (uint64_t)(fanfs_now_ns() - r->read_ns));
+        }
+    }
+    return any;
+}
+
+int plane_receive(struct plane *pl) {
+    MPI_Message m;
+    MPI_Status st;
+    int flag, n, k, any = 0;
+    for (k = 0; k < PLANE_OUT; k++) { /* (at most this many a turn: a flood waits its turn) */
+        flag = 0;
+        if (pl->improbe(MPI_ANY_SOURCE, MPI_ANY_TAG, pl->comm, &flag, &m, &st) != MPI_SUCCESS ||
+            !flag)
+            return any;
+        any = 1;
+        if (pl->get_count(&st, pl->byte, &n) != MPI_SUCCESS || n < 0) {
+            count(MALFORMED, 1);
+            continue; /* (not a byte count: left unreceived) */
+        }
+        if (st.MPI_TAG == TAG_ASK)
+            answer(pl, &m, st.MPI_SOURCE, n);
+        else if (st.MPI_TAG >= FIRST_TAG)
+            plane_reply(pl, &m, st.MPI_SOURCE, st.MPI_TAG, n);
+        else
+            plane_drop(pl, &m, n);
+    }
+    return any;
+}
+
+#endif
