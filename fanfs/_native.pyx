@@ -153,7 +153,7 @@ cdef extern from "fanfs_native.h" nogil:
     enum: FANFS_PLANE_FIRST_TAG
     long long FANFS_PLANE_MAGIC
     void fanfs_plane_counters(uint64_t *out)
-    int fanfs_plane_latencies(uint64_t since, int64_t *ns, uint32_t *len, int max, uint64_t *now)
+    int fanfs_remote_latencies(uint64_t since, int64_t *ns, uint32_t *len, int max, uint64_t *now)
     struct fanfs_meta:
         uint64_t n
         const char *mode
@@ -1002,7 +1002,7 @@ def plane_latencies(uint64_t since):
     cdef int64_t ns[1024]
     cdef uint32_t length[1024]
     cdef uint64_t now = since
-    cdef int n = fanfs_plane_latencies(since, ns, length, 1024, &now)
+    cdef int n = fanfs_remote_latencies(since, ns, length, 1024, &now)
     return now, [(ns[i] / 1e9, length[i]) for i in range(n)]
 
 

@@ -148,6 +148,9 @@ class World:
 
     def finalize(self) -> None:
         if self.plane_comm is not None:
+            from fanfs.native import lib
+
+            lib.plane_stop()  # (stopped by the transport already, unless it failed first)
             self.plane_comm.Free()
         self.comm.Free()
         self.MPI.Finalize()

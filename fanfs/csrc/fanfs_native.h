@@ -385,9 +385,10 @@ void fanfs_plane_hedge(int64_t ns);
  * the owner's budget (answers timed, ns reading, ns from read to send posted), fetches hedged
  * and hedges that filled the piece, and the owner's ns from an ask taken to its read begun. */
 void fanfs_plane_counters(uint64_t out[FANFS_PLANE_COUNTS]);
-/* The fetches filled since the `since`th (at most the last 1024 and `max`): each one's
- * latency in ns (asked to filled) and stored length; `*now`: where the next call begins. */
-int fanfs_plane_latencies(uint64_t since, int64_t *ns, uint32_t *len, int max, uint64_t *now);
+/* The plane's fetches filled since the `since`th (at most the last 1024 and `max`): each
+ * one's latency in ns (asked to filled) and stored length; `*now`: where the next call begins.
+ * Counted before the READs are woken. */
+int fanfs_remote_latencies(uint64_t since, int64_t *ns, uint32_t *len, int max, uint64_t *now);
 /* The stored bytes of entry `e` (`len` of them, checked) for a peer, read by the calling
  * thread like the fast path's (fast.c): 0 with `*at` in `*buf` (fanfs_alloc'd, `*cap`); ENOENT
  * when it is not a file stored whole in a partition staged here (or the fast path is off),

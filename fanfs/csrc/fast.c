@@ -321,6 +321,8 @@ int fanfs_pool_fast_stored(int64_t e, uint32_t len, char **buf, uint32_t *cap, c
         goto out;
     err = fanfs_read_stored(fd, __atomic_load_n(&f->dfd[part], __ATOMIC_RELAXED), &p, buf, cap,
                             at);
+    if (err == FANFS_EBADCRC) /* a bad copy: its READs here go to Python, which knows it then */
+        fast_mark_bad(&P->fast, e);
 out:
     __atomic_sub_fetch(&P->answering, 1, __ATOMIC_SEQ_CST);
     return err;

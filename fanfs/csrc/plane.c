@@ -53,32 +53,10 @@
 #include "pool_int.h"
 
 uint64_t plane_counts[FANFS_PLANE_COUNTS]; /* atomic */
-/* The last PLANE_LAT fetches filled: their latency (ns) and stored length, written by the
- * plane's thread only; `filled` (atomic, stored after the slot) counts them all. */
-#define PLANE_LAT 1024
-static struct {
-    int64_t ns[PLANE_LAT];
-    uint32_t len[PLANE_LAT];
-    uint64_t filled;
-} lat;
-
 void fanfs_plane_counters(uint64_t out[FANFS_PLANE_COUNTS]) {
     int k;
     for (k = 0; k < FANFS_PLANE_COUNTS; k++)
         out[k] = __atomic_load_n(&plane_counts[k], __ATOMIC_RELAXED);
-}
-
-int fanfs_plane_latencies(uint64_t since, int64_t *ns, uint32_t *len, int max, uint64_t *now) {
-    uint64_t end = __atomic_load_n(&lat.filled, __ATOMIC_ACQUIRE), i;
-    int n = 0;
-    if (end > since + PLANE_LAT) /* (the older ones are overwritten) */
-        since = end - PLANE_LAT;
-    for (i = since; i < end && n < max; i++, n++) {
-        ns[n] = __atomic_load_n(&lat.ns[i % PLANE_LAT], __ATOMIC_RELAXED);
-        len[n] = __atomic_load_n(&lat.len[i % PLANE_LAT], __ATOMIC_RELAXED);
-    }
-    *now = since + (uint64_t)n;
-    return n;
 }
 
 #ifndef FANFS_PLANE
@@ -90,8 +68,6 @@ void fanfs_plane_dead(int rank) { (void)rank; }
 void fanfs_plane_hedge(int64_t ns) { (void)ns; }
 
 #else /* built against mpi.h: FANFS_PLANE */
-
-#include <dlfcn.h>
 
 #include "plane.h"
 
@@ -115,16 +91,17 @@ static void set_state(struct plane *pl, struct out *o, int state) {
     o->state = state;
 }
 
-/* Hand o back to the MPI thread; `skip`: it asks the other holders only (this one's copy was
- * bad, or it did not answer), else this one too (the plane could not answer: the MPI thread's
- * side may, from the image while the partition is being staged). */
-static void hand_back(struct plane *pl, struct out *o, int skip) {
+/* Hand o back to the MPI thread. `skip`: it asks the other holders only (this one's copy was
+ * bad), else this one too (it refused: its MPI thread may answer, from the image while it
+ * stages; it is slow: the MPI thread's hedges and peer timeout take over). `late`: a reply
+ * may still come, so its tag is quarantined (else the slot is free at once). */
+static void hand_back(struct plane *pl, struct out *o, int skip, int late) {
     o->r.tried = skip ? o->peer : -1;
     if (fanfs_remote_pending(&o->r)) { /* (else a hedge filled it, or it was given up) */
         remote_hand_back(pool_live(), &o->r);
         count(HANDED_BACK, 1);
     }
-    set_state(pl, o, 2);
+    set_state(pl, o, late ? 2 : 0);
     o->deadline = fanfs_now_ns() + pl->c.quarantine_ns;
 }
 
@@ -146,28 +123,27 @@ void plane_reply(struct plane *pl, MPI_Message *m, int peer, int tag, int n) {
             plane_drop(pl, m, n);
         else
             plane_take(pl, m, NULL, 0);
-        hand_back(pl, o, n != 0);
+        hand_back(pl, o, n != 0, 0);
         return;
     }
-    if ((buf = malloc((size_t)n)) == NULL || plane_take(pl, m, buf, n) != 0) {
+    if ((buf = malloc((size_t)n)) == NULL) {
+        plane_take(pl, m, NULL, n); /* (into the scratch buffer) */
+        hand_back(pl, o, 0, 0);
+        return;
+    }
+    if (plane_take(pl, m, buf, n) != 0) {
         free(buf);
-        hand_back(pl, o, 0);
+        hand_back(pl, o, 0, 0);
         return;
     }
-    err = fanfs_remote_fill(&o->r, buf, (uint32_t)n);
+    err = remote_fill(pool_live(), &o->r, buf, (uint32_t)n, o->began);
     free(buf);
-    if (err == 0) {
-        uint64_t k = __atomic_load_n(&lat.filled, __ATOMIC_RELAXED);
-        __atomic_store_n(&lat.ns[k % PLANE_LAT], fanfs_now_ns() - o->began, __ATOMIC_RELAXED);
-        __atomic_store_n(&lat.len[k % PLANE_LAT], (uint32_t)n, __ATOMIC_RELAXED);
-        __atomic_store_n(&lat.filled, k + 1, __ATOMIC_RELEASE);
-    }
     if (err == 0 || err == ESTALE) { /* (ESTALE: given up meanwhile, or a hedge's other copy) */
         count(FILLED, err == 0);
         count(HEDGES_WON, err == 0 && o->hedge);
         set_state(pl, o, 0);
     } else {
-        hand_back(pl, o, 1); /* a bad copy: the MPI thread asks another holder */
+        hand_back(pl, o, 1, 0); /* a bad copy: the MPI thread asks another holder */
     }
 }
 
@@ -204,7 +180,7 @@ static int free_tag(struct plane *pl) {
  * when none can be asked (a hedge is then not made). */
 static void ask(struct plane *pl, const struct fanfs_rreq *r, int skip, int hedge) {
     struct out *o;
-    int64_t h[4];
+    int64_t *h;
     int peer = holder(pl, r, skip), tag = peer >= 0 ? free_tag(pl) : -1;
     if (tag < 0 && hedge)
         return;
@@ -225,12 +201,14 @@ static void ask(struct plane *pl, const struct fanfs_rreq *r, int skip, int hedg
     /* A slow holder is hedged: another one asked too, the first copy filling the piece. */
     o->hedge_at = hedge ? INT64_MAX
                         : o->began + __atomic_load_n(&pl->hedge_ns, __ATOMIC_RELAXED);
-    h[0] = FANFS_PLANE_MAGIC;
-    h[1] = r->entry;
-    h[2] = r->len;
-    h[3] = tag;
-    if (plane_post(pl, NULL, sizeof h, 0, h, peer, TAG_ASK) != 0) {
-        hand_back(pl, o, 0);
+    if ((h = malloc(PLANE_HEADER)) != NULL) {
+        h[0] = FANFS_PLANE_MAGIC;
+        h[1] = r->entry;
+        h[2] = r->len;
+        h[3] = tag;
+    }
+    if (h == NULL || plane_post(pl, (char *)h, PLANE_HEADER, 0, peer, TAG_ASK) != 0) {
+        hand_back(pl, o, 0, 0); /* (nothing was sent) */
         return;
     }
     count(ASKED, 1);
@@ -257,7 +235,7 @@ static int fetches(struct plane *pl) {
         for (i = 0; i < PLANE_OUT; i++) {
             struct out *o = &pl->out[i];
             if (o->state == 1 && now > o->deadline) {
-                hand_back(pl, o, 1);
+                hand_back(pl, o, 0, 1);
             } else if (o->state == 1 && now > o->hedge_at) {
                 o->hedge_at = INT64_MAX;
                 ask(pl, &o->r, o->peer, 1); /* (into another slot: this one stays out) */
@@ -307,7 +285,7 @@ static void *plane_main(void *arg) {
     }
     for (i = 0; i < PLANE_OUT; i++) /* the MPI thread fetches them, or they go to Python */
         if (pl->out[i].state == 1)
-            hand_back(pl, &pl->out[i], 0);
+            hand_back(pl, &pl->out[i], 0, 1);
     end = fanfs_now_ns() + SETTLE_NS;
     while (pl->nsends > 0 && fanfs_now_ns() < end) {
         plane_settle(pl);
@@ -315,19 +293,6 @@ static void *plane_main(void *arg) {
     }
     pl->nsends = 0; /* (those MPI still holds: their buffers are never freed) */
     return NULL;
-}
-
-static int resolve(struct plane *pl, const char *lib) {
-    void *h = dlopen(lib, RTLD_LAZY | RTLD_NOLOAD);
-    if (h == NULL)
-        return ENOENT;
-    pl->isend = (__typeof__(MPI_Isend) *)dlsym(h, "MPI_Isend");
-    pl->improbe = (__typeof__(MPI_Improbe) *)dlsym(h, "MPI_Improbe");
-    pl->mrecv = (__typeof__(MPI_Mrecv) *)dlsym(h, "MPI_Mrecv");
-    pl->test = (__typeof__(MPI_Test) *)dlsym(h, "MPI_Test");
-    pl->get_count = (__typeof__(MPI_Get_count) *)dlsym(h, "MPI_Get_count");
-    dlclose(h); /* (NOLOAD: the library stays, loaded by mpi4py) */
-    return pl->isend && pl->improbe && pl->mrecv && pl->test && pl->get_count ? 0 : ENOENT;
 }
 
 int fanfs_plane_start(const struct fanfs_plane_conf *c) {
@@ -338,7 +303,7 @@ int fanfs_plane_start(const struct fanfs_plane_conf *c) {
     if (c->size < 1 || c->size > PLANE_MAX_RANKS || c->rank < 0 || c->rank >= c->size ||
         c->tag_ub <= FIRST_TAG || c->hand_back_ns <= 0 || c->quarantine_ns <= 0)
         return EINVAL;
-    if ((err = resolve(pl, c->lib)) != 0)
+    if ((err = plane_resolve(pl, c->lib)) != 0)
         return err;
     pl->c = *c;
     pl->c.lib = NULL;

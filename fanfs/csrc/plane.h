@@ -35,6 +35,7 @@ static inline void count(int what, uint64_t n) {
 #define PLANE_MAX_RANKS (1 << 20)
 #define PLANE_READERS 4 /* the owner's reading threads (plane_read.c) */
 #define PLANE_READS 64  /* asks between submit and take at most */
+#define PLANE_INLINE (256u << 10) /* asks up to this are read by the plane's thread itself */
 
 struct out { /* a fetch of ours, by reply tag */
     int state; /* 0 free, 1 out, 2 given back: quarantined until its reply or `deadline` */
@@ -46,9 +47,8 @@ struct out { /* a fetch of ours, by reply tag */
 
 struct send { /* a send in flight: its buffer lives until MPI says it is done */
     MPI_Request req;
-    char *buf;      /* fanfs_alloc'd reply bytes, or NULL */
+    char *buf;      /* reply bytes (fanfs_alloc'd), an ask's header (malloc'd), or NULL */
     uint32_t bytes; /* reserved of PLANE_REPLY_BYTES */
-    int64_t hdr[4]; /* an ask's header */
 };
 
 struct plane_read { /* an ask to read, then its completion (plane_read.c) */
@@ -94,11 +94,12 @@ struct plane {
 };
 
 /* plane_wire.c */
-/* Post a send of `len` bytes (`buf`, owned from now on, freed when done; or an ask's header
- * `hdr`, `bytes` of PLANE_REPLY_BYTES reserved until it is done). 0, or -1 (no room, or MPI
- * refused it: `buf` is freed). */
-int plane_post(struct plane *pl, char *buf, uint32_t len, uint32_t bytes, const int64_t *hdr,
-               int peer, int tag);
+/* MPI's functions looked up in `lib` (loaded: RTLD_NOLOAD); 0, or ENOENT. */
+int plane_resolve(struct plane *pl, const char *lib);
+/* Post a send of `len` bytes of `buf` (owned from now on, freed once MPI is done with it;
+ * `bytes` of PLANE_REPLY_BYTES reserved until then). 0, or -1 (no room, or MPI refused it:
+ * `buf` is freed). */
+int plane_post(struct plane *pl, char *buf, uint32_t len, uint32_t bytes, int peer, int tag);
 int plane_settle(struct plane *pl); /* the sends MPI is done with let go; 1 if any */
 int plane_receive(struct plane *pl); /* every message waiting taken; 1 if any */
 /* Receive matched message `m` of `n` bytes into `buf`, or drop it (NULL: into the scratch
@@ -113,6 +114,7 @@ int plane_reads_start(struct plane_reads *q, int wakefd); /* 0, or an errno */
 void plane_reads_stop(struct plane_reads *q);
 int plane_read_submit(struct plane_reads *q, const struct plane_read *r); /* 0, or -1: full */
 int plane_read_take(struct plane_reads *q, struct plane_read *out, int max);
+void plane_read_one(struct plane_read *r); /* read in the calling thread */
 
 /* plane.c */
 /* The requester: a reply of `n` bytes from `peer` on `tag` (a reply tag). */

@@ -29,7 +29,7 @@
 
 #include "plane.h"
 
-static void read_one(struct plane_read *r) {
+void plane_read_one(struct plane_read *r) {
     uint32_t cap = 0;
     const char *at = NULL;
     r->buf = NULL;
@@ -60,7 +60,7 @@ static void *reader_main(void *arg) {
         q->thead = (q->thead + 1) % PLANE_READS;
         q->tn--;
         pthread_mutex_unlock(&q->lock);
-        read_one(&r);
+        plane_read_one(&r);
         pthread_mutex_lock(&q->lock);
         q->done[(q->dhead + q->dn) % PLANE_READS] = r;
         q->dn++;

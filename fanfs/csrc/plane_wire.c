@@ -4,6 +4,7 @@
  * messages: found by matched probe, received into exactly their size, or dropped).
  */
 #define _GNU_SOURCE
+#include <dlfcn.h>
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,24 +15,42 @@
 
 #include "plane.h"
 
+/* -- MPI's functions ----------------------------------------------------------------------- */
+
+int plane_resolve(struct plane *pl, const char *lib) {
+    void *h = dlopen(lib, RTLD_LAZY | RTLD_NOLOAD);
+    int same;
+    if (h == NULL)
+        return ENOENT;
+    pl->isend = (__typeof__(MPI_Isend) *)dlsym(h, "MPI_Isend");
+    pl->improbe = (__typeof__(MPI_Improbe) *)dlsym(h, "MPI_Improbe");
+    pl->mrecv = (__typeof__(MPI_Mrecv) *)dlsym(h, "MPI_Mrecv");
+    pl->test = (__typeof__(MPI_Test) *)dlsym(h, "MPI_Test");
+    pl->get_count = (__typeof__(MPI_Get_count) *)dlsym(h, "MPI_Get_count");
+    /* The library is the MPI whose mpi.h this was built with (handles, MPI_Status and the
+     * constants differ between Open MPI and MPICH's ABI): else no plane, never a wrong one. */
+#ifdef OMPI_MAJOR_VERSION
+    same = dlsym(h, "ompi_mpi_comm_world") != NULL;
+#else
+    same = dlsym(h, "ompi_mpi_comm_world") == NULL;
+#endif
+    dlclose(h); /* (NOLOAD: the library stays, loaded by mpi4py) */
+    return same && pl->isend && pl->improbe && pl->mrecv && pl->test && pl->get_count ? 0
+                                                                                      : ENOENT;
+}
+
 /* -- sends ----------------------------------------------------------------------------------- */
 
-int plane_post(struct plane *pl, char *buf, uint32_t len, uint32_t bytes, const int64_t *hdr,
-               int peer, int tag) {
+int plane_post(struct plane *pl, char *buf, uint32_t len, uint32_t bytes, int peer, int tag) {
     struct send *s;
-    const void *data = buf;
     if (pl->nsends == PLANE_SENDS) {
         free(buf);
         return -1;
     }
-    s = &pl->sends[pl->nsends];
+    s = &pl->sends[pl->nsends]; /* (`buf` is MPI's until done: a slot may move, its buffer not) */
     s->buf = buf;
     s->bytes = bytes;
-    if (hdr != NULL) {
-        memcpy(s->hdr, hdr, sizeof s->hdr);
-        data = s->hdr;
-    }
-    if (pl->isend(data, (int)len, pl->byte, peer, tag, pl->comm, &s->req) != MPI_SUCCESS) {
+    if (pl->isend(buf, (int)len, pl->byte, peer, tag, pl->comm, &s->req) != MPI_SUCCESS) {
         free(buf);
         return -1;
     }
@@ -81,8 +100,24 @@ void plane_drop(struct plane *pl, MPI_Message *m, int n) {
     plane_take(pl, m, NULL, n);
 }
 
-/* The owner: a peer's ask of `n` bytes, checked and handed to a reader (plane_read.c), or
- * refused. */
+/* A read done (inline, or by a reader): its reply sent, or a refusal (not a file staged here,
+ * a bad copy, a disk error). */
+static void reply_read(struct plane *pl, struct plane_read *r) {
+    if (r->err != 0 || plane_post(pl, r->buf, r->len, r->len, r->peer, r->tag) != 0) {
+        count(REFUSED, 1);
+        plane_post(pl, NULL, 0, 0, r->peer, r->tag);
+        return;
+    }
+    count(ANSWERED, 1);
+    count(ANSWERED_BYTES, r->len);
+    count(OWNER_N, 1);
+    count(OWNER_QUEUE_NS, (uint64_t)(r->began_ns - r->taken_ns));
+    count(OWNER_READ_NS, (uint64_t)(r->read_ns - r->began_ns));
+    count(OWNER_POST_NS, (uint64_t)(fanfs_now_ns() - r->read_ns));
+}
+
+/* The owner: a peer's ask of `n` bytes, checked, then read here (up to PLANE_INLINE: a hand-off
+ * to another thread costs more than such a read) or by a reader (plane_read.c), or refused. */
 static void answer(struct plane *pl, MPI_Message *m, int peer, int n) {
     int64_t h[4];
     struct plane_read r;
@@ -102,13 +137,18 @@ static void answer(struct plane *pl, MPI_Message *m, int peer, int n) {
     r.entry = h[1];
     r.len = (uint32_t)h[2];
     r.taken_ns = fanfs_now_ns();
-    if (pl->reply_bytes + r.len > PLANE_REPLY_BYTES || pl->nsends >= PLANE_SENDS ||
-        plane_read_submit(&pl->reads, &r) != 0) {
+    if (pl->reply_bytes + r.len > PLANE_REPLY_BYTES || pl->nsends >= PLANE_SENDS) {
         count(REFUSED, 1); /* too much in flight */
-        plane_post(pl, NULL, 0, 0, NULL, peer, r.tag);
-        return;
+        plane_post(pl, NULL, 0, 0, peer, r.tag);
+    } else if (r.len <= PLANE_INLINE) {
+        plane_read_one(&r);
+        reply_read(pl, &r);
+    } else if (plane_read_submit(&pl->reads, &r) != 0) {
+        count(REFUSED, 1);
+        plane_post(pl, NULL, 0, 0, peer, r.tag);
+    } else {
+        pl->reply_bytes += r.len; /* (until the read is taken; then until its send is done) */
     }
-    pl->reply_bytes += r.len; /* (until the read is taken; then until its send is done) */
 }
 
 int plane_collect(struct plane *pl) {
@@ -117,20 +157,8 @@ int plane_collect(struct plane *pl) {
     while ((n = plane_read_take(&pl->reads, done, 16)) > 0) {
         any = 1;
         for (i = 0; i < n; i++) {
-            struct plane_read *r = &done[i];
-            pl->reply_bytes -= r->len;
-            if (r->err != 0 || plane_post(pl, r->buf, r->len, r->len, NULL, r->peer, r->tag)) {
-                count(REFUSED, 1); /* not a file staged here, a bad copy, a disk error */
-                if (r->err != 0)
-                    plane_post(pl, NULL, 0, 0, NULL, r->peer, r->tag);
-                continue;
-            }
-            count(ANSWERED, 1);
-            count(ANSWERED_BYTES, r->len);
-            count(OWNER_N, 1);
-            count(OWNER_QUEUE_NS, (uint64_t)(r->began_ns - r->taken_ns));
-            count(OWNER_READ_NS, (uint64_t)(r->read_ns - r->began_ns));
-            count(OWNER_POST_NS, (uint64_t)(fanfs_now_ns() - r->read_ns));
+            pl->reply_bytes -= done[i].len;
+            reply_read(pl, &done[i]);
         }
     }
     return any;

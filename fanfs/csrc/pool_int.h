@@ -31,6 +31,7 @@
 #define PUSH_MAX 64  /* queued pushes; beyond, a piece is not pushed (the kernel READs it) */
 #define RQ_MAX 256   /* queued fetches of peers' pieces: more than the slots that can wait */
 #define LA_REMOTE_MAX 8 /* peers' pieces reserved at LOOKUP at once: a quarter of the slots */
+#define RQ_LAT 1024     /* the data plane's fills remembered (fanfs_remote_latencies) */
 #define LA_RING FANFS_LA_WINDOW   /* lookups remembered, to learn whether READs follow them */
 #define WAITING (1 << 30) /* piece_get: the job was hung on a piece being read */
 
@@ -124,6 +125,12 @@ struct remote {
     int64_t wait_ns;             /* atomic: how long one may wait (0: no limit) */
     uint64_t fetched, failed, looked_up; /* atomic */
     uint64_t legs[4];                    /* atomic: fanfs_remote_legs */
+    /* The data plane's fills (fanfs_remote_latencies): the last RQ_LAT ones' latency (ns, asked
+     * to filled) and stored length, and how many in all; atomic, written under the cache's lock
+     * before the READs are woken (whoever they answer may ask the status next). */
+    int64_t lat_ns[RQ_LAT];
+    uint32_t lat_len[RQ_LAT];
+    uint64_t timed;
 };
 
 /* -- fast.c: READs answered with no Python, and reads at LOOKUP ---------------------------- */
@@ -203,6 +210,9 @@ int remote_plane_attach(struct pool *P, int fd);
 void remote_plane_detach(struct pool *P);
 int remote_plane_take(struct pool *P, struct fanfs_rreq *out, int max);
 void remote_hand_back(struct pool *P, const struct fanfs_rreq *r);
+/* fanfs_remote_fill for the plane: its latency since `asked_ns` remembered too. */
+int remote_fill(struct pool *P, const struct fanfs_rreq *r, const char *stored, uint32_t len,
+                int64_t asked_ns);
 
 /* fast.c */
 void fast_mark_bad(struct fast *f, int64_t entry);

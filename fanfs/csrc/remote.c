@@ -260,6 +260,28 @@ static void legs_add(struct remote *rq, const struct fanfs_rreq *r, int64_t bega
     __atomic_add_fetch(&rq->legs[3], (uint64_t)(now - began), __ATOMIC_RELAXED);
 }
 
+/* A fill of the data plane's (cache lock held: one writer at a time). */
+static void lat_add(struct remote *rq, int64_t ns, uint32_t len) {
+    uint64_t k = __atomic_load_n(&rq->timed, __ATOMIC_RELAXED);
+    __atomic_store_n(&rq->lat_ns[k % RQ_LAT], ns, __ATOMIC_RELAXED);
+    __atomic_store_n(&rq->lat_len[k % RQ_LAT], len, __ATOMIC_RELAXED);
+    __atomic_store_n(&rq->timed, k + 1, __ATOMIC_RELEASE);
+}
+
+int fanfs_remote_latencies(uint64_t since, int64_t *ns, uint32_t *len, int max, uint64_t *now) {
+    struct remote *rq = &pool_live()->remote;
+    uint64_t end = __atomic_load_n(&rq->timed, __ATOMIC_ACQUIRE), i;
+    int n = 0;
+    if (end > since + RQ_LAT) /* (the older ones are overwritten) */
+        since = end - RQ_LAT;
+    for (i = since; i < end && n < max; i++, n++) {
+        ns[n] = __atomic_load_n(&rq->lat_ns[i % RQ_LAT], __ATOMIC_RELAXED);
+        len[n] = __atomic_load_n(&rq->lat_len[i % RQ_LAT], __ATOMIC_RELAXED);
+    }
+    *now = since + (uint64_t)n;
+    return n;
+}
+
 /* Whether slot r->slot still waits for r's piece (cache lock held). */
 static int rq_pending_locked(const struct pieces *c, const struct fanfs_rreq *r) {
     const struct pieces_slot *s;
@@ -271,7 +293,11 @@ static int rq_pending_locked(const struct pieces *c, const struct fanfs_rreq *r)
 }
 
 int fanfs_remote_fill(const struct fanfs_rreq *r, const char *stored, uint32_t len) {
-    struct pool *P = pool_live();
+    return remote_fill(pool_live(), r, stored, len, 0);
+}
+
+int remote_fill(struct pool *P, const struct fanfs_rreq *r, const char *stored, uint32_t len,
+                int64_t asked_ns) {
     struct pieces *c = &P->pieces;
     struct fanfs_piece p;
     struct qjob *w;
@@ -321,6 +347,8 @@ int fanfs_remote_fill(const struct fanfs_rreq *r, const char *stored, uint32_t l
      * status next, and finds it counted. */
     __atomic_add_fetch(&P->remote.fetched, 1, __ATOMIC_RELAXED);
     legs_add(&P->remote, r, began);
+    if (asked_ns > 0)
+        lat_add(&P->remote, fanfs_now_ns() - asked_ns, len);
     w = pieces_ready_locked(c, r->slot, buf, cap, buf);
     pthread_mutex_unlock(&c->lock);
     pool_requeue(&P->work, w);

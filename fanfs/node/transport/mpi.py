@@ -173,9 +173,10 @@ class MpiTransport(MpiFetches):
         return budget
 
     def statistics(self) -> PeerStatus:
-        s = super().statistics()
         if not self.plane_on:
-            return s
+            return super().statistics()
+        self._plane_fetched()  # (the plane's fetches are counted before its READs are answered)
+        s = super().statistics()
         p = lib.plane_stats()
         return dataclasses.replace(
             s,
@@ -237,18 +238,18 @@ class MpiTransport(MpiFetches):
         except OSError as e:
             log.warning("the data plane did not start (%s): the MPI thread does its work", e)
             return
+        self.plane_on = True  # (first: a peer found dead from now on is passed on at once)
         for peer in self.dead:
             lib.plane_dead(peer)
-        self.plane_on = True
 
     def _plane_fetched(self) -> None:
-        """(The MPI thread.) Record the data plane's fetches filled since the last turn, as
-        this thread's own are (their latency, their bytes)."""
-        self._plane_seen, done = lib.plane_latencies(self._plane_seen)
+        """Record the data plane's fetches filled since the last call, as the MPI thread's own
+        are (their latency, their bytes): each turn of the MPI thread, and before a status."""
+        with self._lock:
+            self._plane_seen, done = lib.plane_latencies(self._plane_seen)
+            for seconds, length in done:
+                self._record(seconds, length)
         if done:
-            with self._lock:
-                for seconds, length in done:
-                    self._record(seconds, length)
             lib.plane_hedge(self.hedge_delay())
 
     def _serve(self) -> None:
