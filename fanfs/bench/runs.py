@@ -157,16 +157,19 @@ def _extras(case: Case, results: list[Result], idle: float) -> dict[str, Any]:
     """The fanfs daemon's CPU per file read (and while idle), and for DataLoader passes whether
     every side gave the same samples as native reads."""
     mine = [r for r in results if r.case == case]
-    fanfs = [r for r in mine if r.reader == "fanfs"]
-    out: dict[str, Any] = {
-        "daemon_cpu_us_per_file": round(statistics.mean(r.daemon_cpu_s / r.files * 1e6
-                                                        for r in fanfs), 1),
-        "daemon_idle_cpu_pct": idle,
-    }  # fmt: skip
+    out: dict[str, Any] = {**_cpu(case, results), "daemon_idle_cpu_pct": idle}
     if case.client == "torch":
         native = [r.samples for r in mine if r.reader == "native"]
         out["identical_samples"] = all(r.samples == native[0] for r in mine)
     return out
+
+
+def _cpu(case: Case, results: list[Result]) -> dict[str, float]:
+    """The CPU per file read that fanfs's daemons spent in `case` (all of them: for a remote
+    case, the reader's and the owners')."""
+    fanfs = [r for r in results if r.case == case and r.reader == "fanfs"]
+    return {"daemon_cpu_us_per_file": round(statistics.mean(r.daemon_cpu_s / r.files * 1e6
+                                                            for r in fanfs), 1)}  # fmt: skip
 
 
 def _remote_cases(base: Path, mean: int, kind: str, rels: list[str], ranks: int, plan: Any,
@@ -188,7 +191,8 @@ def _remote_cases(base: Path, mean: int, kind: str, rels: list[str], ranks: int,
         got = _cases(mean, kind, "remote", sides, remote, *plan)
         results += got
         latency, front = daemon_latency(d), daemon_front(d)
-        extras.update({r.case: {"daemon_latency_ms": latency, "front": front} for r in got})
+        extras.update({r.case: {"daemon_latency_ms": latency, "front": front, **_cpu(r.case, got)}
+                       for r in got})  # fmt: skip
         if epoch == "global":
             part_of = [int(catalog.part[entries[r]]) for r in rels]
             got, more = _epoch_cases(mean, kind, src, d, rels, part_of, owners, *plan)
