@@ -45,6 +45,14 @@
  *                                                 wb.cond: a job queued, done, or a buffer
  *                                                 free. A leaf.
  *
+ * The data plane's (plane.h):
+ *
+ *   reads.lock       (plane_read.c)               the owner's reads: asks to read and reads
+ *                                                 done; reads.work: an ask queued, or the
+ *                                                 stop. A leaf. (The rest of the plane is its
+ *                                                 thread's own; it takes the pool's
+ *                                                 pieces.lock and remote.lock one at a time.)
+ *
  * codec.c and stored.c have no mutex: the libraries are loaded once (pthread_once), the
  * buffers are each thread's own (__thread), and the counters are atomic.
  *
