@@ -25,7 +25,8 @@
  * the MPI thread stays quarantined until its late reply is drained or quarantine_ns passed.
  *
  * Bounds: PLANE_OUT fetches out, PLANE_SENDS sends in flight, PLANE_READS reads and
- * PLANE_REPLY_BYTES of replies in flight (beyond: refused).
+ * PLANE_REPLY_BYTES of replies in flight, PLANE_PEER_BYTES of them for one peer (beyond:
+ * refused).
  *
  * Waiting: while a fetch is out and something moved within PLANE_SPIN_NS it polls, yielding
  * the CPU (not while the kernel says threads wait for one: fanfs_cpu_pressed); otherwise it
@@ -80,7 +81,7 @@ void fanfs_plane_hedge(int64_t ns) {
 }
 
 void fanfs_plane_dead(int rank) {
-    if (plane.dead != NULL && rank >= 0 && rank < plane.c.size)
+    if (plane.dead != NULL && rank >= 0 && rank < plane.ranks)
         __atomic_store_n(&plane.dead[rank], 1, __ATOMIC_RELAXED);
 }
 
@@ -314,14 +315,24 @@ int fanfs_plane_start(const struct fanfs_plane_conf *c) {
     pl->next_tag = FIRST_TAG;
     pl->hedge_ns = c->hedge_ns > 0 ? c->hedge_ns : c->hand_back_ns;
     memset(pl->out, 0, sizeof pl->out);
-    free(pl->dead);
-    if ((pl->dead = calloc((size_t)c->size, 1)) == NULL)
+    /* `dead` is never freed (fanfs_plane_dead may read it at any time): one per process. */
+    if (pl->dead == NULL && (pl->dead = calloc((size_t)c->size, 1)) != NULL)
+        pl->ranks = c->size;
+    if (pl->dead == NULL || pl->ranks < c->size)
+        return pl->dead == NULL ? ENOMEM : EINVAL;
+    if ((pl->peer_bytes = calloc((size_t)c->size, sizeof *pl->peer_bytes)) == NULL)
         return ENOMEM;
-    if ((pl->wakefd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) < 0)
-        return errno;
+    if ((pl->wakefd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) < 0) {
+        err = errno;
+        free(pl->peer_bytes);
+        pl->peer_bytes = NULL;
+        return err;
+    }
     if ((err = plane_reads_start(&pl->reads, pl->wakefd)) != 0) {
         close(pl->wakefd);
         pl->wakefd = -1;
+        free(pl->peer_bytes);
+        pl->peer_bytes = NULL;
         return err;
     }
     if (c->fetch && remote_plane_attach(pool_live(), pl->wakefd) != 0)
@@ -332,6 +343,8 @@ int fanfs_plane_start(const struct fanfs_plane_conf *c) {
         plane_reads_stop(&pl->reads);
         close(pl->wakefd);
         pl->wakefd = -1;
+        free(pl->peer_bytes);
+        pl->peer_bytes = NULL;
         return err;
     }
     pl->running = 1;
@@ -355,6 +368,8 @@ void fanfs_plane_stop(void) {
     pl->wakefd = -1;
     free(pl->scratch);
     pl->scratch = NULL;
+    free(pl->peer_bytes);
+    pl->peer_bytes = NULL;
 }
 
 #endif

@@ -27,6 +27,9 @@ static inline void count(int what, uint64_t n) {
 #define PLANE_OUT 256
 #define PLANE_SENDS 512
 #define PLANE_REPLY_BYTES (64u << 20)
+/* ... of them for one peer: a requester that never takes its replies (whose sends then never
+ * end) holds at most this, not the whole budget. */
+#define PLANE_PEER_BYTES (4 * FANFS_REMOTE_MAX)
 #define PLANE_SPIN_NS 300000
 #define PLANE_HOT_NS 20000000
 #define POLL_MIN_NS 20000
@@ -48,7 +51,8 @@ struct out { /* a fetch of ours, by reply tag */
 struct send { /* a send in flight: its buffer lives until MPI says it is done */
     MPI_Request req;
     char *buf;      /* reply bytes (fanfs_alloc'd), an ask's header (malloc'd), or NULL */
-    uint32_t bytes; /* reserved of PLANE_REPLY_BYTES */
+    uint32_t bytes; /* reserved of PLANE_REPLY_BYTES, and of its peer's PLANE_PEER_BYTES */
+    int peer;
 };
 
 struct plane_read { /* an ask to read, then its completion (plane_read.c) */
@@ -82,13 +86,15 @@ struct plane {
     __typeof__(MPI_Mrecv) *mrecv;
     __typeof__(MPI_Test) *test;
     __typeof__(MPI_Get_count) *get_count;
-    uint8_t *dead; /* atomic, per rank */
+    uint8_t *dead; /* atomic, per rank (`ranks` of them, set with it, never freed) */
+    int ranks;
     int64_t hedge_ns; /* atomic: fanfs_plane_hedge */
     struct out out[PLANE_OUT];
     int nout, nwait, next_tag; /* slots not free, slots out (set_state) */
     struct send sends[PLANE_SENDS];
     int nsends;
     uint32_t reply_bytes; /* of replies sent and not done, and of reads not taken */
+    uint32_t *peer_bytes; /* per rank, its share of reply_bytes (at most PLANE_PEER_BYTES) */
     struct plane_reads reads;
     char *scratch; /* FANFS_REMOTE_MAX, for what is dropped */
 };

@@ -54,7 +54,9 @@ int plane_post(struct plane *pl, char *buf, uint32_t len, uint32_t bytes, int pe
         free(buf);
         return -1;
     }
+    s->peer = peer;
     pl->reply_bytes += bytes;
+    pl->peer_bytes[peer] += bytes;
     pl->nsends++;
     return 0;
 }
@@ -73,6 +75,7 @@ int plane_settle(struct plane *pl) {
         }
         free(s->buf);
         pl->reply_bytes -= s->bytes;
+        pl->peer_bytes[s->peer] -= s->bytes;
         pl->sends[i] = pl->sends[--pl->nsends];
         any = 1;
     }
@@ -137,7 +140,8 @@ static void answer(struct plane *pl, MPI_Message *m, int peer, int n) {
     r.entry = h[1];
     r.len = (uint32_t)h[2];
     r.taken_ns = fanfs_now_ns();
-    if (pl->reply_bytes + r.len > PLANE_REPLY_BYTES || pl->nsends >= PLANE_SENDS) {
+    if (pl->reply_bytes + r.len > PLANE_REPLY_BYTES || pl->nsends >= PLANE_SENDS ||
+        pl->peer_bytes[peer] + r.len > PLANE_PEER_BYTES) {
         count(REFUSED, 1); /* too much in flight */
         plane_post(pl, NULL, 0, 0, peer, r.tag);
     } else if (r.len <= PLANE_INLINE) {
@@ -148,6 +152,7 @@ static void answer(struct plane *pl, MPI_Message *m, int peer, int n) {
         plane_post(pl, NULL, 0, 0, peer, r.tag);
     } else {
         pl->reply_bytes += r.len; /* (until the read is taken; then until its send is done) */
+        pl->peer_bytes[peer] += r.len;
     }
 }
 
@@ -158,6 +163,7 @@ int plane_collect(struct plane *pl) {
         any = 1;
         for (i = 0; i < n; i++) {
             pl->reply_bytes -= done[i].len;
+            pl->peer_bytes[done[i].peer] -= done[i].len;
             reply_read(pl, &done[i]);
         }
     }
