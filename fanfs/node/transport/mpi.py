@@ -75,8 +75,9 @@ SPIN_S = 300e-6
 # waiting on each side of every round trip.
 HOT_S = 20e-3
 # The data plane hands a fetch back to this thread when its holder has not answered within
-# this (or half the peer timeout): this thread then asks the other holders, hedges, and
-# times the holder out; the reply tag stays quarantined for QUARANTINE_TIMEOUTS peer timeouts.
+# this (or half the peer timeout): this thread then asks it again and the other holders, and
+# hedges and times it out as it does its own fetches; the plane keeps the reply tag
+# quarantined for QUARANTINE_TIMEOUTS peer timeouts.
 PLANE_HAND_BACK_S = 0.1
 PR_SET_TIMERSLACK = 29  # linux/prctl.h
 PR_SET_NAME = 15
