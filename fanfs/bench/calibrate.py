@@ -67,12 +67,12 @@ def _per_file(paths: Sequence[str], readers: int, cold: bool = False, evict: boo
     return statistics.median(walls) / len(paths)
 
 
-SERIAL_THREADS = ("loop", "fanfs-mpi")  # a daemon's one-of-a-kind threads
+SERIAL_THREADS = ("loop", "fanfs-mpi", "fanfs-plane")  # a daemon's one-of-a-kind threads
 
 
 def _serial_seconds(pids: Sequence[int]) -> dict[tuple[int, str], int]:
     """Nanoseconds each daemon's one-of-a-kind threads have run: its event loop (the main
-    thread) and its MPI thread (named so), by (daemon, "loop" or "fanfs-mpi")."""
+    thread), its MPI thread and its data plane (named so), by (daemon, name)."""
     out: dict[tuple[int, str], int] = {}
     for pid in pids:
         for tid in os.listdir(f"/proc/{pid}/task"):
@@ -88,11 +88,11 @@ def _serial_seconds(pids: Sequence[int]) -> dict[tuple[int, str], int]:
 
 
 def _loop_per_file(paths: Sequence[str], pids: Sequence[int]) -> float:
-    """Seconds per file of each daemon's busiest one-of-a-kind thread (its event loop or its
-    MPI thread), summed over the daemons `pids`, while the most readers of SATURATE read
-    `paths` (the mount's pages evicted): the daemon bound's demand, which a node's other cores
-    cannot share. (The front answers local and peers' small files with no event loop; their
-    fetches still pass the MPI threads at both ends.)"""
+    """Seconds per file of each daemon's busiest one-of-a-kind thread (its event loop, its
+    MPI thread or its data plane), summed over the daemons `pids`, while the most readers of
+    SATURATE read `paths` (the mount's pages evicted): the daemon bound's demand, which a
+    node's other cores cannot share. (The front answers local and peers' small files with no
+    event loop; their fetches pass the data planes at both ends.)"""
     spent = 0.0
     for _ in range(REPEAT):
         _evict(paths)
