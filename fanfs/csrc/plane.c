@@ -53,16 +53,12 @@
 
 #include "pool_int.h"
 
-uint64_t plane_counts[FANFS_PLANE_COUNTS]; /* atomic */
-void fanfs_plane_counters(uint64_t out[FANFS_PLANE_COUNTS]) {
-    int k;
-    for (k = 0; k < FANFS_PLANE_COUNTS; k++)
-        out[k] = __atomic_load_n(&plane_counts[k], __ATOMIC_RELAXED);
-}
-
 #ifndef FANFS_PLANE
 
 int fanfs_plane_built(void) { return 0; }
+void fanfs_plane_counters(uint64_t out[FANFS_PLANE_COUNTS]) {
+    memset(out, 0, FANFS_PLANE_COUNTS * sizeof out[0]);
+}
 int fanfs_plane_start(const struct fanfs_plane_conf *c) { return (void)c, ENOSYS; }
 void fanfs_plane_stop(void) {}
 void fanfs_plane_dead(int rank) { (void)rank; }
@@ -75,6 +71,12 @@ void fanfs_plane_hedge(int64_t ns) { (void)ns; }
 static struct plane plane = {.wakefd = -1};
 
 int fanfs_plane_built(void) { return 1; }
+
+void fanfs_plane_counters(uint64_t out[FANFS_PLANE_COUNTS]) {
+    int k;
+    for (k = 0; k < FANFS_PLANE_COUNTS; k++)
+        out[k] = __atomic_load_n(&plane.counts[k], __ATOMIC_RELAXED);
+}
 
 void fanfs_plane_hedge(int64_t ns) {
     __atomic_store_n(&plane.hedge_ns, ns > 0 ? ns : 1, __ATOMIC_RELAXED);
@@ -100,7 +102,7 @@ static void hand_back(struct plane *pl, struct out *o, int skip, int late) {
     o->r.tried = skip ? o->peer : -1;
     if (fanfs_remote_pending(&o->r)) { /* (else a hedge filled it, or it was given up) */
         remote_hand_back(pool_live(), &o->r);
-        count(HANDED_BACK, 1);
+        count(pl, HANDED_BACK, 1);
     }
     set_state(pl, o, late ? 2 : 0);
     o->deadline = fanfs_now_ns() + pl->c.quarantine_ns;
@@ -140,8 +142,8 @@ void plane_reply(struct plane *pl, MPI_Message *m, int peer, int tag, int n) {
     err = remote_fill(pool_live(), &o->r, buf, (uint32_t)n, o->began);
     free(buf);
     if (err == 0 || err == ESTALE) { /* (ESTALE: given up meanwhile, or a hedge's other copy) */
-        count(FILLED, err == 0);
-        count(HEDGES_WON, err == 0 && o->hedge);
+        count(pl, FILLED, err == 0);
+        count(pl, HEDGES_WON, err == 0 && o->hedge);
         set_state(pl, o, 0);
     } else {
         hand_back(pl, o, 1, 0); /* a bad copy: the MPI thread asks another holder */
@@ -188,7 +190,7 @@ static void ask(struct plane *pl, const struct fanfs_rreq *r, int skip, int hedg
     if (tag < 0) {
         struct fanfs_rreq back = *r;
         remote_hand_back(pool_live(), &back);
-        count(HANDED_BACK, 1);
+        count(pl, HANDED_BACK, 1);
         return;
     }
     o = &pl->out[tag % PLANE_OUT];
@@ -212,8 +214,8 @@ static void ask(struct plane *pl, const struct fanfs_rreq *r, int skip, int hedg
         hand_back(pl, o, 0, 0); /* (nothing was sent) */
         return;
     }
-    count(ASKED, 1);
-    count(HEDGED, hedge);
+    count(pl, ASKED, 1);
+    count(pl, HEDGED, hedge);
 }
 
 /* Ask for the front's new requests; hand back the fetches out too long, free the tags

@@ -15,11 +15,6 @@
 enum { ASKED, FILLED, HANDED_BACK, ANSWERED, ANSWERED_BYTES, REFUSED, MALFORMED, OWNER_N,
        OWNER_READ_NS, OWNER_POST_NS, HEDGED, HEDGES_WON, OWNER_QUEUE_NS };
 
-extern uint64_t plane_counts[FANFS_PLANE_COUNTS]; /* atomic: fanfs_plane_counters */
-
-static inline void count(int what, uint64_t n) {
-    __atomic_add_fetch(&plane_counts[what], n, __ATOMIC_RELAXED);
-}
 
 #define TAG_ASK FANFS_PLANE_ASK
 #define FIRST_TAG FANFS_PLANE_FIRST_TAG
@@ -89,6 +84,7 @@ struct plane {
     uint8_t *dead; /* atomic, per rank (`ranks` of them, set with it, never freed) */
     int ranks;
     int64_t hedge_ns; /* atomic: fanfs_plane_hedge */
+    uint64_t counts[FANFS_PLANE_COUNTS]; /* atomic: fanfs_plane_counters */
     struct out out[PLANE_OUT];
     int nout, nwait, next_tag; /* slots not free, slots out (set_state) */
     struct send sends[PLANE_SENDS];
@@ -98,6 +94,10 @@ struct plane {
     struct plane_reads reads;
     char *scratch; /* FANFS_REMOTE_MAX, for what is dropped */
 };
+
+static inline void count(struct plane *pl, int what, uint64_t n) {
+    __atomic_add_fetch(&pl->counts[what], n, __ATOMIC_RELAXED);
+}
 
 /* plane_wire.c */
 /* MPI's functions looked up in `lib` (loaded: RTLD_NOLOAD); 0, or ENOENT. */

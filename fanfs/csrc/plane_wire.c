@@ -86,7 +86,7 @@ int plane_settle(struct plane *pl) {
 
 int plane_take(struct plane *pl, MPI_Message *m, void *buf, int n) {
     if (buf == NULL && n > (int)FANFS_REMOTE_MAX) {
-        count(MALFORMED, 1);
+        count(pl, MALFORMED, 1);
         return -1; /* left unreceived: never allocated for */
     }
     if (buf == NULL && n > 0 && pl->scratch == NULL &&
@@ -99,7 +99,7 @@ int plane_take(struct plane *pl, MPI_Message *m, void *buf, int n) {
 }
 
 void plane_drop(struct plane *pl, MPI_Message *m, int n) {
-    count(MALFORMED, 1);
+    count(pl, MALFORMED, 1);
     plane_take(pl, m, NULL, n);
 }
 
@@ -107,16 +107,16 @@ void plane_drop(struct plane *pl, MPI_Message *m, int n) {
  * a bad copy, a disk error). */
 static void reply_read(struct plane *pl, struct plane_read *r) {
     if (r->err != 0 || plane_post(pl, r->buf, r->len, r->len, r->peer, r->tag) != 0) {
-        count(REFUSED, 1);
+        count(pl, REFUSED, 1);
         plane_post(pl, NULL, 0, 0, r->peer, r->tag);
         return;
     }
-    count(ANSWERED, 1);
-    count(ANSWERED_BYTES, r->len);
-    count(OWNER_N, 1);
-    count(OWNER_QUEUE_NS, (uint64_t)(r->began_ns - r->taken_ns));
-    count(OWNER_READ_NS, (uint64_t)(r->read_ns - r->began_ns));
-    count(OWNER_POST_NS, (uint64_t)(fanfs_now_ns() - r->read_ns));
+    count(pl, ANSWERED, 1);
+    count(pl, ANSWERED_BYTES, r->len);
+    count(pl, OWNER_N, 1);
+    count(pl, OWNER_QUEUE_NS, (uint64_t)(r->began_ns - r->taken_ns));
+    count(pl, OWNER_READ_NS, (uint64_t)(r->read_ns - r->began_ns));
+    count(pl, OWNER_POST_NS, (uint64_t)(fanfs_now_ns() - r->read_ns));
 }
 
 /* The owner: a peer's ask of `n` bytes, checked, then read here (up to PLANE_INLINE: a hand-off
@@ -132,7 +132,7 @@ static void answer(struct plane *pl, MPI_Message *m, int peer, int n) {
         return;
     if (h[0] != FANFS_PLANE_MAGIC || h[1] < 0 || h[2] <= 0 ||
         h[2] > (int64_t)FANFS_REMOTE_MAX || h[3] < FIRST_TAG || h[3] >= pl->c.tag_ub) {
-        count(MALFORMED, 1);
+        count(pl, MALFORMED, 1);
         return; /* (no reply tag to refuse on) */
     }
     r.peer = peer;
@@ -142,13 +142,13 @@ static void answer(struct plane *pl, MPI_Message *m, int peer, int n) {
     r.taken_ns = fanfs_now_ns();
     if (pl->reply_bytes + r.len > PLANE_REPLY_BYTES || pl->nsends >= PLANE_SENDS ||
         pl->peer_bytes[peer] + r.len > PLANE_PEER_BYTES) {
-        count(REFUSED, 1); /* too much in flight */
+        count(pl, REFUSED, 1); /* too much in flight */
         plane_post(pl, NULL, 0, 0, peer, r.tag);
     } else if (r.len <= PLANE_INLINE) {
         plane_read_one(&r);
         reply_read(pl, &r);
     } else if (plane_read_submit(&pl->reads, &r) != 0) {
-        count(REFUSED, 1);
+        count(pl, REFUSED, 1);
         plane_post(pl, NULL, 0, 0, peer, r.tag);
     } else {
         pl->reply_bytes += r.len; /* (until the read is taken; then until its send is done) */
@@ -181,7 +181,7 @@ int plane_receive(struct plane *pl) {
             return any;
         any = 1;
         if (pl->get_count(&st, pl->byte, &n) != MPI_SUCCESS || n < 0) {
-            count(MALFORMED, 1);
+            count(pl, MALFORMED, 1);
             continue; /* (not a byte count: left unreceived) */
         }
         if (st.MPI_TAG == TAG_ASK)

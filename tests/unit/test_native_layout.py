@@ -29,6 +29,9 @@ ALLOWED = {
     "reads from (atomic; the lever: a context pointer in tools/pyfuse3_patch's hook)",
     ("cpu.c", "cpu"): "the machine's CPU pressure, sampled for every front of the process: "
     "one object, its lock inside",
+    ("plane.c", "plane"): "the one data plane of the process (one MPI communicator, one "
+    "thread), the handle fanfs_native.h's plane functions resolve (they take none), as pool.c's "
+    "`live`",
 }
 # Kinds of declaration that are never shared mutable state.
 ALLOWED_KINDS = (
