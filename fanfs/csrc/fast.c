@@ -108,6 +108,16 @@ void fast_mark_bad(struct fast *f, int64_t entry) {
 
 static void lookahead_read(struct lookahead *la, uint64_t ino);
 
+/* Whether entry e is a file the fast path may answer (the path on, a piece kind, not found
+ * bad, its partition in range: `*part`). */
+static int fast_entry(const struct fast *f, uint64_t e, uint32_t *part) {
+    if (!__atomic_load_n(&f->on, __ATOMIC_SEQ_CST) || f->fd == NULL || e >= f->t.n ||
+        f->t.kind[e] == FANFS_FAST_NO || __atomic_load_n(&f->bad[e], __ATOMIC_RELAXED))
+        return 0;
+    *part = fanfs_col32(f->t.part, e);
+    return *part < f->t.nparts;
+}
+
 /* The fast path's job for [off, off + size) of inode `ino`: 0, or -1 (Python answers). */
 static int fast_build(struct pool *P, uint64_t ino, int64_t off, uint64_t size,
                       struct fanfs_job *j) {
@@ -117,17 +127,13 @@ static int fast_build(struct pool *P, uint64_t ino, int64_t off, uint64_t size,
     int fd, whole, remote;
     uint8_t kind;
 
-    if (!__atomic_load_n(&f->on, __ATOMIC_SEQ_CST) || f->fd == NULL || ino < 1)
+    if (ino < 1)
         return -1;
     e = ino - 1;
-    if (e >= f->t.n || f->t.kind[e] == FANFS_FAST_NO ||
-        __atomic_load_n(&f->bad[e], __ATOMIC_RELAXED) ||
+    if (!fast_entry(f, e, &part) ||
         (__atomic_load_n(&f->plan[e], __ATOMIC_ACQUIRE) & FANFS_PLAN_HELD))
         return -1;
     kind = f->t.kind[e];
-    part = fanfs_col32(f->t.part, e);
-    if (part >= f->t.nparts)
-        return -1;
     fd = __atomic_load_n(&f->fd[part], __ATOMIC_ACQUIRE);
     remote = fd < 0 && f->remote != NULL && f->remote[part] &&
              __atomic_load_n(&P->remote.on, __ATOMIC_ACQUIRE);
@@ -305,12 +311,8 @@ int fanfs_pool_fast_stored(int64_t e, uint32_t len, char **buf, uint32_t *cap, c
     /* Counted before the check of fast.on, as a READ: the stop waits for none to be reading
      * before the partitions' fds may close. */
     __atomic_add_fetch(&P->answering, 1, __ATOMIC_SEQ_CST);
-    if (!__atomic_load_n(&f->on, __ATOMIC_SEQ_CST) || f->fd == NULL || e < 0 ||
-        (uint64_t)e >= f->t.n || f->t.kind[e] == FANFS_FAST_NO ||
-        __atomic_load_n(&f->bad[e], __ATOMIC_RELAXED))
-        goto out;
-    part = fanfs_col32(f->t.part, (uint64_t)e);
-    if (part >= f->t.nparts || (fd = __atomic_load_n(&f->fd[part], __ATOMIC_ACQUIRE)) < 0)
+    if (e < 0 || !fast_entry(f, (uint64_t)e, &part) ||
+        (fd = __atomic_load_n(&f->fd[part], __ATOMIC_ACQUIRE)) < 0)
         goto out;
     memset(&p, 0, sizeof p);
     p.off = (int64_t)fanfs_col64(f->t.off, (uint64_t)e);

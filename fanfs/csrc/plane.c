@@ -188,8 +188,7 @@ static void ask(struct plane *pl, const struct fanfs_rreq *r, int skip, int hedg
     if (tag < 0 && hedge)
         return;
     if (tag < 0) {
-        struct fanfs_rreq back = *r;
-        remote_hand_back(pool_live(), &back);
+        remote_hand_back(pool_live(), r);
         count(pl, HANDED_BACK, 1);
         return;
     }
