@@ -116,6 +116,8 @@ cdef extern from "fanfs_native.h" nogil:
     void fanfs_lookahead_counters(uint64_t *out)
     enum: FANFS_MAX_OWNERS
     unsigned int FANFS_REMOTE_MAX
+    int FANFS_REMOTE_FD(uint32_t part)
+    enum: FANFS_EREMOTE
     struct fanfs_rreq:
         int slot
         int ahead
@@ -859,6 +861,12 @@ def front_stats(Front front=None):
 
 MAX_OWNERS = FANFS_MAX_OWNERS
 REMOTE_MAX = FANFS_REMOTE_MAX
+EREMOTE = FANFS_EREMOTE  # a peer's piece no holder gave in time (pool_push_file)
+
+
+def remote_fd(unsigned int part):
+    """The descriptor a job names for partition `part` held by peers (pool_push_file)."""
+    return FANFS_REMOTE_FD(part)
 
 
 def pool_fast_owners(owners, int rank):

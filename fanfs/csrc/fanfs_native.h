@@ -26,7 +26,7 @@
 #include <string.h>
 #include <sys/uio.h>
 
-#define FANFS_NATIVE_API 15
+#define FANFS_NATIVE_API 16
 
 /* What a piece's stored bytes are (fanfs/node/pool.py names the same numbers). */
 enum {
@@ -221,10 +221,12 @@ int fanfs_pool_read_ahead(const struct fanfs_job *job);
 /* A planned epoch's read-ahead of one file stored whole (`job`: its one piece, as a READ of
  * all of it), in the calling thread, which may wait for the page locks of READs in flight (a
  * planner's thread, never one that answers READs): read, checked and decoded into the
- * thread's own buffers as a READ's would be, then stored into the kernel's page cache through
- * the FUSE device `devfd`. 0 stored, -1 the kernel does not know the inode (nothing read), else
- * an errno (FANFS_EBADCRC, FANFS_EBADDATA: the file is bad, and reported as a READ's would be;
- * a failed read or store). */
+ * thread's own buffers as a READ's would be (a peer's, job fd FANFS_REMOTE_FD(part): fetched
+ * into the cache of pieces as for the front's READ, waiting at most the remote path's
+ * wait), then stored into the kernel's page cache through the FUSE device `devfd`. 0 stored,
+ * -1 the kernel does not know the inode (nothing read), else an errno (FANFS_EBADCRC,
+ * FANFS_EBADDATA: the file is bad, and reported as a READ's would be; FANFS_EREMOTE: no
+ * holder gave a peer's file in time; a failed read or store). */
 int fanfs_pool_push_file(const struct fanfs_job *job, int devfd);
 /* Empty the cache of decoded pieces (cold measurements). */
 void fanfs_pool_drop(void);

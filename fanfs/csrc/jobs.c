@@ -126,7 +126,7 @@ static int piece_get(struct pool *P, struct qjob *qj, const struct fanfs_job *j,
     g->own = NULL;
     g->fresh = 0;
     if (j->fd <= FANFS_REMOTE_FD(0))
-        return remote_piece(P, j, p, g); /* a peer's file: the MPI thread fetches it */
+        return remote_piece(P, j, p, g, 1); /* a peer's file: the MPI thread fetches it */
     pthread_mutex_lock(&c->lock);
     got = pieces_get_locked(c, j->fd, p, &how, &i, &unpushed);
     if (got == PIECES_ABSENT && p->cache) {
@@ -285,19 +285,24 @@ int fanfs_pool_push_file(const struct fanfs_job *j, int devfd) {
     struct fanfs_dicts *dicts;
     struct got g = {NULL, -1, NULL, 0, 0};
     int err;
-    if (j->npieces != 1 || j->ino == 0 || j->fd < 0 || devfd < 0)
+    if (j->npieces != 1 || j->ino == 0 || j->fd == -1 || devfd < 0 || fanfs_job_check(j) != 0)
         return EINVAL;
     /* An empty store first: the kernel answers ENOENT for an inode it does not know, having
      * copied nothing, and the file is then not read for nothing. */
     if ((err = -fanfs_raw_notify_store(devfd, j->ino, 0, NULL, 0)) != 0)
         return err == ENOENT ? -1 : err;
-    dicts = pool_dicts_hold(&P->work);
-    err = piece_alone(&P->pieces, j, &j->pieces[0], dicts, &g);
-    fanfs_dicts_free(dicts);
+    if (j->fd <= FANFS_REMOTE_FD(0)) { /* a peer's: fetched into the cache as for a READ */
+        err = remote_piece(P, j, &j->pieces[0], &g, 0);
+    } else {
+        dicts = pool_dicts_hold(&P->work);
+        err = piece_alone(&P->pieces, j, &j->pieces[0], dicts, &g);
+        fanfs_dicts_free(dicts);
+    }
     if (err == 0)
         err = -fanfs_raw_notify_store(devfd, j->ino, 0, g.data, j->pieces[0].size);
     else if (bad_data(err))
         post_error(P, j->entry, err); /* marked bad, as a READ's failure would */
+    piece_done(&P->pieces, &g);
     job_buffers_trim();
     return err == ENOENT ? -1 : err;
 }

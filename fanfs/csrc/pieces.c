@@ -51,7 +51,11 @@ int pieces_get_locked(struct pieces *c, int fd, const struct fanfs_piece *p,
             return PIECES_HUNG;
         }
         if (!how->counted) {
-            pthread_cond_wait(&c->ready, &c->lock);
+            err = how->deadline != NULL ? pthread_cond_clockwait(&c->ready, &c->lock,
+                                                                 CLOCK_MONOTONIC, how->deadline)
+                                        : pthread_cond_wait(&c->ready, &c->lock);
+            if (err == ETIMEDOUT)
+                return PIECES_GAVE_UP;
             continue;
         }
         if (!pieces_may_wait_locked(c, how->limit))

@@ -87,9 +87,9 @@ struct pieces {
 /* How pieces_get_locked treats a pending piece. */
 struct pieces_wait {
     struct qjob *hang; /* not NULL: hang this READ on it (PIECES_HUNG), never wait */
-    int counted;       /* wait counted in c->waiting, at most `limit` at once (<= 0: no limit),
-                          until `deadline` (CLOCK_MONOTONIC; NULL: none). Else wait as long as
-                          it takes, uncounted. */
+    int counted;       /* wait counted in c->waiting, at most `limit` at once (<= 0: no limit);
+                          else uncounted, with no limit. Either until `deadline`
+                          (CLOCK_MONOTONIC; NULL: as long as it takes). */
     int limit;
     const struct timespec *deadline;
 };

@@ -199,7 +199,7 @@ void push_counters(struct pushes *q, struct fanfs_pool_stats *out);
 
 /* remote.c */
 int remote_piece(struct pool *P, const struct fanfs_job *j, const struct fanfs_piece *p,
-                 struct got *g);
+                 struct got *g, int front);
 int remote_reserve_locked(struct pool *P, const struct fanfs_job *j,
                           const struct fanfs_piece *p, int ahead);
 void remote_fail_pending(struct pool *P);

@@ -89,15 +89,17 @@ int remote_reserve_locked(struct pool *P, const struct fanfs_job *j,
     return i;
 }
 
-/* A peer's piece for a READ of the front (which may wait, within the limits above):
- * FANFS_EREMOTE when it cannot be had here in time (the READ then goes to Python). */
+/* A peer's piece for a READ of the front (`front`: it may wait within the limits above) or
+ * for the planner's read-ahead (its wait is not one of the front's: uncounted, until the
+ * same deadline): FANFS_EREMOTE when it cannot be had here in time (the READ then goes to
+ * Python; the planner fetches it as it does without the front). */
 int remote_piece(struct pool *P, const struct fanfs_job *j, const struct fanfs_piece *p,
-                 struct got *g) {
+                 struct got *g, int front) {
     struct pieces *c = &P->pieces;
     int i, got, unpushed = 0, mine = -1;
     int64_t wait_ns = __atomic_load_n(&P->remote.wait_ns, __ATOMIC_RELAXED), end;
     struct timespec deadline;
-    struct pieces_wait how = {.counted = 1, .deadline = wait_ns > 0 ? &deadline : NULL};
+    struct pieces_wait how = {.counted = front, .deadline = wait_ns > 0 ? &deadline : NULL};
     if (wait_ns > 0) { /* on CLOCK_MONOTONIC: a wall clock's step changes nothing */
         clock_gettime(CLOCK_MONOTONIC, &deadline);
         end = (int64_t)deadline.tv_sec * 1000000000 + deadline.tv_nsec + wait_ns;
@@ -106,7 +108,7 @@ int remote_piece(struct pool *P, const struct fanfs_job *j, const struct fanfs_p
     }
     pthread_mutex_lock(&c->lock);
     for (;;) {
-        how.limit = __atomic_load_n(&P->remote.max_waiting, __ATOMIC_RELAXED);
+        how.limit = front ? __atomic_load_n(&P->remote.max_waiting, __ATOMIC_RELAXED) : 0;
         got = pieces_get_locked(c, j->fd, p, &how, &i, &unpushed);
         if (got == PIECES_HIT) {
             struct fanfs_marks *m = fanfs_marks();

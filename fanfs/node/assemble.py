@@ -191,7 +191,14 @@ def report(node: Node, *, image: str, mountpoint: str, rank: int, size: int, rep
         reader=node.reader.statistics(),
         peers=node.transport.statistics() if node.transport is not None else None,
         plan=node.plans.statistics(
-            r.prefetched, r.pushed, r.prefetched_bytes, r.failed, r.followed, pool_lost, r.in_c
+            r.prefetched,
+            r.pushed,
+            r.prefetched_bytes,
+            r.failed,
+            r.followed,
+            pool_lost,
+            r.in_c,
+            r.by_plane,
         ),
         plan_socket=plan_socket,
         budget={

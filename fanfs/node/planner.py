@@ -6,10 +6,11 @@ task takes what is due and hands it to PUSH_THREADS threads, which fetch the sto
 decode them and store them straight into the kernel's page cache (`push`, notify_store), so
 the job's READ never reaches the daemon. A file stored whole in a partition staged here is read,
 checked, decoded and stored by the C in the thread, with no Python per byte (`_in_c`,
-fanfs_pool_push_file). A whole file the kernel cannot take yet (it has not looked up its
-inode) goes back to the event loop to wait in `Plans` for its READ. A framed
-file is read frame by frame, each frame decoded and stored at its offset, up to the bytes
-`Plans` planned for it: memory never holds more than one frame per thread.
+fanfs_pool_push_file), and so is a peer's small file the data plane fetches (below). A whole
+file the kernel cannot take yet (it has not looked up its inode) goes back to the event loop
+to wait in `Plans` for its READ. A framed file is read frame by frame, each frame decoded and
+stored at its offset, up to the bytes `Plans` planned for it: memory never holds more than one
+frame per thread.
 
 With the front (fanfs/csrc/front.c) running, the job's LOOKUPs and READs are answered in C,
 except READs of files whose bytes wait here (`NativePool.held`): the front records the files
@@ -19,7 +20,11 @@ that its LOOKUP starts no second read of it (`NativePool.ahead`).
 A peer's small file is not fetched alone: it waits in its peer's queue, and the pusher whose
 turn comes takes everything waiting for that peer (up to BATCH_MAX files) in one round trip
 (`Sources.batch_blocking`, as AIStore's GetBatch does). While the pushers are busy the queues
-fill and the batches grow; when they are idle a batch is one file and nothing waits.
+fill and the batches grow; when they are idle a batch is one file and nothing waits. Where the
+data plane runs (fanfs/csrc/plane.c), a file alone in its turn is fetched by it and stored by
+the C (`_in_c`): no Python on either side. A batch stays Python's on both sides: one round
+trip for up to BATCH_MAX files cost less CPU per file here than the plane's one each
+(docs/performance.md, "Planned epochs through the data plane").
 
 It degrades to reading without a plan: a read-ahead that fails (a dead peer, a corrupt file)
 is counted and left to the job's READ, which tries every source and reports it; the engine
@@ -113,6 +118,7 @@ class ReadAhead:
         self.prefetched_bytes = 0
         self.failed = 0
         self.in_c = 0  # of the pushed, files read, checked, decoded and stored by the C alone
+        self.by_plane = 0  # ... of them peers' files the data plane fetched
         self.followed = 0  # files the front answered and told of
 
     async def run(self) -> None:
@@ -155,7 +161,8 @@ class ReadAhead:
             self._jobs.put(_PeerTurn(peer))
 
     def _batch_peer(self, entry: int) -> int | None:
-        """The peer to fetch `entry` from in a batch, or None (held here, framed, large)."""
+        """The peer to fetch `entry` from in a batch, or None (held here, framed, large, or
+        fetched by the data plane)."""
         c = self.catalog
         if (not self.sources.batches or self.sources.mine(entry)
                 or int(c.codec[entry]) == cat.CODEC_FRAMED
@@ -249,6 +256,9 @@ class ReadAhead:
             nbytes += size
         if not jobs:
             return  # an earlier turn took them
+        if len(jobs) == 1 and self._by_plane(jobs[0][3]):
+            self._one(jobs[0])  # one round trip either way: the data plane's runs no Python
+            return
         try:
             got = self.sources.batch_blocking(peer, [job[3] for job in jobs])
         except Exception as e:  # not expected: each file is then read the usual way
@@ -261,21 +271,43 @@ class ReadAhead:
         assert self._token is not None
         return self.sources.stored_blocking(entry, offset, length, crc, self._token)
 
+    def _c_reads(self, entry: int) -> bool:
+        """Whether the C may read `entry` ahead (`_in_c`): a front to store with, a file its
+        pool answers."""
+        kinds = self.pool.kinds
+        return self._device >= 0 and kinds is not None and kinds[entry] != lib.FAST_NO
+
+    def _by_plane(self, entry: int) -> bool:
+        """Whether a peer's file alone in its turn is fetched by the data plane for `_in_c`
+        (no Python on either side) rather than as a batch of one through the MPI thread."""
+        return (self.sources.plane and self._c_reads(entry) and not self.sources.mine(entry)
+                and int(self.catalog.stored_len[entry]) <= lib.REMOTE_MAX)  # fmt: skip
+
     def _in_c(self, entry: int) -> bool | None:
-        """Read, check, decode and store a file staged here all in C, in this thread
-        (fanfs_pool_push_file): True stored, False the kernel does not know it yet (nothing
-        read), None where the C does not read it (no front, not staged yet, a file the front's
-        pool leaves to Python). OSError if the read, check, decode or store failed."""
-        c, kinds, local = self.catalog, self.pool.kinds, self.sources.local
-        if self._device < 0 or kinds is None or kinds[entry] == lib.FAST_NO:
+        """Read (or fetch from a peer, `_by_plane`), check, decode and store a file all in C,
+        in this thread (fanfs_pool_push_file): True stored, False the kernel does not know it
+        yet (nothing read), None where the C does not read it (no front, not staged yet, a
+        file the front's pool leaves to Python, a peer's file no holder gave in time).
+        OSError if the read, check, decode or store failed."""
+        c, local = self.catalog, self.sources.local
+        part = local.where(entry)[0]
+        if not self._c_reads(entry):
             return None
-        if not local.mine(entry) or not local.staged(part := local.where(entry)[0]):
+        if local.mine(entry):
+            if not local.staged(part):
+                return None
+            # Read through the page cache (no O_DIRECT descriptor): `_queue` advised the kernel
+            # to read the file when it was due; an O_DIRECT read would read the disk again.
+            fd = local.fd(part)
+        elif self._by_plane(entry):
+            fd = lib.remote_fd(part)  # fetched into the pool's cache as the front's READ is
+        else:
             return None
-        # Read through the page cache (no O_DIRECT descriptor): `_queue` advised the kernel to
-        # read the file when it was due, and an O_DIRECT read would read it from the disk again.
-        one = native_job(local.fd(part), -1, entry, 0, 0, int(c.size[entry]), 0,
-                         [whole_piece(c, entry, 0)])  # fmt: skip
+        one = native_job(fd, -1, entry, 0, 0, int(c.size[entry]), 0,
+                         [whole_piece(c, entry, int(fd < 0))])  # fmt: skip
         done = lib.pool_push_file(one, self._device)
+        if done == lib.EREMOTE:
+            return None  # fetched the usual way (every holder, then the image)
         if done > 0:
             raise OSError(done, os.strerror(done))
         return done == 0
@@ -284,7 +316,7 @@ class ReadAhead:
         share, s, pos, entry, _ = job
         c = self.catalog
         if stored is None and self._in_c(entry):
-            self._done(int(c.size[entry]), True, in_c=True)
+            self._done(int(c.size[entry]), True, in_c=True, by_plane=not self.sources.mine(entry))
             return
         crc = int(c.crc[entry])
         checked = stored is not None
@@ -321,9 +353,10 @@ class ReadAhead:
             done += len(data)
         self._done(done, pushed)
 
-    def _done(self, nbytes: int, pushed: bool, in_c: bool = False) -> None:
+    def _done(self, nbytes: int, pushed: bool, in_c: bool = False, by_plane: bool = False) -> None:
         with self._count:
             self.prefetched += 1
             self.prefetched_bytes += nbytes
             self.pushed += pushed
             self.in_c += in_c
+            self.by_plane += by_plane

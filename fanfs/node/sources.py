@@ -315,6 +315,12 @@ class Sources:
         """Whether whole files can be fetched from a peer several at a time (`batch_blocking`)."""
         return self.transport is not None and self.transport.batches
 
+    @property
+    def plane(self) -> bool:
+        """Whether the data plane (C, both sides) fetches peers' small files (the planner's
+        through the native pool, `fanfs_pool_push_file`)."""
+        return self.transport is not None and self.transport.plane_on
+
     def batch_blocking(self, peer: int, entries: list[int]) -> list[bytes | None]:
         """The whole stored bytes of files `peer` holds, in one round trip, for a thread of
         the daemon's own: per file, its bytes checked against its CRC, or None where they did

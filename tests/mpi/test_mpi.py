@@ -242,9 +242,14 @@ def test_fetch_at_lookup_and_a_stat_walk(tree: Path, image: Path, tmp_path: Path
         _clean_after(m)
 
 
-def test_a_planned_epoch_reads_remote_files_ahead(tree: Path, image: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("plane", ["1", "0"])
+def test_a_planned_epoch_reads_remote_files_ahead(
+    tree: Path, image: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plane: str
+) -> None:
     """Planned epochs over 2 daemons: local and remote files (compressed, with dictionaries)
-    read ahead into the page cache, so the job's READs never reach its daemon."""
+    read ahead into the page cache, so the job's READs never reach its daemon. A whole plan
+    due at once: peers' files come in batches, with the data plane and without it."""
+    monkeypatch.setenv("FANFS_PLANE", plane)
     rels = sorted(str(p.relative_to(tree)) for p in tree.rglob("*")
                   if p.is_file() and not p.is_symlink() and p.stat().st_size
                   and p.parts[-2] != "big")  # fmt: skip
@@ -268,6 +273,28 @@ def test_a_planned_epoch_reads_remote_files_ahead(tree: Path, image: Path, tmp_p
         # None of those READs reached the daemon: the page cache had them all. (A few may,
         # when the kernel evicts pages under the memory pressure of a full CI run.)
         assert m.status(0)["reader"]["reads"] - reads <= len(rels) // 10
+        _clean_after(m)
+
+
+def test_a_plan_read_ahead_a_file_at_a_time_comes_through_the_data_plane(
+    tree: Path, image: Path, tmp_path: Path
+) -> None:
+    """A budget of 1 MiB: each file the job reads makes room for about one more, so a peer's
+    file is alone in its turn, and the data plane fetches it and the C stores it into the
+    page cache (no Python on either side). Every byte right, nothing failed."""
+    rels = sorted(str(p.relative_to(tree)) for p in tree.rglob("*")
+                  if p.is_file() and not p.is_symlink() and p.stat().st_size
+                  and p.parts[-2] != "big")  # fmt: skip
+    random.Random(8).shuffle(rels)
+    with mpi_mounted(image, tmp_path, 2, "--prefetch-mb", "1") as m:
+        for _ in os.walk(m.mnts[0]):
+            pass
+        assert plan.publish(m.mnts[0], rels).planned == len(rels)
+        for rel in rels:
+            assert (m.mnts[0] / rel).read_bytes() == (tree / rel).read_bytes(), rel
+        s = m.status(0)
+        assert s["plan"]["fetched_by_plane"] > 0 and s["plan"]["failed"] == 0, s["plan"]
+        assert s["reader"]["plane_fetches"] >= s["plan"]["fetched_by_plane"], s["reader"]
         _clean_after(m)
 
 
