@@ -161,8 +161,7 @@ class ReadAhead:
             self._jobs.put(_PeerTurn(peer))
 
     def _batch_peer(self, entry: int) -> int | None:
-        """The peer to fetch `entry` from in a batch, or None (held here, framed, large, or
-        fetched by the data plane)."""
+        """The peer to fetch `entry` from in a batch, or None (held here, framed, large)."""
         c = self.catalog
         if (not self.sources.batches or self.sources.mine(entry)
                 or int(c.codec[entry]) == cat.CODEC_FRAMED
@@ -278,8 +277,9 @@ class ReadAhead:
         return self._device >= 0 and kinds is not None and kinds[entry] != lib.FAST_NO
 
     def _by_plane(self, entry: int) -> bool:
-        """Whether a peer's file alone in its turn is fetched by the data plane for `_in_c`
-        (no Python on either side) rather than as a batch of one through the MPI thread."""
+        """Whether the data plane fetches a peer's file for `_in_c` (no Python on either
+        side): a file alone in its turn (not a batch of one), one too large for a batch, one a
+        batch did not bring."""
         return (self.sources.plane and self._c_reads(entry) and not self.sources.mine(entry)
                 and int(self.catalog.stored_len[entry]) <= lib.REMOTE_MAX)  # fmt: skip
 
@@ -290,9 +290,9 @@ class ReadAhead:
         file the front's pool leaves to Python, a peer's file no holder gave in time).
         OSError if the read, check, decode or store failed."""
         c, local = self.catalog, self.sources.local
-        part = local.where(entry)[0]
         if not self._c_reads(entry):
             return None
+        part = local.where(entry)[0]
         if local.mine(entry):
             if not local.staged(part):
                 return None
