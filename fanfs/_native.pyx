@@ -145,6 +145,8 @@ cdef extern from "fanfs_native.h" nogil:
         int rank, size, tag_ub
         int fetch
         int64_t hand_back_ns, hedge_ns, quarantine_ns
+        uintptr_t watch
+        int watch_fd
     int fanfs_plane_built()
     int fanfs_plane_start(const fanfs_plane_conf *c)
     void fanfs_plane_stop() nogil
@@ -964,11 +966,13 @@ def plane_built():
 
 
 def plane_start(uintptr_t comm, uintptr_t byte, str lib, int rank, int size, int tag_ub,
-                bint fetch, double hand_back_s, double hedge_s, double quarantine_s):
+                bint fetch, double hand_back_s, double hedge_s, double quarantine_s,
+                uintptr_t watch=0, int watch_fd=-1):
     """Start the data plane's thread on communicator `comm` (its MPI_BYTE `byte`: mpi4py's
     handles), through the MPI library loaded with `lib` (mpi4py's MPI module); `fetch`: take
-    the front's requests for peers' pieces too (remote_set_wake was called). OSError if it
-    cannot start (ENOSYS: not built)."""
+    the front's requests for peers' pieces too (remote_set_wake was called); `watch`,
+    `watch_fd`: the MPI thread's communicator and eventfd, written when a message waits there
+    (the fd must outlive the plane). OSError if it cannot start (ENOSYS: not built)."""
     cdef fanfs_plane_conf c
     encoded = os.fsencode(lib)
     c.comm, c.byte, c.lib = comm, byte, encoded
@@ -976,6 +980,7 @@ def plane_start(uintptr_t comm, uintptr_t byte, str lib, int rank, int size, int
     c.hand_back_ns = <int64_t>(min(hand_back_s, 1e6) * 1e9)
     c.hedge_ns = <int64_t>(min(hedge_s, 1e6) * 1e9)
     c.quarantine_ns = <int64_t>(min(quarantine_s, 1e6) * 1e9)
+    c.watch, c.watch_fd = watch, watch_fd
     cdef int err = fanfs_plane_start(&c)
     if err != 0:
         raise OSError(err, "plane_start: " + os.strerror(err))

@@ -364,6 +364,9 @@ struct fanfs_plane_conf {
     int64_t hand_back_ns; /* a fetch not answered within this goes back to the MPI thread */
     int64_t hedge_ns;     /* ... within this, another holder is asked too (fanfs_plane_hedge) */
     int64_t quarantine_ns; /* ... its reply tag is not reused before its reply or this */
+    uintptr_t watch;       /* the MPI thread's communicator: a message waiting there writes */
+    int watch_fd;          /* this eventfd (the MPI thread's; -1: none), so that an idle MPI
+                              thread sleeps instead of polling (it lives longer than the plane) */
 };
 /* Its messages: an ask, tag FANFS_PLANE_ASK, is four int64 (FANFS_PLANE_MAGIC, entry, its
  * stored length, the reply tag); the reply, on the reply tag (from FANFS_PLANE_FIRST_TAG), is

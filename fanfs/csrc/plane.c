@@ -31,7 +31,9 @@
  * Waiting: while a fetch is out and something moved within PLANE_SPIN_NS it polls, yielding
  * the CPU (not while the kernel says threads wait for one: fanfs_cpu_pressed); otherwise it
  * sleeps on its eventfd (written by the front's queue), 20 us for PLANE_HOT_NS after any
- * traffic, backing off to 2 ms once idle, as the MPI thread does (mpi.py).
+ * traffic, backing off to 2 ms once idle. Each turn it also looks for a message waiting on the
+ * MPI thread's communicator (`watch`) and writes that thread's eventfd: the MPI thread, whose
+ * turn costs far more (Python), then sleeps up to 100 ms when idle instead of 2 ms (mpi.py).
  *
  * Here: its fetches, its thread, start and stop; plane_wire.c: its messages (sends, the probe
  * loop, the owner's answers); plane_read.c: the owner's readers; plane.h: what they share.
@@ -259,6 +261,28 @@ static void sleep_on(int fd, int64_t ns) {
         return;
 }
 
+/* A message waiting for the MPI thread (it takes it: nothing is received here) wakes it: a
+ * look every `watch_ns`, as it polls by itself while traffic flows and sleeps long when idle. A
+ * message it leaves waiting (a peer's on a tag it never takes) is found again each look:
+ * the wake-ups then back off to WATCH_MAX_NS, the MPI thread's longest sleep anyway. */
+static void watch(struct plane *pl, int64_t now) {
+    int flag = 0;
+    uint64_t one = 1;
+    ssize_t w;
+    if (pl->c.watch_fd < 0 || now - pl->watch_at < pl->watch_ns)
+        return;
+    pl->watch_at = now; /* (it polls by itself while traffic flows: a look a millisecond) */
+    if (pl->iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, pl->watch, &flag, MPI_STATUS_IGNORE) !=
+            MPI_SUCCESS ||
+        !flag) {
+        pl->watch_ns = WATCH_NS;
+        return;
+    }
+    w = write(pl->c.watch_fd, &one, sizeof one);
+    (void)w;
+    pl->watch_ns = pl->watch_ns * 2 > WATCH_MAX_NS ? WATCH_MAX_NS : pl->watch_ns * 2;
+}
+
 static void *plane_main(void *arg) {
     struct plane *pl = arg;
     int64_t now, idle = POLL_MIN_NS, hot_until = 0, moved = 0, end;
@@ -271,6 +295,7 @@ static void *plane_main(void *arg) {
         busy |= plane_collect(pl);
         busy |= plane_settle(pl);
         now = fanfs_now_ns();
+        watch(pl, now);
         if (busy || pl->nsends > 0) {
             hot_until = now + PLANE_HOT_NS;
             moved = busy ? now : moved;
@@ -311,6 +336,11 @@ int fanfs_plane_start(const struct fanfs_plane_conf *c) {
     pl->c.lib = NULL;
     pl->comm = (MPI_Comm)c->comm;
     pl->byte = (MPI_Datatype)c->byte;
+    pl->watch = (MPI_Comm)c->watch;
+    pl->watch_at = 0;
+    pl->watch_ns = WATCH_NS;
+    if (c->watch == 0)
+        pl->c.watch_fd = -1;
     pl->nout = pl->nwait = pl->nsends = 0;
     pl->reply_bytes = 0;
     pl->next_tag = FIRST_TAG;

@@ -26,6 +26,8 @@ enum { ASKED, FILLED, HANDED_BACK, ANSWERED, ANSWERED_BYTES, REFUSED, MALFORMED,
  * end) holds at most this, not the whole budget. */
 #define PLANE_PEER_BYTES (4 * FANFS_REMOTE_MAX)
 #define PLANE_SPIN_NS 300000
+#define WATCH_NS 1000000        /* the MPI thread's messages looked for this often, */
+#define WATCH_MAX_NS 100000000LL /* ... backing off to this while a message stays (mpi.py) */
 #define PLANE_HOT_NS 20000000
 #define POLL_MIN_NS 20000
 #define POLL_MAX_NS 2000000
@@ -81,6 +83,9 @@ struct plane {
     __typeof__(MPI_Mrecv) *mrecv;
     __typeof__(MPI_Test) *test;
     __typeof__(MPI_Get_count) *get_count;
+    __typeof__(MPI_Iprobe) *iprobe;
+    MPI_Comm watch;     /* the MPI thread's (conf: watch, watch_fd) */
+    int64_t watch_at, watch_ns; /* when a message was last looked for; how long until again */
     uint8_t *dead; /* atomic, per rank (`ranks` of them, set with it, never freed) */
     int ranks;
     int64_t hedge_ns; /* atomic: fanfs_plane_hedge */

@@ -27,6 +27,7 @@ int plane_resolve(struct plane *pl, const char *lib) {
     pl->mrecv = (__typeof__(MPI_Mrecv) *)dlsym(h, "MPI_Mrecv");
     pl->test = (__typeof__(MPI_Test) *)dlsym(h, "MPI_Test");
     pl->get_count = (__typeof__(MPI_Get_count) *)dlsym(h, "MPI_Get_count");
+    pl->iprobe = (__typeof__(MPI_Iprobe) *)dlsym(h, "MPI_Iprobe");
     /* The library is the MPI whose mpi.h this was built with (handles, MPI_Status and the
      * constants differ between Open MPI and MPICH's ABI): else no plane, never a wrong one. */
 #ifdef OMPI_MAJOR_VERSION
@@ -35,8 +36,10 @@ int plane_resolve(struct plane *pl, const char *lib) {
     same = dlsym(h, "ompi_mpi_comm_world") == NULL;
 #endif
     dlclose(h); /* (NOLOAD: the library stays, loaded by mpi4py) */
-    return same && pl->isend && pl->improbe && pl->mrecv && pl->test && pl->get_count ? 0
-                                                                                      : ENOENT;
+    return same && pl->isend && pl->improbe && pl->mrecv && pl->test && pl->get_count &&
+                   pl->iprobe
+               ? 0
+               : ENOENT;
 }
 
 /* -- sends ----------------------------------------------------------------------------------- */

@@ -198,6 +198,7 @@ void push_stop(struct pool *P);
 void push_counters(struct pushes *q, struct fanfs_pool_stats *out);
 
 /* remote.c */
+#define REMOTE_AHEAD_WAIT_NS 5000000000LL /* the planner's wait for a peer's piece, at most */
 int remote_piece(struct pool *P, const struct fanfs_job *j, const struct fanfs_piece *p,
                  struct got *g, int front);
 int remote_reserve_locked(struct pool *P, const struct fanfs_job *j,

@@ -90,17 +90,21 @@ int remote_reserve_locked(struct pool *P, const struct fanfs_job *j,
 }
 
 /* A peer's piece for a READ of the front (`front`: it may wait within the limits above) or
- * for the planner's read-ahead (its wait is not one of the front's: uncounted, until the
- * same deadline): FANFS_EREMOTE when it cannot be had here in time (the READ then goes to
- * Python; the planner fetches it as it does without the front). */
+ * for the planner's read-ahead (its wait is not one of the front's: uncounted, and at most
+ * REMOTE_AHEAD_WAIT_NS, well within the planner's stop, which must not find a pusher holding
+ * a slot when the pool clears the cache): FANFS_EREMOTE when it cannot be had here in time
+ * (the READ then goes to Python; the planner fetches it as it does without the front). */
 int remote_piece(struct pool *P, const struct fanfs_job *j, const struct fanfs_piece *p,
                  struct got *g, int front) {
     struct pieces *c = &P->pieces;
     int i, got, unpushed = 0, mine = -1;
     int64_t wait_ns = __atomic_load_n(&P->remote.wait_ns, __ATOMIC_RELAXED), end;
     struct timespec deadline;
-    struct pieces_wait how = {.counted = front, .deadline = wait_ns > 0 ? &deadline : NULL};
-    if (wait_ns > 0) { /* on CLOCK_MONOTONIC: a wall clock's step changes nothing */
+    struct pieces_wait how = {.counted = front, .deadline = NULL};
+    if (!front && (wait_ns <= 0 || wait_ns > REMOTE_AHEAD_WAIT_NS))
+        wait_ns = REMOTE_AHEAD_WAIT_NS;
+    if (wait_ns > 0) {
+        how.deadline = &deadline; /* on CLOCK_MONOTONIC: a wall clock's step changes nothing */
         clock_gettime(CLOCK_MONOTONIC, &deadline);
         end = (int64_t)deadline.tv_sec * 1000000000 + deadline.tv_nsec + wait_ns;
         deadline.tv_sec = (time_t)(end / 1000000000);

@@ -198,7 +198,7 @@ def report(node: Node, *, image: str, mountpoint: str, rank: int, size: int, rep
             r.followed,
             pool_lost,
             r.in_c,
-            r.by_plane,
+            r.from_peers,
         ),
         plan_socket=plan_socket,
         budget={

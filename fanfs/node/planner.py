@@ -67,7 +67,9 @@ log = logging.getLogger(__name__)
 PUSH_THREADS = 8
 DUE_PER_TURN = 256  # positions taken per turn of the event loop (a large plan never stalls it)
 FOLLOWED_PER_TURN = 256  # files the front answered, followed per turn of the event loop
-STOP_TIMEOUT_S = 30.0  # a pusher ends its store within this (it waits for a READ at most)
+# A pusher ends its store within this: it waits for a READ at most, or for a peer's file at
+# most 5 s (csrc/remote.c: REMOTE_AHEAD_WAIT_NS; the pool must not clear a slot it holds).
+STOP_TIMEOUT_S = 30.0
 # A peer's file stored whole in up to this many bytes is fetched in a batch with the others the
 # same peer holds and the plan wants now (one round trip for up to BATCH_MAX files, at most
 # BATCH_BYTES stored bytes: inbox.MAX_REQUEST is 16 MiB).
@@ -118,7 +120,7 @@ class ReadAhead:
         self.prefetched_bytes = 0
         self.failed = 0
         self.in_c = 0  # of the pushed, files read, checked, decoded and stored by the C alone
-        self.by_plane = 0  # ... of them peers' files the data plane fetched
+        self.from_peers = 0  # ... of them peers' files (fetched by the data plane)
         self.followed = 0  # files the front answered and told of
 
     async def run(self) -> None:
@@ -316,7 +318,7 @@ class ReadAhead:
         share, s, pos, entry, _ = job
         c = self.catalog
         if stored is None and self._in_c(entry):
-            self._done(int(c.size[entry]), True, in_c=True, by_plane=not self.sources.mine(entry))
+            self._done(int(c.size[entry]), True, in_c=True, peer=not self.sources.mine(entry))
             return
         crc = int(c.crc[entry])
         checked = stored is not None
@@ -353,10 +355,10 @@ class ReadAhead:
             done += len(data)
         self._done(done, pushed)
 
-    def _done(self, nbytes: int, pushed: bool, in_c: bool = False, by_plane: bool = False) -> None:
+    def _done(self, nbytes: int, pushed: bool, in_c: bool = False, peer: bool = False) -> None:
         with self._count:
             self.prefetched += 1
             self.prefetched_bytes += nbytes
             self.pushed += pushed
             self.in_c += in_c
-            self.by_plane += by_plane
+            self.from_peers += peer

@@ -319,7 +319,7 @@ class Sources:
     def plane(self) -> bool:
         """Whether the data plane (C, both sides) fetches peers' small files (the planner's
         through the native pool, `fanfs_pool_push_file`)."""
-        return self.transport is not None and self.transport.plane_on
+        return self.transport is not None and self.transport.plane_fetches
 
     def batch_blocking(self, peer: int, entries: list[int]) -> list[bytes | None]:
         """The whole stored bytes of files `peer` holds, in one round trip, for a thread of

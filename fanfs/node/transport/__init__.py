@@ -60,7 +60,7 @@ class PeerTimeout(Exception):
 class PeerTransport:
     blocking_fetch = False  # whether `fetch_blocking` works (threads of its own serve it)
     batches = False  # whether `fetch_batch_blocking` works
-    plane_on = False  # whether the data plane (C) fetches peers' small files (mpi.py)
+    plane_fetches = False  # whether the data plane (C) fetches peers' small files (mpi.py)
 
     def __init__(self, rank: int, size: int, peer_timeout: float, server: Served):
         self.rank = rank

@@ -66,6 +66,10 @@ log = logging.getLogger(__name__)
 
 POLL_MIN_S = 20e-6
 POLL_MAX_S = 2e-3
+# ... up to this once idle, where the data plane watches this thread's communicator and wakes
+# it for a message (each turn costs tens of microseconds of Python: at 2 ms that was 3-4 % of
+# a core per idle daemon).
+POLL_WATCHED_S = 0.1
 # While a fetch of ours is outstanding the thread spins, but only this long after anything last
 # happened: a small file's round trip fits in it, while a slow one (a large frame read from the
 # owner's disk) does not burn a core for milliseconds; it is noticed within a 20 us poll.
@@ -235,11 +239,13 @@ class MpiTransport(MpiFetches):
         try:
             lib.plane_start(comm, byte, library, self.rank, self.size, self._tag_ub,
                             self.front is not None, hand_back, self.hedge_delay(),
-                            QUARANTINE_TIMEOUTS * self.peer_timeout)  # fmt: skip
+                            QUARANTINE_TIMEOUTS * self.peer_timeout,
+                            self.MPI._handleof(self.comm), self._wake)  # fmt: skip
         except OSError as e:
             log.warning("the data plane did not start (%s): the MPI thread does its work", e)
             return
         self.plane_on = True  # (first: a peer found dead from now on is passed on at once)
+        self.plane_fetches = self.front is not None  # (else it only answers peers)
         for peer in self.dead:
             lib.plane_dead(peer)
 
@@ -266,6 +272,7 @@ class MpiTransport(MpiFetches):
 
         idle = POLL_MIN_S
         hot_until = moved = 0.0
+        longest = POLL_WATCHED_S if self.plane_on else POLL_MAX_S  # (started: _loop)
         while True:
             busy = False
             # (No exception on an idle turn: they cost more than the rest of it.)
@@ -303,7 +310,7 @@ class MpiTransport(MpiFetches):
                     kept.append(out)
             sending[:] = kept
             now = time.monotonic()
-            if busy or inbox.receiving:
+            if busy or inbox.receiving or sending:
                 hot_until = now + HOT_S
             if busy:
                 moved = now
@@ -312,7 +319,7 @@ class MpiTransport(MpiFetches):
             if now - moved < SPIN_S and inbox.readers_waiting() and not lib.cpu_pressed():
                 idle = 0.0
             else:
-                idle = POLL_MIN_S if now < hot_until else min(max(idle, POLL_MIN_S) * 2, POLL_MAX_S)
+                idle = POLL_MIN_S if now < hot_until else min(max(idle, POLL_MIN_S) * 2, longest)
 
     def _count_malformed(self) -> None:
         self.malformed += 1
