@@ -31,9 +31,10 @@
  * Waiting: while a fetch is out and something moved within PLANE_SPIN_NS it polls, yielding
  * the CPU (not while the kernel says threads wait for one: fanfs_cpu_pressed); otherwise it
  * sleeps on its eventfd (written by the front's queue), 20 us for PLANE_HOT_NS after any
- * traffic, backing off to 2 ms once idle. Each turn it also looks for a message waiting on the
- * MPI thread's communicator (`watch`) and writes that thread's eventfd: the MPI thread, whose
- * turn costs far more (Python), then sleeps up to 100 ms when idle instead of 2 ms (mpi.py).
+ * traffic, backing off to 2 ms once idle. Once a millisecond at most it also looks for a
+ * message waiting on the MPI thread's communicator (`watch`) and writes that thread's eventfd:
+ * the MPI thread, whose turn costs far more (Python), then sleeps up to 100 ms when idle
+ * instead of 2 ms (mpi.py).
  *
  * Here: its fetches, its thread, start and stop; plane_wire.c: its messages (sends, the probe
  * loop, the owner's answers); plane_read.c: the owner's readers; plane.h: what they share.

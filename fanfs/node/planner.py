@@ -120,7 +120,7 @@ class ReadAhead:
         self.prefetched_bytes = 0
         self.failed = 0
         self.in_c = 0  # of the pushed, files read, checked, decoded and stored by the C alone
-        self.from_peers = 0  # ... of them peers' files (fetched by the data plane)
+        self.from_peers = 0  # ... of them peers' files (fetched as the front's: the data plane)
         self.followed = 0  # files the front answered and told of
 
     async def run(self) -> None:

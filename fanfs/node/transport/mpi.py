@@ -16,9 +16,10 @@ remote file (see docs/performance.md); but not while the kernel says threads wai
 (`lib.cpu_pressed`), when the spin takes a core from the readers and the other daemons of the
 node. Otherwise it blocks on the queue with a timeout: 20 us for HOT_S after any traffic,
 backing off to 2 ms once idle (a blocking Recv would burn a core, and on 2-core nodes that
-matters; idle, a daemon uses about 1 % of one). After start-up no collective operation is
-used, so a dead rank can only cost its own requests a peer timeout, after which it is routed
-around.
+matters), or to 100 ms where the data plane runs and wakes it for a message (POLL_WATCHED_S:
+idle, the daemon then uses about 1.5 % of a core here, against 4-5 %). After start-up no
+collective operation is used, so a dead rank can only cost its own requests a peer timeout,
+after which it is routed around.
 
 The data plane (fanfs/csrc/plane.c), where MPI gives it a communicator of its own (THREAD_MULTIPLE)
 and FANFS_PLANE is not 0, takes the front's fetches and answers peers' asks for them in C,
