@@ -262,28 +262,6 @@ static void sleep_on(int fd, int64_t ns) {
         return;
 }
 
-/* A message waiting for the MPI thread (it takes it: nothing is received here) wakes it: a
- * look every `watch_ns`, as it polls by itself while traffic flows and sleeps long when idle. A
- * message it leaves waiting (a peer's on a tag it never takes) is found again each look:
- * the wake-ups then back off to WATCH_MAX_NS, the MPI thread's longest sleep anyway. */
-static void watch(struct plane *pl, int64_t now) {
-    int flag = 0;
-    uint64_t one = 1;
-    ssize_t w;
-    if (pl->c.watch_fd < 0 || now - pl->watch_at < pl->watch_ns)
-        return;
-    pl->watch_at = now; /* (it polls by itself while traffic flows: a look a millisecond) */
-    if (pl->iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, pl->watch, &flag, MPI_STATUS_IGNORE) !=
-            MPI_SUCCESS ||
-        !flag) {
-        pl->watch_ns = WATCH_NS;
-        return;
-    }
-    w = write(pl->c.watch_fd, &one, sizeof one);
-    (void)w;
-    pl->watch_ns = pl->watch_ns * 2 > WATCH_MAX_NS ? WATCH_MAX_NS : pl->watch_ns * 2;
-}
-
 static void *plane_main(void *arg) {
     struct plane *pl = arg;
     int64_t now, idle = POLL_MIN_NS, hot_until = 0, moved = 0, end;
@@ -296,7 +274,7 @@ static void *plane_main(void *arg) {
         busy |= plane_collect(pl);
         busy |= plane_settle(pl);
         now = fanfs_now_ns();
-        watch(pl, now);
+        plane_watch(pl, now);
         if (busy || pl->nsends > 0) {
             hot_until = now + PLANE_HOT_NS;
             moved = busy ? now : moved;

@@ -1,13 +1,15 @@
 /*
- * The data plane's messages (plane.h): its sends, every message it takes, and the owner's
- * answers to peers' asks (plane.c's header says what the plane is and the rules of its
- * messages: found by matched probe, received into exactly their size, or dropped).
+ * The data plane's messages (plane.h): its sends, every message it takes, the owner's
+ * answers to peers' asks, and its look at the MPI thread's communicator (`plane_watch`).
+ * plane.c's header says what the plane is and the rules of its messages: found by matched
+ * probe, received into exactly their size, or dropped.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "fanfs_native.h"
 
@@ -195,6 +197,28 @@ int plane_receive(struct plane *pl) {
             plane_drop(pl, &m, n);
     }
     return any;
+}
+
+/* A message waiting for the MPI thread (it takes it: nothing is received here) wakes it: a
+ * look every `watch_ns`, as it polls by itself while traffic flows and sleeps long when idle. A
+ * message it leaves waiting (a peer's on a tag it never takes) is found again each look:
+ * the wake-ups then back off to WATCH_MAX_NS, the MPI thread's longest sleep anyway. */
+void plane_watch(struct plane *pl, int64_t now) {
+    int flag = 0;
+    uint64_t one = 1;
+    ssize_t w;
+    if (pl->c.watch_fd < 0 || now - pl->watch_at < pl->watch_ns)
+        return;
+    pl->watch_at = now; /* (it polls by itself while traffic flows: a look a millisecond) */
+    if (pl->iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, pl->watch, &flag, MPI_STATUS_IGNORE) !=
+            MPI_SUCCESS ||
+        !flag) {
+        pl->watch_ns = WATCH_NS;
+        return;
+    }
+    w = write(pl->c.watch_fd, &one, sizeof one);
+    (void)w;
+    pl->watch_ns = pl->watch_ns * 2 > WATCH_MAX_NS ? WATCH_MAX_NS : pl->watch_ns * 2;
 }
 
 #endif
