@@ -117,9 +117,14 @@ def build(stack: contextlib.ExitStack, place: Place, dest: Dest, staging: Stagin
         assert view is not None
         view.skipped(op)
 
+    def dir_time(path: bytes) -> tuple[int, int] | None:
+        assert view is not None
+        return view.dir_time(path)
+
     own = Source("this mount", place.token, tree.open_local_or_none, journal.note)
     lander = Lander(dest, journal, own, recovering=dead, marker=partner is not None,
-                    on_landed=landed, on_dropped=dropped, on_skipped=skipped)  # fmt: skip
+                    on_landed=landed, on_dropped=dropped, on_skipped=skipped,
+                    dir_time=dir_time)  # fmt: skip
     front = WriteFront(fuse_ops.RECEIVER, pretend)
     view = View(tree, journal, lander, dest, front=front,
                 replicate=partner.replicate if partner is not None else None)  # fmt: skip

@@ -32,11 +32,12 @@ import trio
 from fanfs.output import dest as dst
 from fanfs.output.apply import apply, remove_partial
 from fanfs.output.dest import Dest, Ident, LandingError, Outcome, Result
-from fanfs.output.journal import PUT, RENAME, RMDIR, UNLINK, Journal, Op
+from fanfs.output.journal import ATTR, MKDIR, PUT, RENAME, RMDIR, UNLINK, Journal, Op
 
 log = logging.getLogger(__name__)
 
 RETRY_MIN_S, RETRY_MAX_S = 0.5, 30.0  # backoff of a failing op: quick at first, then patient
+NAMING = (PUT, RENAME, UNLINK, MKDIR, RMDIR)  # ops that may add or remove a name at DEST
 
 
 @dataclass(slots=True)
@@ -74,7 +75,9 @@ class Lander:
                  recovering: list[Any] | None = None, marker: bool = False,
                  on_landed: Callable[[Op, Result], None] = lambda op, r: None,
                  on_dropped: Callable[[Op], None] = lambda op: None,
-                 on_skipped: Callable[[Op], None] = lambda op: None):  # fmt: skip
+                 on_skipped: Callable[[Op], None] = lambda op: None,
+                 dir_time: Callable[[bytes], tuple[int, int] | None] = lambda p: None,
+                 ):  # fmt: skip
         self.dest = dest
         self.journal = journal
         self.own = own
@@ -83,6 +86,7 @@ class Lander:
         self.on_landed = on_landed  # view.py: release the put's data, evict what may go
         self.on_dropped = on_dropped  # a put that will not land: its node is dirty again
         self.on_skipped = on_skipped  # the user skipped it: view.py keeps its bytes
+        self.dir_time = dir_time  # view.py: the time a directory must show again (`_retime`)
         self.landed_bytes = 0  # bytes written to DEST
         self.landed_files = 0
         self.appended = 0  # puts that landed as appends
@@ -156,6 +160,8 @@ class Lander:
                 continue
             result = await self._land(op, self.own)
             if result is not None:
+                if op.kind in NAMING:  # landed, or nothing to do there: the time is the mount's
+                    await self._retime(op.path, op.new)
                 self.journal.landed(op, self._ident_json(op))
                 if self.marker:
                     await self._io(dst.write_marker, self.dest, self.own.token, op.seq)
@@ -179,6 +185,28 @@ class Lander:
                                               abandon_on_cancel=True)  # fmt: skip
             except (OSError, LandingError):
                 self._litter.append((path, token, seq))
+            else:
+                await self._retime(path)
+
+    async def _retime(self, *paths: bytes) -> None:
+        """A name was added or removed at DEST in the directories of `paths` (a rename's two):
+        each whose time the user set in the mount gets that time back, as an `attr` would
+        (only on the directory fanfs made there). At worst a message: nothing waits on it."""
+        for path in {os.path.dirname(p) for p in paths if p}:
+            at = self.dir_time(path)
+            if at is None:
+                continue
+            node, mtime_ns = at
+            op = Op(0, ATTR, path, node=node, mtime_ns=mtime_ns)
+            try:
+                result = await trio.to_thread.run_sync(
+                    apply, self.dest, op, self.own.open_local, self.own.token,
+                    self.idents.get(node), abandon_on_cancel=True)  # fmt: skip
+            except (OSError, LandingError) as e:
+                log.warning("DEST %s: the time of %s: %s", self.dest.path, op.describe(),
+                            _message(e))  # fmt: skip
+                continue
+            track(self.idents, op, result.ident, landed=False)
 
     def _ident_json(self, op: Op) -> list[int] | None:
         ident = self.own.idents.get(op.node)

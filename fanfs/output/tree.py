@@ -67,6 +67,7 @@ class Node:
     snap: int = 0  # the size of its last snapshot (0: none yet)
     failed: int = 0  # the errno of a write that failed, until truncated
     mtime_ns: int = field(default_factory=time.time_ns)  # directories' and evicted files'
+    timed: bool = False  # a directory whose mtime the user set: DEST keeps the mount's
 
     # A node changes through these (the tree and the view call them).
     def add_child(self, name: bytes, ino: int) -> None:
@@ -95,8 +96,9 @@ class Node:
     def chmod(self, mode: int) -> None:
         self.mode = mode & 0o777
 
-    def touch(self, mtime_ns: int) -> None:
+    def touch(self, mtime_ns: int, timed: bool = False) -> None:
         self.mtime_ns = mtime_ns
+        self.timed = self.timed or timed
 
     def poison(self, err: int) -> None:
         """A write failed: not landed until truncated to nothing (`poison(0)`)."""
@@ -151,6 +153,16 @@ class Tree:
         if ino is None:
             raise TreeError(errno.ENOENT)
         return self.nodes[ino]
+
+    def lookup(self, path: bytes) -> Node | None:
+        """The node at `path` (relative, as `path` gives it) now, if any."""
+        n = self.nodes[ROOT]
+        for name in path.split(b"/") if path else ():
+            ino = n.children.get(name)
+            if ino is None:
+                return None
+            n = self.nodes[ino]
+        return n
 
     def describe(self, n: Node) -> str:
         """`n` in a message: its path, or "a removed file"."""

@@ -203,7 +203,7 @@ class View(Files):
         if size is not None and not n.is_dir:
             await self.truncate(n, size)
         if mtime_ns is not None:
-            n.touch(mtime_ns)
+            n.touch(mtime_ns, timed=at_dest and n.is_dir)  # DEST shows it from now on (dir_time)
             if n.data and not n.is_dir:
                 fd = self.tree.open_local(n.data, os.O_RDONLY)
                 try:
@@ -215,6 +215,13 @@ class View(Files):
         self.lander.wake()
 
     # -- the lander's hooks ----------------------------------------------------------------
+
+    def dir_time(self, path: bytes) -> tuple[int, int] | None:
+        """(node, mtime) that DEST's directory `path` must show again after a name in it
+        landed: the mount's, for a directory whose time the user set (tar -x, rsync -a and
+        cp -a set it after the directory's files, and a file's put can land after that)."""
+        n = self.tree.lookup(path) if path else None
+        return (n.ino, n.mtime_ns) if n is not None and n.timed else None
 
     def landed(self, op: Op, result: Result) -> None:
         if op.kind == PUT:

@@ -1062,6 +1062,43 @@ def test_tar_rsync_h5py_and_four_appenders_land_as_written(user: User, work: Pat
     assert sorted(lines) == sorted(f"{w} {i:04d}" for w in range(4) for i in range(300))
 
 
+LATE_ENTRY = r"""
+import os, sys
+d, e = os.path.join(sys.argv[1], "d"), os.path.join(sys.argv[1], "e")
+os.mkdir(d)
+f = open(os.path.join(d, "late.bin"), "wb")  # created before the directory's time is set
+os.utime(d, ns=(10**18, 10**18))
+f.write(b"x" * 5000)
+f.close()  # its put lands after the directory's time: a new name at DEST
+os.mkdir(e)
+open(os.path.join(e, "gone.bin"), "wb").close()
+os.utime(e, ns=(10**18, 10**18))
+os.unlink(os.path.join(e, "gone.bin"))  # the directory's time moves on, as natively
+print(os.stat(d).st_mtime_ns, os.stat(e).st_mtime_ns)
+"""
+
+
+def test_a_directory_s_set_time_holds_at_dest_when_its_entries_land_after_it(
+    user: User, work: Path
+) -> None:
+    """tar -x, rsync -a and cp -a set a directory's mtime last. A file in it whose put lands
+    after that (written and closed later, or its close seen late) adds a name at DEST: DEST's
+    directory still shows the time the mount shows, as it would natively."""
+    out = Output(user, work)
+    try:
+        done = user.run(sys.executable, "-c", LATE_ENTRY, out.mnt, timeout=60)
+        assert done.returncode == 0, done.stderr
+        d_time, e_time = map(int, done.stdout.split())
+        assert d_time == 10**18 and e_time > 10**18  # the unlink moved e's on
+        assert out.fanfs("umount", out.mnt).returncode == 0
+    finally:
+        out.stop()
+    assert (out.dest / "d" / "late.bin").read_bytes() == b"x" * 5000
+    assert os.listdir(out.dest / "e") == []
+    assert ((out.dest / "d").stat().st_mtime_ns, (out.dest / "e").stat().st_mtime_ns) == (
+        d_time, e_time)  # fmt: skip
+
+
 def test_an_open_log_replaces_an_earlier_runs_only_at_a_sync_or_close(
     user: User, work: Path
 ) -> None:
