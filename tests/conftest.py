@@ -197,6 +197,18 @@ def wait_until(predicate: object, timeout: float = 10.0) -> bool:
     return False
 
 
+def thread_ticks(pid: int, name: str) -> int:
+    """CPU clock ticks (user and system) the threads of `pid` called `name` have spent."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            stat = (task / "stat").read_text()
+            if stat[stat.index("(") + 1 : stat.rindex(")")] == name:
+                fields = stat[stat.rindex(")") + 2 :].split()
+                total += int(fields[11]) + int(fields[12])
+    return total
+
+
 # -- an unprivileged user ---------------------------------------------------------------------
 # Cluster users are never root. CI runs as root, so the tests create a system user of their
 # own (one per run: two suites on one machine, two developers or CI beside one, never share

@@ -11,7 +11,9 @@ again): it takes the pending replies, then sends batch requests (`batches`: malf
 over MAX_REQUEST, one naming no file, one of small files) and writes what came back to
 BASE/batches.json; then asks on the data plane's communicator (`plane`: malformed asks, a
 reply nobody asked for, asks to refuse, a good one) and writes what came back to
-BASE/plane.json, says bye, and leaves the job cleanly.
+BASE/plane.json; then leaves a message on the MPI thread's communicator with a tag that
+thread never takes (`stray`), and once the test has measured rank 0 again (`bye`), says bye
+and leaves the job cleanly.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from fanfs.node.transport.inbox import (
 from fanfs.node.transport.mpi import FIRST_REPLY_TAG, MAX_REQUEST, TAG_BYE, TAG_REQUEST
 
 REQUESTS = 10
+STRAY_TAG = 9  # a tag rank 0's MPI thread never takes (fanfs/node/transport/inbox.py)
 
 
 def wait_for(path: Path) -> None:
@@ -155,6 +158,9 @@ def main() -> int:
     got = batches(world, c, entry, small)
     (base / "batches.json").write_text(json.dumps({**got, "small": len(small)}))
     (base / "plane.json").write_text(json.dumps(plane(world, c, small)))
+    comm.Send(bytearray(64), 0, STRAY_TAG)  # never taken: it stays at rank 0 until the end
+    (base / "stray").touch()
+    wait_for(base / "bye")
     comm.Send(np.array([world.rank], dtype=np.int64), 0, TAG_BYE)
     world.finalize()
     return 0

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import FANFS, TESTS, fanfs, mounted, prepare, wait_until
+from conftest import FANFS, TESTS, fanfs, mounted, prepare, thread_ticks, wait_until
 
 from fanfs import mounts, plan
 from fanfs.bench import launch
@@ -155,11 +155,22 @@ def test_a_peer_asking_too_much_gets_refusals_and_no_memory(tmp_path: Path) -> N
         assert p["good_size"] == p["expected_size"] and p["good_crc"], p
         s = json.loads(fanfs("status", mnt, "--json").stdout)["reader"]
         assert s["malformed_messages"] >= 2 + 5, s
+        # A message left on the MPI thread's communicator (a tag it never takes): the data
+        # plane's look finds it each time and wakes that thread, backing off to 100 ms, so the
+        # idle MPI thread still sleeps (at a look a millisecond it spent several % of a core).
+        assert wait_until(lambda: (base / "stray").exists(), 90)
+        time.sleep(1)
+        before = thread_ticks(pid, "fanfs-mpi")
+        time.sleep(3)
+        spent = thread_ticks(pid, "fanfs-mpi") - before
+        assert spent <= os.sysconf("SC_CLK_TCK") * 3 // 100, spent  # at most 1 % of a core
+        (base / "bye").touch()
         done = fanfs("umount", mnt, timeout=120)
         assert done.returncode == 0, done.stderr
         assert proc.wait(60) == 0, (tmp_path / "mpirun.log").read_text()
     finally:
         (base / "done").touch()
+        (base / "bye").touch()
         launch.stop_process(proc, [mnt])  # type: ignore[arg-type]
         assert mounts.find(mnt) is None
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import FANFS, prepare, stopping
+from conftest import FANFS, prepare, stopping, thread_ticks
 
 from fanfs import mounts, placement, plan
 from fanfs.bench import datagen, launch
@@ -299,18 +299,6 @@ def test_a_plan_read_ahead_a_file_at_a_time_comes_through_the_data_plane(
         _clean_after(m)
 
 
-def _thread_ticks(pid: int, name: str) -> int:
-    """CPU clock ticks (user and system) the threads of `pid` called `name` have spent."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(OSError):
-            stat = (task / "stat").read_text()
-            if stat[stat.index("(") + 1 : stat.rindex(")")] == name:
-                fields = stat[stat.rindex(")") + 2 :].split()
-                total += int(fields[11]) + int(fields[12])
-    return total
-
-
 def test_an_idle_daemon_s_mpi_thread_sleeps(tree: Path, image: Path, tmp_path: Path) -> None:
     """Idle, the MPI thread sleeps up to 100 ms a turn: the data plane looks for its messages
     and wakes it (at 2 ms a turn, as before, it spent 3-4 % of a core); a peer's file read
@@ -318,9 +306,9 @@ def test_an_idle_daemon_s_mpi_thread_sleeps(tree: Path, image: Path, tmp_path: P
     with mpi_mounted(image, tmp_path, 2) as m:
         pids = [m.status(r)["pid"] for r in range(2)]
         time.sleep(2)  # (start-up's traffic over)
-        before = [_thread_ticks(p, "fanfs-mpi") for p in pids]
+        before = [thread_ticks(p, "fanfs-mpi") for p in pids]
         time.sleep(3)
-        spent = [_thread_ticks(p, "fanfs-mpi") - b for p, b in zip(pids, before, strict=True)]
+        spent = [thread_ticks(p, "fanfs-mpi") - b for p, b in zip(pids, before, strict=True)]
         ticks = os.sysconf("SC_CLK_TCK")
         assert max(spent) <= ticks * 3 // 100, (spent, ticks)  # at most 1 % of a core
         assert assert_same_tree(tree, m.mnts[0]) > 270  # and the peers answer at once
