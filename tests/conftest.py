@@ -197,13 +197,14 @@ def wait_until(predicate: object, timeout: float = 10.0) -> bool:
     return False
 
 
-def thread_ticks(pid: int, name: str) -> int:
-    """CPU clock ticks (user and system) the threads of `pid` called `name` have spent."""
+def thread_ticks(pid: int, name: str | None = None) -> int:
+    """CPU clock ticks (user and system) the threads of `pid` called `name` (None: all) have
+    spent."""
     total = 0
     for task in Path(f"/proc/{pid}/task").iterdir():
         with contextlib.suppress(OSError):
             stat = (task / "stat").read_text()
-            if stat[stat.index("(") + 1 : stat.rindex(")")] == name:
+            if name is None or stat[stat.index("(") + 1 : stat.rindex(")")] == name:
                 fields = stat[stat.rindex(")") + 2 :].split()
                 total += int(fields[11]) + int(fields[12])
     return total

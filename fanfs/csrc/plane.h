@@ -31,6 +31,8 @@ enum { ASKED, FILLED, HANDED_BACK, ANSWERED, ANSWERED_BYTES, REFUSED, MALFORMED,
 #define PLANE_HOT_NS 20000000
 #define POLL_MIN_NS 20000
 #define POLL_MAX_NS 2000000
+#define PLANE_QUIET_NS 2000000000LL /* no traffic this long: the sleeps grow ... */
+#define POLL_QUIET_NS 10000000      /* ... to this (a peer's first ask then waits that long) */
 #define SETTLE_NS 1000000000LL
 #define PLANE_MAX_RANKS (1 << 20)
 #define PLANE_READERS 4 /* the owner's reading threads (plane_read.c) */

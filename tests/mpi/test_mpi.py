@@ -299,18 +299,21 @@ def test_a_plan_read_ahead_a_file_at_a_time_comes_through_the_data_plane(
         _clean_after(m)
 
 
-def test_an_idle_daemon_s_mpi_thread_sleeps(tree: Path, image: Path, tmp_path: Path) -> None:
-    """Idle, the MPI thread sleeps up to 100 ms a turn: the data plane looks for its messages
-    and wakes it (at 2 ms a turn, as before, it spent 3-4 % of a core); a peer's file read
-    after the idle spell still comes at once, through either thread."""
+def test_an_idle_daemon_sleeps(tree: Path, image: Path, tmp_path: Path) -> None:
+    """Idle, a daemon's threads sleep: the MPI thread up to 100 ms a turn (the data plane
+    looks for its messages and wakes it; at 2 ms a turn it spent 3-4 % of a core), the data
+    plane up to 10 ms once quiet for 2 s (at 2 ms: 2-3 %, the whole daemon 2.8 %). A peer's
+    file read after the idle spell still comes at once, through either thread."""
     with mpi_mounted(image, tmp_path, 2) as m:
         pids = [m.status(r)["pid"] for r in range(2)]
-        time.sleep(2)  # (start-up's traffic over)
-        before = [thread_ticks(p, "fanfs-mpi") for p in pids]
-        time.sleep(3)
-        spent = [thread_ticks(p, "fanfs-mpi") - b for p, b in zip(pids, before, strict=True)]
+        time.sleep(3)  # (start-up's traffic over, and 2 s of quiet)
+        before = [(thread_ticks(p, "fanfs-mpi"), thread_ticks(p)) for p in pids]
+        time.sleep(5)
+        spent = [(thread_ticks(p, "fanfs-mpi") - b[0], thread_ticks(p) - b[1])
+                 for p, b in zip(pids, before, strict=True)]  # fmt: skip
         ticks = os.sysconf("SC_CLK_TCK")
-        assert max(spent) <= ticks * 3 // 100, (spent, ticks)  # at most 1 % of a core
+        assert max(s[0] for s in spent) <= ticks * 5 // 100, (spent, ticks)  # 1 % of a core
+        assert max(s[1] for s in spent) <= ticks * 5 * 15 // 1000, (spent, ticks)  # 1.5 %
         assert assert_same_tree(tree, m.mnts[0]) > 270  # and the peers answer at once
         _clean_after(m)
 
