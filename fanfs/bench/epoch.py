@@ -25,7 +25,8 @@ import numpy as np
 
 from fanfs.bench.launch import Daemons
 
-IDLE_S = 2.0  # how long an idle daemon is watched for its CPU use
+IDLE_S = 2.0  # how long an idle daemon is watched for its CPU use, ...
+QUIET_S = 3.0  # ... once mounted and unread this long (the data plane sleeps longer after 2 s)
 
 
 def shares(n_files: int, world: int, seed: int) -> list[list[int]]:
@@ -108,6 +109,7 @@ def cpu_seconds(pids: Sequence[int]) -> float:
 
 def idle_cpu_percent(pids: Sequence[int], seconds: float = IDLE_S) -> float:
     """Mean CPU use of one daemon, mounted and not read from, in percent of one core."""
+    time.sleep(QUIET_S)
     before = cpu_seconds(pids)
     time.sleep(seconds)
     return round((cpu_seconds(pids) - before) / seconds / len(pids) * 100, 2)

@@ -31,9 +31,10 @@
  * Waiting: while a fetch is out and something moved within PLANE_SPIN_NS it polls, yielding
  * the CPU (not while the kernel says threads wait for one: fanfs_cpu_pressed); otherwise it
  * sleeps on its eventfd (written by the front's queue), 20 us for PLANE_HOT_NS after any
- * traffic, backing off to 2 ms once idle and to 10 ms once quiet for 2 s (an idle daemon's
- * cost is these wake-ups; a peer's first ask after a quiet spell waits up to 10 ms, its own
- * fetches none: the front's queue wakes it). Once a millisecond at most it also looks for a
+ * traffic, backing off to 2 ms once idle and to 10 ms once quiet for 2 s, its own traffic
+ * and new messages for the MPI thread both (an idle daemon's cost is these wake-ups; a peer's
+ * first ask after a quiet spell waits up to 10 ms, its own fetches none: the front's queue
+ * wakes it). Once a millisecond at most it also looks for a
  * message waiting on the MPI thread's communicator (`watch`) and writes that thread's eventfd:
  * the MPI thread, whose turn costs far more (Python), then sleeps up to 100 ms when idle
  * instead of 2 ms (mpi.py).
@@ -266,8 +267,8 @@ static void sleep_on(int fd, int64_t ns) {
 
 static void *plane_main(void *arg) {
     struct plane *pl = arg;
-    int64_t now, idle = POLL_MIN_NS, hot_until = 0, moved = 0, most, end;
-    int busy, i;
+    int64_t now, idle = POLL_MIN_NS, hot_until = 0, moved = 0, heard = 0, most, end;
+    int busy, quiet, i;
     prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0); /* (mpi.py's _precise_timeouts says why) */
     prctl(PR_SET_NAME, "fanfs-plane", 0, 0, 0);
     while (!__atomic_load_n(&pl->stopping, __ATOMIC_ACQUIRE)) {
@@ -276,7 +277,8 @@ static void *plane_main(void *arg) {
         busy |= plane_collect(pl);
         busy |= plane_settle(pl);
         now = fanfs_now_ns();
-        plane_watch(pl, now);
+        if (plane_watch(pl, now))
+            heard = now;
         if (busy || pl->nsends > 0) {
             hot_until = now + PLANE_HOT_NS;
             moved = busy ? now : moved;
@@ -286,7 +288,8 @@ static void *plane_main(void *arg) {
             idle = 0;
             continue;
         }
-        most = now - hot_until > PLANE_QUIET_NS ? POLL_QUIET_NS : POLL_MAX_NS;
+        quiet = now - hot_until > PLANE_QUIET_NS && now - heard > PLANE_QUIET_NS;
+        most = quiet ? POLL_QUIET_NS : POLL_MAX_NS;
         idle = now < hot_until ? POLL_MIN_NS : (idle * 2 > most ? most : idle * 2);
         if (idle < POLL_MIN_NS)
             idle = POLL_MIN_NS;

@@ -121,8 +121,9 @@ int plane_take(struct plane *pl, MPI_Message *m, void *buf, int n);
 void plane_drop(struct plane *pl, MPI_Message *m, int n); /* malformed: counted, dropped */
 
 int plane_collect(struct plane *pl); /* the reads done sent (or refused); 1 if any */
-/* A message waiting on the MPI thread's communicator wakes that thread (conf: watch). */
-void plane_watch(struct plane *pl, int64_t now);
+/* A message waiting on the MPI thread's communicator wakes that thread (conf: watch); 1 if
+ * it is a new one (the plane's own sleeps stay short while that thread has traffic). */
+int plane_watch(struct plane *pl, int64_t now);
 
 /* plane_read.c */
 int plane_reads_start(struct plane_reads *q, int wakefd); /* 0, or an errno */

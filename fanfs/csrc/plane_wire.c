@@ -203,22 +203,24 @@ int plane_receive(struct plane *pl) {
  * look every `watch_ns`, as it polls by itself while traffic flows and sleeps long when idle. A
  * message it leaves waiting (a peer's on a tag it never takes) is found again each look:
  * the wake-ups then back off to WATCH_MAX_NS, the MPI thread's longest sleep anyway. */
-void plane_watch(struct plane *pl, int64_t now) {
-    int flag = 0;
+int plane_watch(struct plane *pl, int64_t now) {
+    int flag = 0, fresh;
     uint64_t one = 1;
     ssize_t w;
     if (pl->c.watch_fd < 0 || now - pl->watch_at < pl->watch_ns)
-        return;
+        return 0;
     pl->watch_at = now; /* (it polls by itself while traffic flows: a look a millisecond) */
     if (pl->iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, pl->watch, &flag, MPI_STATUS_IGNORE) !=
             MPI_SUCCESS ||
         !flag) {
         pl->watch_ns = WATCH_NS;
-        return;
+        return 0;
     }
     w = write(pl->c.watch_fd, &one, sizeof one);
     (void)w;
+    fresh = pl->watch_ns == WATCH_NS; /* the last look found none: traffic, not one that stays */
     pl->watch_ns = pl->watch_ns * 2 > WATCH_MAX_NS ? WATCH_MAX_NS : pl->watch_ns * 2;
+    return fresh;
 }
 
 #endif
