@@ -160,11 +160,11 @@ class Lander:
                 continue
             result = await self._land(op, self.own)
             if result is not None:
-                if op.kind in NAMING:  # landed, or nothing to do there: the time is the mount's
-                    await self._retime(op.path, op.new)
                 self.journal.landed(op, self._ident_json(op))
                 if self.marker:
                     await self._io(dst.write_marker, self.dest, self.own.token, op.seq)
+                if op.kind in NAMING:  # landed, or nothing to do there: the time is the mount's
+                    await self._retime(op.path, op.new)
                 self.on_landed(op, result)
                 if self._litter:
                     await self._sweep()
@@ -191,7 +191,7 @@ class Lander:
     async def _retime(self, *paths: bytes) -> None:
         """A name was added or removed at DEST in the directories of `paths` (a rename's two):
         each whose time the user set in the mount gets that time back, as an `attr` would
-        (only on the directory fanfs made there). At worst a message: nothing waits on it."""
+        (only on the directory fanfs made there). A failure costs a message, never a retry."""
         for path in {os.path.dirname(p) for p in paths if p}:
             at = self.dir_time(path)
             if at is None:
