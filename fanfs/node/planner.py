@@ -282,8 +282,11 @@ class ReadAhead:
         """Whether the data plane fetches a peer's file for `_in_c` (no Python on either
         side): a file alone in its turn (not a batch of one), one too large for a batch, one a
         batch did not bring."""
-        return (self.sources.plane and self._c_reads(entry) and not self.sources.mine(entry)
-                and int(self.catalog.stored_len[entry]) <= lib.REMOTE_MAX)  # fmt: skip
+        return self._c_reads(entry) and not self.sources.mine(entry) and self._plane_takes(entry)
+
+    def _plane_takes(self, entry: int) -> bool:
+        """... of those the C reads and peers hold, the ones the data plane fetches."""
+        return self.sources.plane and int(self.catalog.stored_len[entry]) <= lib.REMOTE_MAX
 
     def _in_c(self, entry: int) -> bool | None:
         """Read (or fetch from a peer, `_by_plane`), check, decode and store a file all in C,
@@ -301,7 +304,7 @@ class ReadAhead:
             # Read through the page cache (no O_DIRECT descriptor): `_queue` advised the kernel
             # to read the file when it was due; an O_DIRECT read would read the disk again.
             fd = local.fd(part)
-        elif self._by_plane(entry):
+        elif self._plane_takes(entry):
             fd = lib.remote_fd(part)  # fetched into the pool's cache as the front's READ is
         else:
             return None

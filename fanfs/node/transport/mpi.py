@@ -17,7 +17,8 @@ remote file (see docs/performance.md); but not while the kernel says threads wai
 node. Otherwise it blocks on the queue with a timeout: 20 us for HOT_S after any traffic,
 backing off to 2 ms once idle (a blocking Recv would burn a core, and on 2-core nodes that
 matters), or to 100 ms where the data plane runs and wakes it for a message (POLL_WATCHED_S:
-idle, the daemon then uses about 1.5 % of a core here, against 4-5 %). After start-up no
+idle, with the plane's own quiet sleeps, the daemon then uses under 1 % of a core here,
+against 4-5 %). After start-up no
 collective operation is used, so a dead rank can only cost its own requests a peer timeout,
 after which it is routed around.
 
