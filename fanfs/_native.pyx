@@ -957,7 +957,8 @@ PLANE_ASK = FANFS_PLANE_ASK
 PLANE_FIRST_TAG = FANFS_PLANE_FIRST_TAG
 PLANE_MAGIC = FANFS_PLANE_MAGIC
 PLANE_COUNTERS = ("asked", "filled", "handed_back", "answered", "answered_bytes", "refused",
-                  "malformed", "owner_n", "owner_read_ns", "owner_post_ns", "hedged", "hedges_won", "owner_queue_ns")
+                  "malformed", "owner_n", "owner_read_ns", "owner_post_ns", "hedged", "hedges_won",
+                  "owner_queue_ns", "left")
 
 
 def plane_built():

@@ -116,14 +116,20 @@ def plane(world: mpi.World, c: cat.Catalog, small: list[int]) -> dict[str, objec
             "good_crc": crc32(good) == int(c.crc[e])}  # fmt: skip
 
 
-def main() -> int:
-    base = Path(sys.argv[1])
-    world = mpi.World()
-    # The daemon's start-up collectives, in its order (fanfs/node/daemon.py).
+def join(world: mpi.World) -> cat.Catalog:
+    """Take part in the daemons' start-up collectives, in their order (fanfs/node/daemon.py):
+    the job's catalog."""
     world.bcast(None)
     c = cat.Catalog.from_bytes(world.bcast_bytes(None))
     world.allgather(None)  # store created
     world.allgather(None)  # mounted
+    return c
+
+
+def main() -> int:
+    base = Path(sys.argv[1])
+    world = mpi.World()
+    c = join(world)
     owners = placement.place(c.part_size, c.part_flags, world.size, 1)
     big = [e for e in range(c.n_entries) if c.is_file[e] and c.codec[e] == cat.CODEC_RAW
            and int(c.stored_len[e]) > 4 * MAX_REQUEST and 0 in owners[int(c.part[e])]]  # fmt: skip

@@ -20,13 +20,18 @@
  * received into exactly its size (fanfs/node/transport/inbox.py says why: Open MPI writes a
  * longer message past a posted buffer). An ask is PLANE_HEADER bytes; a reply is either empty
  * or exactly the stored length asked for, from the holder asked, on a reply tag that is out.
- * Anything else is counted malformed and dropped: received into a scratch buffer up to
- * FANFS_REMOTE_MAX, larger left unreceived (never allocated for). A reply tag given back to
- * the MPI thread stays quarantined until its late reply is drained or quarantine_ns passed.
+ * Anything else is counted malformed and dropped: received and freed up to FANFS_REMOTE_MAX,
+ * larger left unreceived (never allocated for). A reply tag given back to the MPI thread stays
+ * quarantined until its late reply is drained or quarantine_ns passed. Nothing is received by
+ * a blocking call but an ask's header and an empty reply (MPI has them whole once matched):
+ * a larger message's receive is tested each turn (plane_take_later), as a sender killed
+ * mid-send leaves it unfinished for good in Open MPI; after quarantine_ns it is left to MPI
+ * with its buffer (counted `left`).
  *
  * Bounds: PLANE_OUT fetches out, PLANE_SENDS sends in flight, PLANE_READS reads and
  * PLANE_REPLY_BYTES of replies in flight, PLANE_PEER_BYTES of them for one peer (beyond:
- * refused).
+ * refused); PLANE_TAKES receives in flight and PLANE_TAKE_BYTES (beyond: one is waited for
+ * up to hand_back_ns, then left).
  *
  * Waiting: while a fetch is out and something moved within PLANE_SPIN_NS it polls, yielding
  * the CPU (not while the kernel says threads wait for one: fanfs_cpu_pressed); otherwise it
@@ -116,33 +121,34 @@ static void hand_back(struct plane *pl, struct out *o, int skip, int late) {
 
 void plane_reply(struct plane *pl, MPI_Message *m, int peer, int tag, int n) {
     struct out *o = &pl->out[tag % PLANE_OUT];
-    char *buf;
-    int err;
     if (o->state == 0 || o->tag != tag || o->peer != peer) {
-        plane_drop(pl, m, n); /* not a reply to anything out */
+        plane_drop(pl, m, peer, n); /* not a reply to anything out */
         return;
     }
-    if (o->state == 2) { /* late: drained, its tag free again */
-        plane_take(pl, m, NULL, n);
-        set_state(pl, o, 0);
-        return;
-    }
-    if (n == 0 || (uint32_t)n != o->r.len) { /* a refusal, or a wrong one */
+    if (o->state == 1 && (n == 0 || (uint32_t)n != o->r.len)) { /* a refusal, or a wrong one */
         if (n != 0)
-            plane_drop(pl, m, n);
+            plane_drop(pl, m, peer, n);
         else
             plane_take(pl, m, NULL, 0);
         hand_back(pl, o, n != 0, 0);
         return;
     }
-    if ((buf = malloc((size_t)n)) == NULL) {
-        plane_take(pl, m, NULL, n); /* (into the scratch buffer) */
-        hand_back(pl, o, 0, 0);
+    plane_take_later(pl, m, n, peer, tag); /* (given back: a late one, drained) */
+}
+
+void plane_replied(struct plane *pl, int peer, int tag, char *buf, int n) {
+    struct out *o = &pl->out[tag % PLANE_OUT];
+    int err;
+    if (o->state == 0 || o->tag != tag || o->peer != peer) {
+        free(buf); /* (its slot was freed meanwhile) */
         return;
     }
-    if (plane_take(pl, m, buf, n) != 0) {
+    if (o->state == 2 || buf == NULL) {
         free(buf);
-        hand_back(pl, o, 0, 0);
+        if (o->state == 2)
+            set_state(pl, o, 0); /* late: drained, its tag free again */
+        else
+            hand_back(pl, o, 0, 0); /* not received */
         return;
     }
     err = remote_fill(pool_live(), &o->r, buf, (uint32_t)n, o->began);
@@ -277,12 +283,12 @@ static void *plane_main(void *arg) {
         busy |= plane_collect(pl);
         busy |= plane_settle(pl);
         now = fanfs_now_ns();
+        busy |= plane_takes(pl, now);
         if (plane_watch(pl, now))
             heard = now;
-        if (busy || pl->nsends > 0) {
+        moved = busy ? now : moved;
+        if (busy || ((pl->nsends > 0 || pl->ntakes > 0) && now - moved < PLANE_STALL_NS))
             hot_until = now + PLANE_HOT_NS;
-            moved = busy ? now : moved;
-        }
         if (now - moved < PLANE_SPIN_NS && pl->nwait > 0 && !fanfs_cpu_pressed()) {
             sched_yield(); /* a READ waits: no sleep at all */
             idle = 0;
@@ -299,11 +305,13 @@ static void *plane_main(void *arg) {
         if (pl->out[i].state == 1)
             hand_back(pl, &pl->out[i], 0, 1);
     end = fanfs_now_ns() + SETTLE_NS;
-    while (pl->nsends > 0 && fanfs_now_ns() < end) {
+    while ((pl->nsends > 0 || pl->ntakes > 0) && fanfs_now_ns() < end) {
         plane_settle(pl);
+        plane_takes(pl, fanfs_now_ns());
         usleep(1000);
     }
-    pl->nsends = 0; /* (those MPI still holds: their buffers are never freed) */
+    plane_takes(pl, INT64_MAX); /* (those MPI still holds: their buffers are never freed) */
+    pl->nsends = 0;
     return NULL;
 }
 
@@ -326,8 +334,8 @@ int fanfs_plane_start(const struct fanfs_plane_conf *c) {
     pl->watch_ns = WATCH_NS;
     if (c->watch == 0)
         pl->c.watch_fd = -1;
-    pl->nout = pl->nwait = pl->nsends = 0;
-    pl->reply_bytes = 0;
+    pl->nout = pl->nwait = pl->nsends = pl->ntakes = 0;
+    pl->reply_bytes = pl->take_bytes = 0;
     pl->next_tag = FIRST_TAG;
     pl->hedge_ns = c->hedge_ns > 0 ? c->hedge_ns : c->hand_back_ns;
     memset(pl->out, 0, sizeof pl->out);
@@ -382,8 +390,6 @@ void fanfs_plane_stop(void) {
     pl->running = 0;
     close(pl->wakefd);
     pl->wakefd = -1;
-    free(pl->scratch);
-    pl->scratch = NULL;
     free(pl->peer_bytes);
     pl->peer_bytes = NULL;
 }

@@ -13,7 +13,7 @@
 #include "pool_int.h"
 
 enum { ASKED, FILLED, HANDED_BACK, ANSWERED, ANSWERED_BYTES, REFUSED, MALFORMED, OWNER_N,
-       OWNER_READ_NS, OWNER_POST_NS, HEDGED, HEDGES_WON, OWNER_QUEUE_NS };
+       OWNER_READ_NS, OWNER_POST_NS, HEDGED, HEDGES_WON, OWNER_QUEUE_NS, LEFT };
 
 
 #define TAG_ASK FANFS_PLANE_ASK
@@ -38,6 +38,11 @@ enum { ASKED, FILLED, HANDED_BACK, ANSWERED, ANSWERED_BYTES, REFUSED, MALFORMED,
 #define PLANE_READERS 4 /* the owner's reading threads (plane_read.c) */
 #define PLANE_READS 64  /* asks between submit and take at most */
 #define PLANE_INLINE (256u << 10) /* asks up to this are read by the plane's thread itself */
+#define PLANE_TAKES 64               /* receives of matched messages in flight at most, */
+#define PLANE_TAKE_BYTES (64u << 20) /* ... and their bytes */
+/* Sends or receives in flight with nothing moving this long keep the plane polling no more:
+ * a dead peer's never end. */
+#define PLANE_STALL_NS 100000000LL
 
 struct out { /* a fetch of ours, by reply tag */
     int state; /* 0 free, 1 out, 2 given back: quarantined until its reply or `deadline` */
@@ -52,6 +57,13 @@ struct send { /* a send in flight: its buffer lives until MPI says it is done */
     char *buf;      /* reply bytes (fanfs_alloc'd), an ask's header (malloc'd), or NULL */
     uint32_t bytes; /* reserved of PLANE_REPLY_BYTES, and of its peer's PLANE_PEER_BYTES */
     int peer;
+};
+
+struct take { /* a matched message being received: `buf` is MPI's until the receive is done */
+    MPI_Request req;
+    char *buf;
+    int n, peer, tag; /* tag: the reply tag it came on, or -1: it is dropped */
+    int64_t until;    /* not done by then: left to MPI, with its buffer, for good */
 };
 
 struct plane_read { /* an ask to read, then its completion (plane_read.c) */
@@ -83,6 +95,7 @@ struct plane {
     __typeof__(MPI_Isend) *isend;
     __typeof__(MPI_Improbe) *improbe;
     __typeof__(MPI_Mrecv) *mrecv;
+    __typeof__(MPI_Imrecv) *imrecv;
     __typeof__(MPI_Test) *test;
     __typeof__(MPI_Get_count) *get_count;
     __typeof__(MPI_Iprobe) *iprobe;
@@ -99,7 +112,9 @@ struct plane {
     uint32_t reply_bytes; /* of replies sent and not done, and of reads not taken */
     uint32_t *peer_bytes; /* per rank, its share of reply_bytes (at most PLANE_PEER_BYTES) */
     struct plane_reads reads;
-    char *scratch; /* FANFS_REMOTE_MAX, for what is dropped */
+    struct take takes[PLANE_TAKES];
+    int ntakes;
+    uint32_t take_bytes;
 };
 
 static inline void count(struct plane *pl, int what, uint64_t n) {
@@ -115,10 +130,16 @@ int plane_resolve(struct plane *pl, const char *lib);
 int plane_post(struct plane *pl, char *buf, uint32_t len, uint32_t bytes, int peer, int tag);
 int plane_settle(struct plane *pl); /* the sends MPI is done with let go; 1 if any */
 int plane_receive(struct plane *pl); /* every message waiting taken; 1 if any */
-/* Receive matched message `m` of `n` bytes into `buf`, or drop it (NULL: into the scratch
- * buffer up to FANFS_REMOTE_MAX, larger left unreceived). 0, or -1. */
+/* Receive matched message `m` of `n` bytes into `buf` now: only one MPI holds whole once
+ * matched (an ask's header, an empty reply: far under any MPI's eager size). 0, or -1. */
 int plane_take(struct plane *pl, MPI_Message *m, void *buf, int n);
-void plane_drop(struct plane *pl, MPI_Message *m, int n); /* malformed: counted, dropped */
+/* Receive matched message `m` of `n` bytes from `peer` (up to FANFS_REMOTE_MAX, larger left
+ * unreceived), in the background: plane_replied has it once done, or it is dropped (`tag`
+ * -1). A receive not done within quarantine_ns (its sender died mid-send: Open MPI never ends
+ * it) is left to MPI with its buffer, counted LEFT. */
+void plane_take_later(struct plane *pl, MPI_Message *m, int n, int peer, int tag);
+int plane_takes(struct plane *pl, int64_t now); /* the receives done handed on; 1 if any */
+void plane_drop(struct plane *pl, MPI_Message *m, int peer, int n); /* malformed: dropped */
 
 int plane_collect(struct plane *pl); /* the reads done sent (or refused); 1 if any */
 /* A message waiting on the MPI thread's communicator wakes that thread (conf: watch); 1 if
@@ -135,5 +156,8 @@ void plane_read_one(struct plane_read *r); /* read in the calling thread */
 /* plane.c */
 /* The requester: a reply of `n` bytes from `peer` on `tag` (a reply tag). */
 void plane_reply(struct plane *pl, MPI_Message *m, int peer, int tag, int n);
+/* ... and its `n` bytes received into `buf` (malloc'd, freed here; NULL: the receive failed
+ * or was left). */
+void plane_replied(struct plane *pl, int peer, int tag, char *buf, int n);
 
 #endif

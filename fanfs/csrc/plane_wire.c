@@ -27,6 +27,7 @@ int plane_resolve(struct plane *pl, const char *lib) {
     pl->isend = (__typeof__(MPI_Isend) *)dlsym(h, "MPI_Isend");
     pl->improbe = (__typeof__(MPI_Improbe) *)dlsym(h, "MPI_Improbe");
     pl->mrecv = (__typeof__(MPI_Mrecv) *)dlsym(h, "MPI_Mrecv");
+    pl->imrecv = (__typeof__(MPI_Imrecv) *)dlsym(h, "MPI_Imrecv");
     pl->test = (__typeof__(MPI_Test) *)dlsym(h, "MPI_Test");
     pl->get_count = (__typeof__(MPI_Get_count) *)dlsym(h, "MPI_Get_count");
     pl->iprobe = (__typeof__(MPI_Iprobe) *)dlsym(h, "MPI_Iprobe");
@@ -38,8 +39,8 @@ int plane_resolve(struct plane *pl, const char *lib) {
     same = dlsym(h, "ompi_mpi_comm_world") == NULL;
 #endif
     dlclose(h); /* (NOLOAD: the library stays, loaded by mpi4py) */
-    return same && pl->isend && pl->improbe && pl->mrecv && pl->test && pl->get_count &&
-                   pl->iprobe
+    return same && pl->isend && pl->improbe && pl->mrecv && pl->imrecv && pl->test &&
+                   pl->get_count && pl->iprobe
                ? 0
                : ENOENT;
 }
@@ -90,22 +91,81 @@ int plane_settle(struct plane *pl) {
 /* -- messages -------------------------------------------------------------------------------- */
 
 int plane_take(struct plane *pl, MPI_Message *m, void *buf, int n) {
-    if (buf == NULL && n > (int)FANFS_REMOTE_MAX) {
-        count(pl, MALFORMED, 1);
-        return -1; /* left unreceived: never allocated for */
-    }
-    if (buf == NULL && n > 0 && pl->scratch == NULL &&
-        (pl->scratch = malloc(FANFS_REMOTE_MAX)) == NULL)
-        return -1;
-    return pl->mrecv(buf != NULL ? buf : pl->scratch, n, pl->byte, m, MPI_STATUS_IGNORE) ==
-                   MPI_SUCCESS
-               ? 0
-               : -1;
+    return pl->mrecv(buf, n, pl->byte, m, MPI_STATUS_IGNORE) == MPI_SUCCESS ? 0 : -1;
 }
 
-void plane_drop(struct plane *pl, MPI_Message *m, int n) {
+/* 1: t's receive is done, 0: not yet, -1: it failed. */
+static int tested(struct plane *pl, struct take *t) {
+    int done = 0;
+    return pl->test(&t->req, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS ? -1 : done;
+}
+
+/* t's receive over (`got` as tested; 0: left to MPI with its buffer, for good). */
+static void taken(struct plane *pl, struct take *t, int got) {
+    if (got == 0) {
+        count(pl, LEFT, 1);
+    } else if (got < 0 || t->tag < 0) {
+        free(t->buf);
+        t->buf = NULL;
+    }
+    if (t->tag >= 0)
+        plane_replied(pl, t->peer, t->tag, got > 0 ? t->buf : NULL, t->n);
+}
+
+/* A large message comes in parts as its sender answers (rendezvous): a sender killed mid-send
+ * never answers, and Open MPI's receive then never ends (a blocking one hung this thread for
+ * good). So the plane blocks on none: each receive is tested every turn (plane_takes). */
+void plane_take_later(struct plane *pl, MPI_Message *m, int n, int peer, int tag) {
+    struct take t = {.n = n, .peer = peer, .tag = tag};
+    int64_t end;
+    int got, room;
+    if (n > (int)FANFS_REMOTE_MAX) {
+        count(pl, MALFORMED, 1);
+        taken(pl, &t, -1); /* left unreceived: never allocated for */
+        return;
+    }
+    if ((t.buf = malloc(n > 0 ? (size_t)n : 1)) == NULL ||
+        pl->imrecv(t.buf, n, pl->byte, m, &t.req) != MPI_SUCCESS) {
+        taken(pl, &t, -1);
+        return;
+    }
+    got = tested(pl, &t);
+    room = pl->ntakes < PLANE_TAKES && pl->take_bytes + (uint32_t)n <= PLANE_TAKE_BYTES;
+    if (got == 0 && !room) { /* wait here a while, but not for a peer found dead */
+        end = __atomic_load_n(&pl->dead[peer], __ATOMIC_RELAXED) ? 0 : pl->c.hand_back_ns;
+        end += fanfs_now_ns();
+        while ((got = tested(pl, &t)) == 0 && fanfs_now_ns() < end)
+            sched_yield();
+    }
+    if (got != 0 || !room) {
+        taken(pl, &t, got);
+        return;
+    }
+    t.until = fanfs_now_ns() + pl->c.quarantine_ns;
+    pl->takes[pl->ntakes++] = t;
+    pl->take_bytes += (uint32_t)n;
+}
+
+int plane_takes(struct plane *pl, int64_t now) {
+    int i = 0, got, any = 0;
+    struct take t;
+    while (i < pl->ntakes) {
+        if ((got = tested(pl, &pl->takes[i])) == 0 && now <= pl->takes[i].until) {
+            i++;
+            continue;
+        }
+        t = pl->takes[i];
+        pl->takes[i] = pl->takes[--pl->ntakes];
+        pl->take_bytes -= (uint32_t)t.n;
+        taken(pl, &t, got);
+        any = 1;
+    }
+    return any;
+}
+
+void plane_drop(struct plane *pl, MPI_Message *m, int peer, int n) {
     count(pl, MALFORMED, 1);
-    plane_take(pl, m, NULL, n);
+    plane_take_later(pl, m, n, peer, -1);
 }
 
 /* A read done (inline, or by a reader): its reply sent, or a refusal (not a file staged here,
@@ -130,7 +190,7 @@ static void answer(struct plane *pl, MPI_Message *m, int peer, int n) {
     int64_t h[4];
     struct plane_read r;
     if (n != PLANE_HEADER) {
-        plane_drop(pl, m, n);
+        plane_drop(pl, m, peer, n);
         return;
     }
     if (plane_take(pl, m, h, n) != 0)
@@ -194,7 +254,7 @@ int plane_receive(struct plane *pl) {
         else if (st.MPI_TAG >= FIRST_TAG)
             plane_reply(pl, &m, st.MPI_SOURCE, st.MPI_TAG, n);
         else
-            plane_drop(pl, &m, n);
+            plane_drop(pl, &m, st.MPI_SOURCE, n);
     }
     return any;
 }

@@ -21,8 +21,8 @@ receive posted before the message is seen lets any peer write into the daemon's 
 every message is found by a matched probe (MPI_Improbe), its size checked, and only then
 received into exactly its size: requests and byes into their fixed headers, replies into the
 fetch's buffer at the right place. A message of the wrong size is counted as malformed and
-dropped (received into a scratch buffer if it is at most DISCARD_MAX, else left unreceived:
-never allocated for). A fetch that gave up (a timeout) keeps its reply tag quarantined until
+dropped (received into a scratch buffer, not waited for, if it is at most DISCARD_MAX, else
+left unreceived: never allocated for). A fetch that gave up (a timeout) keeps its reply tag quarantined until
 its late reply is drained (or QUARANTINE_TIMEOUTS peer timeouts pass), so a late reply can
 never be taken for a later fetch's.
 
@@ -302,9 +302,14 @@ class Inbox:
 
     def _discard(self, msg: Any, size: int) -> None:
         """Take a message that is not what was asked for and drop it, if it is small enough to
-        take; a larger one stays where it is (its sender holds it)."""
+        take; a larger one stays where it is (its sender holds it). Not waited for: a large
+        one's sender killed mid-send leaves its receive unfinished for good (Open MPI), which
+        hung this thread; it is kept with the receives MPI has not completed."""
         if 0 <= size <= DISCARD_MAX:
-            msg.Recv([bytearray(max(size, 1)), size, self.MPI.BYTE])
+            buf = bytearray(max(size, 1))
+            req = msg.Irecv([buf, size, self.MPI.BYTE])
+            if not self._complete_now(req):
+                self._unfinished.append((req, buf))
 
     def _take(self, tag: int, rec: _Incoming, status: Any) -> bool:
         MPI, job = self.MPI, rec.job

@@ -194,6 +194,7 @@ class MpiTransport(MpiFetches):
             malformed_messages=s.malformed_messages + p["malformed"],
             plane_fetches=p["filled"],
             plane_handed_back=p["handed_back"],
+            plane_left=p["left"],
         )
 
     def mark_dead(self, peer: int, why: str) -> None:
