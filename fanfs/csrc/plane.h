@@ -57,6 +57,7 @@ struct send { /* a send in flight: its buffer lives until MPI says it is done */
     char *buf;      /* reply bytes (fanfs_alloc'd), an ask's header (malloc'd), or NULL */
     uint32_t bytes; /* reserved of PLANE_REPLY_BYTES, and of its peer's PLANE_PEER_BYTES */
     int peer;
+    int64_t at; /* posted */
 };
 
 struct take { /* a matched message being received: `buf` is MPI's until the receive is done */
@@ -128,7 +129,9 @@ int plane_resolve(struct plane *pl, const char *lib);
  * `bytes` of PLANE_REPLY_BYTES reserved until then). 0, or -1 (no room, or MPI refused it:
  * `buf` is freed). */
 int plane_post(struct plane *pl, char *buf, uint32_t len, uint32_t bytes, int peer, int tag);
-int plane_settle(struct plane *pl); /* the sends MPI is done with let go; 1 if any */
+/* The sends MPI is done with let go, and those to a peer found dead, out for quarantine_ns
+ * (they may never end: their buffers are then MPI's for good); 1 if any. */
+int plane_settle(struct plane *pl);
 int plane_receive(struct plane *pl); /* every message waiting taken; 1 if any */
 /* Receive matched message `m` of `n` bytes into `buf` now: only one MPI holds whole once
  * matched (an ask's header, an empty reply: far under any MPI's eager size). 0, or -1. */

@@ -61,6 +61,7 @@ int plane_post(struct plane *pl, char *buf, uint32_t len, uint32_t bytes, int pe
         return -1;
     }
     s->peer = peer;
+    s->at = fanfs_now_ns();
     pl->reply_bytes += bytes;
     pl->peer_bytes[peer] += bytes;
     pl->nsends++;
@@ -70,15 +71,19 @@ int plane_post(struct plane *pl, char *buf, uint32_t len, uint32_t bytes, int pe
 /* (A failed send too: MPI is done with it.) */
 int plane_settle(struct plane *pl) {
     int i = 0, done, any = 0;
+    int64_t now = pl->nsends > 0 ? fanfs_now_ns() : 0;
     while (i < pl->nsends) {
         struct send *s = &pl->sends[i];
         done = 0;
         if (pl->test(&s->req, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS)
             done = 1; /* (an error: MPI is done with it too) */
-        if (!done) {
+        if (!done && !(__atomic_load_n(&pl->dead[s->peer], __ATOMIC_RELAXED) &&
+                       now - s->at > pl->c.quarantine_ns)) {
             i++;
             continue;
         }
+        if (!done)
+            s->buf = NULL; /* its peer died: left to MPI, its buffer never freed */
         free(s->buf);
         pl->reply_bytes -= s->bytes;
         pl->peer_bytes[s->peer] -= s->bytes;

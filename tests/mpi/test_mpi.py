@@ -504,6 +504,14 @@ def test_sigkill_mid_epoch_survivors_finish(tree: Path, image: Path, tmp_path: P
         stats = [m.status(r)["reader"] for r in (0, 1, 3)]
         assert all(s["dead_peers"] == [2] for s in stats if s["peer_timeouts"]), stats
         assert sum(s["fallbacks"] for s in stats) > 0, stats
+        # Idle now, the survivors' MPI threads sleep: the dead rank's quarantined reply tags
+        # (drained for ten peer timeouts) kept each one polling hot, at 26-53 % of a core.
+        pids = [m.status(r)["pid"] for r in (0, 1, 3)]
+        time.sleep(1)
+        before = [thread_ticks(pid, "fanfs-mpi") for pid in pids]
+        time.sleep(3)
+        spent = [thread_ticks(pid, "fanfs-mpi") - b for pid, b in zip(pids, before, strict=True)]
+        assert max(spent) <= os.sysconf("SC_CLK_TCK") * 3 * 5 // 100, spent  # 5 % of a core
         results = m.umount_all()  # the dead rank's stale mount included
         assert all(r.returncode == 0 for r in results), [r.stderr for r in results]
         assert not [p for p in m.mnts if mounts.find(p)]
@@ -522,11 +530,13 @@ def _gone(pid: int) -> bool:
 def test_a_peer_killed_mid_send_leaves_the_daemon_serving(
     tree: Path, image: Path, tmp_path: Path
 ) -> None:
-    """tests/dying_peer.py starts sending rank 0 two messages of 1 MiB, one to its MPI thread
-    and one to its data plane, and is killed before rank 0 takes them: their receives never
-    end (Open MPI). Each thread used to wait on one for good: remote reads hung after the peer
-    timeout, and the daemon never exited (the sigkill test's unmount failed 2 runs in 5). Now
-    every file reads back right (rank 1's from the image) and the unmount ends."""
+    """tests/dying_peer.py leaves replies of rank 0's untaken, starts sending rank 0 two
+    messages of 1 MiB, one to its MPI thread and one to its data plane, and is killed before
+    rank 0 takes them: neither those receives nor the replies' sends ever end (Open MPI). Each
+    thread used to wait on a receive for good (remote reads hung after the peer timeout, the
+    daemon never exited: the sigkill test's unmount failed 2 runs in 5), and the MPI thread
+    polled hot for ever while a send was under way. Now every file reads back right (rank 1's
+    from the image), the idle threads sleep, and the unmount ends."""
     base, mnt = tmp_path / "peer", tmp_path / "mnt"
     base.mkdir()
     mnt.mkdir()
@@ -550,6 +560,11 @@ def test_a_peer_killed_mid_send_leaves_the_daemon_serving(
         assert s is not None and s["reader"]["dead_peers"] == [1], s
         # (Both messages matched, then dropped: not what was asked.)
         assert s["reader"]["malformed_messages"] >= 1 + lib.plane_built(), s["reader"]
+        time.sleep(1)
+        before = {name: thread_ticks(s["pid"], name) for name in ("fanfs-mpi", "fanfs-plane")}
+        time.sleep(3)
+        spent = {name: thread_ticks(s["pid"], name) - b for name, b in before.items()}
+        assert max(spent.values()) <= os.sysconf("SC_CLK_TCK") * 3 * 5 // 100, spent  # 5 %
         done = subprocess.run([*FANFS, "umount", str(mnt), "--timeout", "30"], timeout=60,
                               capture_output=True, text=True, check=False)  # fmt: skip
         assert done.returncode == 0, done.stderr + (tmp_path / "mpirun.log").read_text()

@@ -76,8 +76,10 @@ class Read:
 
 class Outgoing(NamedTuple):
     """An MPI send under way: its request, the buffer it sends (kept alive until it is
-    complete), and the reply bytes to release then."""
+    complete), the reply bytes to release then, its peer, and when it was posted (monotonic)."""
 
     req: Any
     buf: Any
     reserved: int
+    peer: int
+    at: float

@@ -22,9 +22,9 @@ every message is found by a matched probe (MPI_Improbe), its size checked, and o
 received into exactly its size: requests and byes into their fixed headers, replies into the
 fetch's buffer at the right place. A message of the wrong size is counted as malformed and
 dropped (received into a scratch buffer, not waited for, if it is at most DISCARD_MAX, else
-left unreceived: never allocated for). A fetch that gave up (a timeout) keeps its reply tag quarantined until
-its late reply is drained (or QUARANTINE_TIMEOUTS peer timeouts pass), so a late reply can
-never be taken for a later fetch's.
+left unreceived: never allocated for). A fetch that gave up (a timeout) keeps its reply tag
+quarantined until its late reply is drained (or QUARANTINE_TIMEOUTS peer timeouts pass), so a
+late reply can never be taken for a later fetch's.
 
 A receive that is still active when its fetch is given up for good (QUARANTINE_TIMEOUTS
 passed) or the transport stops stays referenced, with its buffer, until MPI says it is
@@ -242,6 +242,16 @@ class Inbox:
         """The request of `tag` was never sent: nothing will come."""
         self.receiving.pop(tag, None)
         self._release(tag)
+
+    def waiting(self) -> bool:
+        """Whether a fetch waits for its reply (not a quarantined tag: its late reply may never
+        come)."""
+        return any(r.job is not None for r in self.receiving.values())
+
+    def abandon(self, req: Any, buf: Any) -> None:
+        """Keep `req` and its buffer for the life of the process, untested: MPI may never end
+        it (its peer died) and may use `buf` until it does."""
+        _ABANDONED.append((req, buf))
 
     def readers_waiting(self) -> bool:
         """Whether a trio task (a READ, not a read-ahead thread) waits for a reply."""

@@ -305,15 +305,22 @@ class MpiTransport(MpiFetches):
                 busy |= self.front.step(inbox, command)
             if self.plane_on:
                 self._plane_fetched()
+            now = time.monotonic()
             kept = []
             for out in sending:
                 if self._done(out.req):
                     self.answers.sent(out.reserved)
+                elif out.peer in self._dead and now - out.at > self.peer_timeout:
+                    # Its peer died: it may never end (Open MPI 4). Its bytes no longer count
+                    # against the budget (else a dead requester could hold all of it); its
+                    # buffer is kept for MPI, for good.
+                    self.answers.sent(out.reserved)
+                    inbox.abandon(out.req, out.buf)
                 else:
                     kept.append(out)
             sending[:] = kept
-            now = time.monotonic()
-            if busy or inbox.receiving or sending:
+            # (A quarantined tag's late reply is not waited for hot: a dead peer's never comes.)
+            if busy or sending or inbox.waiting():
                 hot_until = now + HOT_S
             if busy:
                 moved = now
@@ -339,27 +346,30 @@ class MpiTransport(MpiFetches):
         try:
             if isinstance(cmd, Send):
                 inbox.expect(cmd.tag, cmd.job)
-                sending.append(Outgoing(comm.Isend(cmd.header, cmd.peer, cmd.kind), cmd.header, 0))
+                sending.append(Outgoing(comm.Isend(cmd.header, cmd.peer, cmd.kind), cmd.header, 0,
+                                        cmd.peer, time.monotonic()))  # fmt: skip
             elif isinstance(cmd, Cancel):
                 inbox.forget(cmd.tag)
             elif isinstance(cmd, Reply):
                 self._count_reply(cmd.entry, cmd.data, cmd.direct, cmd.files)
                 # What the server side reserved for it is released once its last part is sent.
                 if cmd.data is None:
-                    sending.append(Outgoing(comm.Isend([b"", self.MPI.BYTE], cmd.peer, cmd.tag),
-                                            None, cmd.reserved))  # fmt: skip
+                    empty = comm.Isend([b"", self.MPI.BYTE], cmd.peer, cmd.tag)
+                    sending.append(Outgoing(empty, None, cmd.reserved, cmd.peer, time.monotonic()))
                 else:
                     view = memoryview(cmd.data)
                     for off in range(0, len(view), CHUNK):
                         last = off + CHUNK >= len(view)
                         isend = comm.Isend(view[off : off + CHUNK], cmd.peer, cmd.tag)
-                        sending.append(Outgoing(isend, cmd.data, cmd.reserved if last else 0))
+                        sending.append(Outgoing(isend, cmd.data, cmd.reserved if last else 0,
+                                                cmd.peer, time.monotonic()))  # fmt: skip
                     self.answers.posted(cmd)
             elif isinstance(cmd, Bye):
                 me = np.array([self.rank], dtype=np.int64)
                 for peer in range(self.size):
                     if peer != self.rank and peer not in self._dead:
-                        sending.append(Outgoing(comm.Isend(me, peer, TAG_BYE), me, 0))
+                        sending.append(Outgoing(comm.Isend(me, peer, TAG_BYE), me, 0, peer,
+                                                time.monotonic()))  # fmt: skip
         except self.MPI.Exception as e:
             peer = cmd.peer if isinstance(cmd, (Send, Reply)) else -1
             log.warning("MPI %s to rank %d failed: %s", type(cmd).__name__, peer, e)
