@@ -9,9 +9,13 @@ duplicate communicator, and no collective runs again (a dead rank must not block
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 CHUNK = 1 << 30  # MPI counts are C ints: larger payloads go as several messages
+# Receives given up on (their senders died mid-send), with their buffers: MPI may still write
+# into them, so they live as long as the process.
+_LEFT: list[tuple[Any, bytearray]] = []
 
 
 def _mpi() -> Any:
@@ -113,18 +117,30 @@ class World:
         self._posted = [r for r in self._posted if not r.Test()]
         self._posted.append(self.comm.Isend(bytearray(data), dest=dest, tag=tag))
 
-    def recv_bytes(self, source: int, tag: int, limit: int) -> bytes | None:
-        """A waiting message from `source` as bytes, None if none waits (never blocks). A
-        message over `limit` bytes is taken and refused (ValueError): memory stays bounded."""
+    def recv_bytes(self, source: int, tag: int, limit: int, timeout: float) -> bytes | None:
+        """A waiting message from `source` as bytes, None if none waits. Found by matched
+        probe and received into exactly its size: one over `limit` bytes is left unreceived,
+        never allocated for, and refused (ValueError). Its receive is waited for at most
+        `timeout` s (TimeoutError): a large message's sender killed mid-send leaves it
+        unfinished for good (Open MPI), and a blocking receive hung its caller for good; the
+        buffer is then kept for MPI, never freed."""
         status = self.MPI.Status()
-        if not self.comm.Iprobe(source=source, tag=tag, status=status):
+        msg = self.comm.Improbe(source=source, tag=tag, status=status)
+        if msg is None:
             return None
         n = status.Get_count(self.MPI.BYTE)
-        buf = bytearray(min(n, limit))
-        self.comm.Recv(buf, source=source, tag=tag)  # over the limit: MPI_ERR_TRUNCATE
         if n > limit:
             raise ValueError(f"a message of {n} bytes, over the limit of {limit}")
-        return bytes(buf)
+        buf = bytearray(max(n, 1))
+        req = msg.Irecv([buf, n, self.MPI.BYTE])
+        deadline = time.monotonic() + timeout
+        while not req.Test():
+            if time.monotonic() > deadline:
+                _LEFT.append((req, buf))
+                raise TimeoutError(f"a message of {n} bytes from rank {source} did not "
+                                   f"arrive within {timeout:g} s")  # fmt: skip
+            time.sleep(0.001)
+        return bytes(buf[:n])
 
     def in_flight(self) -> int:
         """Messages posted and not yet delivered (never blocks)."""

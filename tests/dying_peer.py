@@ -9,7 +9,9 @@ expected 1048576, errno = 3").
 
     mpirun --enable-recovery -np 1 fanfs mount IMAGE MNT ... : -np 1 python dying_peer.py BASE
 
-It writes its pid to BASE/pid first.
+With `output` after BASE it joins an output mount's start-up instead (`fanfs output ...
+--replicas 2`: it is rank 0's partner and owner) and starts one message of 1 MiB to rank 0's
+replicas thread before it kills itself. It writes its pid to BASE/pid first.
 """
 
 from __future__ import annotations
@@ -30,9 +32,27 @@ from fanfs.node.transport.inbox import request_header
 from fanfs.node.transport.mpi import FIRST_REPLY_TAG, TAG_REQUEST
 
 
+def output(world: mpi.World, base: Path) -> None:
+    """Rank 0's partner in an output mount (fanfs/output/daemon.py's start-up collectives),
+    killed while it sends."""
+    from fanfs.output.replicas import TAG
+
+    world.allgather(None)  # the paths checked
+    world.allgather(("1-dying", str(base / "nowhere")))  # its token and DEST
+    world.allgather(None)  # mounted
+    (base / "pid").write_text(str(os.getpid()))
+    wait_for(base / "go")
+    send = world.comm.Isend(bytearray(1 << 20), 0, TAG)
+    os.kill(os.getpid(), signal.SIGKILL)
+    send.Wait()  # (never reached)
+
+
 def main() -> int:
     base = Path(sys.argv[1])
     world = mpi.World()
+    if sys.argv[2:] == ["output"]:
+        output(world, base)
+        return 1
     c = join(world)
     owners = placement.place(c.part_size, c.part_flags, world.size, 1)
     theirs = [e for e in range(c.n_entries) if c.is_file[e] and 0 in owners[int(c.part[e])]

@@ -249,7 +249,7 @@ class Replicas:
         for src in {self.owner, self.partner}:
             while src not in self.dead:
                 try:
-                    msg = self.world.recv_bytes(src, TAG, MESSAGE_MAX)
+                    msg = self.world.recv_bytes(src, TAG, MESSAGE_MAX, self.peer_timeout)
                     if msg is None:
                         break
                     took = True

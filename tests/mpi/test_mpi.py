@@ -574,6 +574,40 @@ def test_a_peer_killed_mid_send_leaves_the_daemon_serving(
     assert mounts.find(mnt) is None
 
 
+def test_a_partner_killed_mid_send_leaves_the_output_daemon_landing(tmp_path: Path) -> None:
+    """An output mount with --replicas 2 whose partner (tests/dying_peer.py) starts a message
+    of 1 MiB to it and is killed before it is taken: the receive never ends (Open MPI). The
+    replicas thread waited on it for good: the unmount failed (the daemon never exited). Now a
+    file written after lands byte for byte and the unmount ends."""
+    base, dest, mnt = tmp_path / "peer", tmp_path / "dest", tmp_path / "mnt"
+    for d in (base, dest, mnt):
+        d.mkdir()
+    cmd = [*MPIRUN, "-np", "1", *FANFS, "output", str(dest), str(mnt), "--local",
+           str(tmp_path / "local"), "--replicas", "2", "--peer-timeout", "2", ":", "-np", "1",
+           sys.executable, str(TESTS / "dying_peer.py"), str(base), "output"]  # fmt: skip
+    with open(tmp_path / "mpirun.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=ENV)
+    try:
+        done = subprocess.run([*FANFS, "wait", str(mnt), "--timeout", "60"], timeout=90,
+                              capture_output=True, text=True, check=False)  # fmt: skip
+        assert done.returncode == 0, done.stderr + (tmp_path / "mpirun.log").read_text()
+        peer = int((base / "pid").read_text())
+        time.sleep(1)  # rank 0 idle: its replicas thread polls slowly, and finds it after
+        (base / "go").touch()
+        assert wait_until(lambda: _gone(peer), 30)
+        time.sleep(0.5)
+        payload = os.urandom(1 << 20)
+        (mnt / "ckpt.pt").write_bytes(payload)
+        done = subprocess.run([*FANFS, "umount", str(mnt), "--timeout", "30"], timeout=60,
+                              capture_output=True, text=True, check=False)  # fmt: skip
+        assert done.returncode == 0, done.stderr + (tmp_path / "mpirun.log").read_text()
+        proc.wait(60)
+    finally:
+        launch.stop_process(proc, [mnt])
+    assert mounts.find(mnt) is None
+    assert (dest / "ckpt.pt").read_bytes() == payload
+
+
 def test_dead_owner_and_no_image_give_eio_not_a_hang(
     tree: Path, image: Path, tmp_path: Path
 ) -> None:
