@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -527,6 +528,39 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@contextlib.contextmanager
+def _beside_a_dying_peer(tmp_path: Path, before: list[str], after: list[str], *mode: str,
+                         idle: float) -> Iterator[Path]:  # fmt: skip
+    """`mpirun -np 1 fanfs BEFORE... MNT --local LOCAL --peer-timeout 2 AFTER... : -np 1 python
+    tests/dying_peer.py BASE MODE...`: once rank 0 is up and has been idle `idle` s, the peer
+    is told to go, and it has died when MNT is yielded. Then `fanfs umount` must end rank 0."""
+    base, mnt = tmp_path / "peer", tmp_path / "mnt"
+    base.mkdir()
+    mnt.mkdir()
+    cmd = [*MPIRUN, "-np", "1", *FANFS, *before, str(mnt), "--local", str(tmp_path / "local"),
+           "--peer-timeout", "2", *after, ":", "-np", "1", sys.executable,
+           str(TESTS / "dying_peer.py"), str(base), *mode]  # fmt: skip
+    with open(tmp_path / "mpirun.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=ENV)
+    try:
+        done = subprocess.run([*FANFS, "wait", str(mnt), "--timeout", "60"], timeout=90,
+                              capture_output=True, text=True, check=False)  # fmt: skip
+        assert done.returncode == 0, done.stderr + (tmp_path / "mpirun.log").read_text()
+        peer = int((base / "pid").read_text())
+        time.sleep(idle)  # rank 0's threads sleep long: they find the messages after the kill
+        (base / "go").touch()
+        assert wait_until(lambda: _gone(peer), 30)
+        time.sleep(0.5)
+        yield mnt
+        done = subprocess.run([*FANFS, "umount", str(mnt), "--timeout", "30"], timeout=60,
+                              capture_output=True, text=True, check=False)  # fmt: skip
+        assert done.returncode == 0, done.stderr + (tmp_path / "mpirun.log").read_text()
+        proc.wait(60)
+    finally:
+        launch.stop_process(proc, [mnt])
+    assert mounts.find(mnt) is None
+
+
 def test_a_peer_killed_mid_send_leaves_the_daemon_serving(
     tree: Path, image: Path, tmp_path: Path
 ) -> None:
@@ -537,23 +571,7 @@ def test_a_peer_killed_mid_send_leaves_the_daemon_serving(
     daemon never exited: the sigkill test's unmount failed 2 runs in 5), and the MPI thread
     polled hot for ever while a send was under way. Now every file reads back right (rank 1's
     from the image), the idle threads sleep, and the unmount ends."""
-    base, mnt = tmp_path / "peer", tmp_path / "mnt"
-    base.mkdir()
-    mnt.mkdir()
-    cmd = [*MPIRUN, "-np", "1", *FANFS, "mount", str(image), str(mnt), "--local",
-           str(tmp_path / "local"), "--peer-timeout", "2", "--linger", "5", ":", "-np", "1",
-           sys.executable, str(TESTS / "dying_peer.py"), str(base)]  # fmt: skip
-    with open(tmp_path / "mpirun.log", "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=ENV)
-    try:
-        done = subprocess.run([*FANFS, "wait", str(mnt), "--timeout", "60"], timeout=90,
-                              capture_output=True, text=True, check=False)  # fmt: skip
-        assert done.returncode == 0, done.stderr + (tmp_path / "mpirun.log").read_text()
-        peer = int((base / "pid").read_text())
-        time.sleep(3)  # rank 0 idle: its threads sleep, and find the messages after the kill
-        (base / "go").touch()
-        assert wait_until(lambda: _gone(peer), 30)
-        time.sleep(0.5)
+    with _beside_a_dying_peer(tmp_path, ["mount", str(image)], ["--linger", "5"], idle=3) as mnt:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             assert pool.submit(_epoch, tree, mnt, 0).result(timeout=90) > 270
         s = mounts.probe_status(mnt, 10)
@@ -565,13 +583,6 @@ def test_a_peer_killed_mid_send_leaves_the_daemon_serving(
         time.sleep(3)
         spent = {name: thread_ticks(s["pid"], name) - b for name, b in before.items()}
         assert max(spent.values()) <= os.sysconf("SC_CLK_TCK") * 3 * 5 // 100, spent  # 5 %
-        done = subprocess.run([*FANFS, "umount", str(mnt), "--timeout", "30"], timeout=60,
-                              capture_output=True, text=True, check=False)  # fmt: skip
-        assert done.returncode == 0, done.stderr + (tmp_path / "mpirun.log").read_text()
-        proc.wait(60)
-    finally:
-        launch.stop_process(proc, [mnt])
-    assert mounts.find(mnt) is None
 
 
 def test_a_partner_killed_mid_send_leaves_the_output_daemon_landing(tmp_path: Path) -> None:
@@ -579,32 +590,12 @@ def test_a_partner_killed_mid_send_leaves_the_output_daemon_landing(tmp_path: Pa
     of 1 MiB to it and is killed before it is taken: the receive never ends (Open MPI). The
     replicas thread waited on it for good: the unmount failed (the daemon never exited). Now a
     file written after lands byte for byte and the unmount ends."""
-    base, dest, mnt = tmp_path / "peer", tmp_path / "dest", tmp_path / "mnt"
-    for d in (base, dest, mnt):
-        d.mkdir()
-    cmd = [*MPIRUN, "-np", "1", *FANFS, "output", str(dest), str(mnt), "--local",
-           str(tmp_path / "local"), "--replicas", "2", "--peer-timeout", "2", ":", "-np", "1",
-           sys.executable, str(TESTS / "dying_peer.py"), str(base), "output"]  # fmt: skip
-    with open(tmp_path / "mpirun.log", "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=ENV)
-    try:
-        done = subprocess.run([*FANFS, "wait", str(mnt), "--timeout", "60"], timeout=90,
-                              capture_output=True, text=True, check=False)  # fmt: skip
-        assert done.returncode == 0, done.stderr + (tmp_path / "mpirun.log").read_text()
-        peer = int((base / "pid").read_text())
-        time.sleep(1)  # rank 0 idle: its replicas thread polls slowly, and finds it after
-        (base / "go").touch()
-        assert wait_until(lambda: _gone(peer), 30)
-        time.sleep(0.5)
-        payload = os.urandom(1 << 20)
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    payload = os.urandom(1 << 20)
+    with _beside_a_dying_peer(tmp_path, ["output", str(dest)], ["--replicas", "2"], "output",
+                              idle=1) as mnt:  # fmt: skip
         (mnt / "ckpt.pt").write_bytes(payload)
-        done = subprocess.run([*FANFS, "umount", str(mnt), "--timeout", "30"], timeout=60,
-                              capture_output=True, text=True, check=False)  # fmt: skip
-        assert done.returncode == 0, done.stderr + (tmp_path / "mpirun.log").read_text()
-        proc.wait(60)
-    finally:
-        launch.stop_process(proc, [mnt])
-    assert mounts.find(mnt) is None
     assert (dest / "ckpt.pt").read_bytes() == payload
 
 
