@@ -13,9 +13,15 @@ import time
 from typing import Any
 
 CHUNK = 1 << 30  # MPI counts are C ints: larger payloads go as several messages
-# Receives given up on (their senders died mid-send), with their buffers: MPI may still write
-# into them, so they live as long as the process.
-_LEFT: list[tuple[Any, bytearray]] = []
+# Transfers given up on (a peer died mid-transfer: Open MPI may never end them), with their
+# buffers: MPI may still use them, so they live as long as the process (`leave_to_mpi`).
+LEFT_TO_MPI: list[tuple[Any, Any]] = []
+
+
+def leave_to_mpi(req: Any, buf: Any) -> None:
+    """Keep request `req` and its buffer for the life of the process, untested: an mpi4py
+    request let go while active frees a buffer MPI may still use."""
+    LEFT_TO_MPI.append((req, buf))
 
 
 def _mpi() -> Any:
@@ -136,7 +142,7 @@ class World:
         deadline = time.monotonic() + timeout
         while not req.Test():
             if time.monotonic() > deadline:
-                _LEFT.append((req, buf))
+                leave_to_mpi(req, buf)
                 raise TimeoutError(f"a message of {n} bytes from rank {source} did not "
                                    f"arrive within {timeout:g} s")  # fmt: skip
             time.sleep(0.001)

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from conftest import FANFS, TESTS, prepare, stopping, thread_ticks, wait_until
 
-from fanfs import mounts, placement, plan
+from fanfs import mounts, placement, plan, world
 from fanfs.bench import datagen, launch
 from fanfs.bench.compare import assert_same_tree
 from fanfs.errors import ExitCode
@@ -772,7 +772,7 @@ def test_a_receive_given_up_is_kept_until_mpi_is_done(after: int | None) -> None
     gc.collect()
     if after is None:
         assert comm.requests[0]() is not None and buf() is not None
-        assert any(r is comm.requests[0]() for r, _ in ib._ABANDONED)
-        ib._ABANDONED.clear()
+        assert any(r is comm.requests[0]() for r, _ in world.LEFT_TO_MPI)
+        world.LEFT_TO_MPI.clear()
     else:
         assert comm.requests[0]() is None and buf() is None

@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 import trio
 
-from fanfs.world import CHUNK
+from fanfs.world import CHUNK, leave_to_mpi
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +68,8 @@ DISCARD_MAX = MAX_REQUEST
 # came (a dead peer): tags cycle through millions, so this only bounds the bookkeeping.
 QUARANTINE_TIMEOUTS = 10
 # How long the stop waits for active receives to complete (a dead peer's may never): then
-# they are kept in _ABANDONED, never freed, rather than freed under MPI.
+# they are left to MPI (world.leave_to_mpi), never freed, rather than freed under MPI.
 SETTLE_S = 1.0
-_ABANDONED: list[tuple[Any, Any]] = []
 # Files one batch request names at most; its header is always BATCH_HEADER int64s.
 BATCH_MAX = 32
 BATCH_HEADER = 2 + BATCH_MAX
@@ -248,11 +247,6 @@ class Inbox:
         come)."""
         return any(r.job is not None for r in self.receiving.values())
 
-    def abandon(self, req: Any, buf: Any) -> None:
-        """Keep `req` and its buffer for the life of the process, untested: MPI may never end
-        it (its peer died) and may use `buf` until it does."""
-        _ABANDONED.append((req, buf))
-
     def readers_waiting(self) -> bool:
         """Whether a trio task (a READ, not a read-ahead thread) waits for a reply."""
         return any(r.job is not None and r.job.waiter is None for r in self.receiving.values())
@@ -283,7 +277,8 @@ class Inbox:
         if pending:
             log.warning("%d MPI transfers still active at the stop: their buffers are kept",
                         len(pending))  # fmt: skip
-            _ABANDONED.extend(pending)
+            for req, buf in pending:
+                leave_to_mpi(req, buf)
 
     def _complete_now(self, req: Any) -> bool:
         try:

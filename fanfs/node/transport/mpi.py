@@ -62,7 +62,7 @@ from fanfs.node.transport.inbox import (  # noqa: F401 (the tests read the const
     Inbox,
 )
 from fanfs.status import PeerStatus
-from fanfs.world import CHUNK, World
+from fanfs.world import CHUNK, World, leave_to_mpi
 
 log = logging.getLogger(__name__)
 
@@ -315,7 +315,7 @@ class MpiTransport(MpiFetches):
                     # against the budget (else a dead requester could hold all of it); its
                     # buffer is kept for MPI, for good.
                     self.answers.sent(out.reserved)
-                    inbox.abandon(out.req, out.buf)
+                    leave_to_mpi(out.req, out.buf)
                 else:
                     kept.append(out)
             sending[:] = kept
