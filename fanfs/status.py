@@ -97,7 +97,7 @@ class PeerStatus:
     batched_files: int = 0  # ... and the files they fetched
     plane_fetches: int = 0  # peers' files the data plane fetched for the front (in C)
     plane_handed_back: int = 0  # ... that it handed back to the MPI thread instead
-    plane_left: int = 0  # receives it left to MPI unfinished (their senders died mid-send)
+    plane_left: int = 0  # transfers it left to MPI unfinished (their peers died mid-transfer)
 
 
 @dataclass(frozen=True, slots=True)

@@ -389,7 +389,7 @@ void fanfs_plane_hedge(int64_t ns);
 /* asked, filled, handed back, answered (owner), bytes answered, refused, malformed messages,
  * the owner's budget (answers timed, ns reading, ns from read to send posted), fetches hedged
  * and hedges that filled the piece, the owner's ns from an ask taken to its read begun, and
- * receives left unfinished to MPI (their senders died mid-send). */
+ * receives and sends left unfinished to MPI (their peers died mid-transfer). */
 void fanfs_plane_counters(uint64_t out[FANFS_PLANE_COUNTS]);
 /* The plane's fetches filled since the `since`th (at most the last 1024 and `max`): each
  * one's latency in ns (asked to filled) and stored length; `*now`: where the next call begins.

@@ -130,7 +130,7 @@ int plane_resolve(struct plane *pl, const char *lib);
  * `buf` is freed). */
 int plane_post(struct plane *pl, char *buf, uint32_t len, uint32_t bytes, int peer, int tag);
 /* The sends MPI is done with let go, and those to a peer found dead, out for quarantine_ns
- * (they may never end: their buffers are then MPI's for good); 1 if any. */
+ * (they may never end: their buffers are then MPI's for good, counted LEFT); 1 if any. */
 int plane_settle(struct plane *pl);
 int plane_receive(struct plane *pl); /* every message waiting taken; 1 if any */
 /* Receive matched message `m` of `n` bytes into `buf` now: only one MPI holds whole once

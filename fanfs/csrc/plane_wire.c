@@ -82,8 +82,10 @@ int plane_settle(struct plane *pl) {
             i++;
             continue;
         }
-        if (!done)
+        if (!done) {
             s->buf = NULL; /* its peer died: left to MPI, its buffer never freed */
+            count(pl, LEFT, 1);
+        }
         free(s->buf);
         pl->reply_bytes -= s->bytes;
         pl->peer_bytes[s->peer] -= s->bytes;
