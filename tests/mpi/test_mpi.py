@@ -310,10 +310,13 @@ def test_an_idle_daemon_sleeps(tree: Path, image: Path, tmp_path: Path) -> None:
     with mpi_mounted(image, tmp_path, 2) as m:
         pids = [m.status(r)["pid"] for r in range(2)]
         time.sleep(3)  # (start-up's traffic over, and 2 s of quiet)
-        before = [(thread_ticks(p, "fanfs-mpi"), thread_ticks(p)) for p in pids]
-        time.sleep(5)
-        spent = [(thread_ticks(p, "fanfs-mpi") - b[0], thread_ticks(p) - b[1])
-                 for p, b in zip(pids, before, strict=True)]  # fmt: skip
+        windows = []  # two of 5 s, the quieter one judged: a busy CI machine once made 10
+        for _ in range(2):  # ticks of one (bound 7), where a daemon that polls spends 13-14
+            before = [(thread_ticks(p, "fanfs-mpi"), thread_ticks(p)) for p in pids]
+            time.sleep(5)
+            windows.append([(thread_ticks(p, "fanfs-mpi") - b[0], thread_ticks(p) - b[1])
+                            for p, b in zip(pids, before, strict=True)])  # fmt: skip
+        spent = [min(w, key=lambda t: t[1]) for w in zip(*windows, strict=True)]
         ticks = os.sysconf("SC_CLK_TCK")
         assert max(s[0] for s in spent) <= ticks * 5 // 100, (spent, ticks)  # 1 % of a core
         assert max(s[1] for s in spent) <= ticks * 5 * 15 // 1000, (spent, ticks)  # 1.5 %
