@@ -18,9 +18,8 @@ node. Otherwise it blocks on the queue with a timeout: 20 us for HOT_S after any
 backing off to 2 ms once idle (a blocking Recv would burn a core, and on 2-core nodes that
 matters), or to 100 ms where the data plane runs and wakes it for a message (POLL_WATCHED_S:
 idle, with the plane's own quiet sleeps, the daemon then uses under 1 % of a core here,
-against 4-5 %). After start-up no
-collective operation is used, so a dead rank can only cost its own requests a peer timeout,
-after which it is routed around.
+against 4-5 %). After start-up no collective operation is used, so a dead rank can only cost
+its own requests a peer timeout, after which it is routed around.
 
 The data plane (fanfs/csrc/plane.c), where MPI gives it a communicator of its own (THREAD_MULTIPLE)
 and FANFS_PLANE is not 0, takes the front's fetches and answers peers' asks for them in C,
@@ -343,33 +342,35 @@ class MpiTransport(MpiFetches):
 
     def _command(self, cmd: Command, inbox: Inbox, sending: list[Outgoing]) -> None:
         comm = self.comm
+
+        def send(data: Any, peer: int, tag: int, keep: Any, reserved: int = 0) -> None:
+            """Post a send; `keep` (what `data` views) lives until it is done."""
+            req = comm.Isend(data, peer, tag)
+            sending.append(Outgoing(req, keep, reserved, peer, time.monotonic()))
+
         try:
             if isinstance(cmd, Send):
                 inbox.expect(cmd.tag, cmd.job)
-                sending.append(Outgoing(comm.Isend(cmd.header, cmd.peer, cmd.kind), cmd.header, 0,
-                                        cmd.peer, time.monotonic()))  # fmt: skip
+                send(cmd.header, cmd.peer, cmd.kind, cmd.header)
             elif isinstance(cmd, Cancel):
                 inbox.forget(cmd.tag)
             elif isinstance(cmd, Reply):
                 self._count_reply(cmd.entry, cmd.data, cmd.direct, cmd.files)
                 # What the server side reserved for it is released once its last part is sent.
                 if cmd.data is None:
-                    empty = comm.Isend([b"", self.MPI.BYTE], cmd.peer, cmd.tag)
-                    sending.append(Outgoing(empty, None, cmd.reserved, cmd.peer, time.monotonic()))
+                    send([b"", self.MPI.BYTE], cmd.peer, cmd.tag, None, cmd.reserved)
                 else:
                     view = memoryview(cmd.data)
                     for off in range(0, len(view), CHUNK):
                         last = off + CHUNK >= len(view)
-                        isend = comm.Isend(view[off : off + CHUNK], cmd.peer, cmd.tag)
-                        sending.append(Outgoing(isend, cmd.data, cmd.reserved if last else 0,
-                                                cmd.peer, time.monotonic()))  # fmt: skip
+                        send(view[off : off + CHUNK], cmd.peer, cmd.tag, cmd.data,
+                             cmd.reserved if last else 0)  # fmt: skip
                     self.answers.posted(cmd)
             elif isinstance(cmd, Bye):
                 me = np.array([self.rank], dtype=np.int64)
                 for peer in range(self.size):
                     if peer != self.rank and peer not in self._dead:
-                        sending.append(Outgoing(comm.Isend(me, peer, TAG_BYE), me, 0, peer,
-                                                time.monotonic()))  # fmt: skip
+                        send(me, peer, TAG_BYE, me)
         except self.MPI.Exception as e:
             peer = cmd.peer if isinstance(cmd, (Send, Reply)) else -1
             log.warning("MPI %s to rank %d failed: %s", type(cmd).__name__, peer, e)
