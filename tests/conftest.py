@@ -210,6 +210,23 @@ def thread_ticks(pid: int, name: str | None = None) -> int:
     return total
 
 
+def quietest_ticks(threads: list[tuple[int, str | None]], seconds: float,
+                   windows: int = 2) -> list[int]:  # fmt: skip
+    """For each (pid, thread name or None) the fewest CPU ticks it spent in any of `windows`
+    windows of `seconds`: a thread that polls spends in every window, one that sleeps may be
+    kept busy in one by a loaded machine (other tests' daemons, CI's slower cores)."""
+    fewest: list[int] | None = None
+    for _ in range(windows):
+        before = [thread_ticks(pid, name) for pid, name in threads]
+        time.sleep(seconds)
+        spent = [thread_ticks(p, name) - b for (p, name), b in zip(threads, before, strict=True)]
+        if fewest is not None:
+            spent = [min(a, b) for a, b in zip(fewest, spent, strict=True)]
+        fewest = spent
+    assert fewest is not None
+    return fewest
+
+
 # -- an unprivileged user ---------------------------------------------------------------------
 # Cluster users are never root. CI runs as root, so the tests create a system user of their
 # own (one per run: two suites on one machine, two developers or CI beside one, never share

@@ -158,7 +158,7 @@ def main() -> int:
     for tag in tags:  # take every reply, so that rank 0's sends complete
         if comm.Iprobe(0, tag, status):
             comm.Recv(bytearray(max(1, status.Get_count(MPI.BYTE))), 0, tag)
-    time.sleep(0.5)  # rank 0 sees its sends complete and releases their reply bytes
+    time.sleep(2)  # rank 0 sees its sends complete (its idle turns: 100 ms) and releases them
     small = [e for e in range(c.n_entries) if c.is_file[e] and 0 < int(c.stored_len[e]) < 1 << 20
              and 0 in owners[int(c.part[e])]]  # fmt: skip
     got = batches(world, c, entry, small)

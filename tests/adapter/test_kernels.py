@@ -325,4 +325,7 @@ def test_a_stop_ends_the_taking_at_once_under_a_backlog(tmp_path: Path) -> None:
         fr.stop()
         fr.close()
         taken = (fr.written() - before) // size
-    assert taken < n // 3, f"{taken} of {n} WRITEs taken after the stop began"
+    # (Without the stop's check every WRITE left is taken: all but the first. A WRITE costs
+    # tens of microseconds, so this thread's wait for a core between `before` and the stop
+    # lets a few dozen through: half is the margin.)
+    assert taken < n // 2, f"{taken} of {n} WRITEs taken after the stop began"

@@ -11,6 +11,7 @@ import numpy as np
 import parts
 import pytest
 import trio
+import trio.testing
 
 from fanfs import placement
 from fanfs.image import catalog as cat
@@ -39,9 +40,11 @@ async def test_single_flight_runs_once_and_shares_failure() -> None:
     calls = []
     results: dict[str, bytes] = {}
 
+    release = trio.Event()
+
     async def produce() -> bytes:
         calls.append(1)
-        await trio.sleep(0.05)
+        await release.wait()
         results["k"] = b"done"
         return b"done"
 
@@ -53,8 +56,9 @@ async def test_single_flight_runs_once_and_shares_failure() -> None:
     async with trio.open_nursery() as nursery:
         for _ in range(5):
             nursery.start_soon(ask)
-        await trio.sleep(0.01)
+        await trio.testing.wait_all_tasks_blocked()
         assert flights.waiters("k") == 4
+        release.set()
     assert calls == [1] and got == [b"done"] * 5 and "k" not in flights
 
     failed = {"bad": False}
@@ -160,7 +164,9 @@ def test_status_round_trips_and_refuses_an_unknown_layout() -> None:
     single = dataclasses.replace(status, peers=None)  # one daemon: no peer counters
     assert "remote_fetches" not in single.to_json()["reader"]
     assert Status.from_json(single.to_json()) == single
-    assert "remote:" in render(status) and "dead peers [2]" in render(status)
+    assert "remote:" in render(status) and render(status).count("dead peers [2]\n") == 1
+    left = dataclasses.replace(status, peers=dataclasses.replace(peers, plane_left=3))
+    assert "dead peers [2] (3 transfers with them left to MPI)\n" in render(left)
     assert "native:   13 reads answered in C (11 with no Python;" in render(status)
     assert (
         "piece cache 5 hits / 2 misses; 7.0 MiB pushed to the page cache; 8 direct reads"

@@ -24,6 +24,9 @@ from fanfs.node.store import PartitionStore
 from fanfs.node.transport.inproc import Cluster
 
 TIMEOUT = 0.3  # the simulated peer timeout: short, the tests wait for it
+# The daemon's default, for tests that never wait one out: at TIMEOUT a stall of this process
+# of 0.2 s on a loaded machine (a full CI run) took a live peer for dead.
+SLOW_PEER_TIMEOUT = 5.0
 
 
 class Job:
@@ -65,7 +68,17 @@ async def read_whole(reader: Reader, entry: int) -> bytes:
     return bytes(got)
 
 
-async def test_every_file_through_peers(job3: Job, awkward_src: Path) -> None:
+async def test_every_file_through_peers(
+    awkward_image: Path, awkward_src: Path, tmp_path: Path
+) -> None:
+    job3 = Job(awkward_image, tmp_path, 3, timeout=SLOW_PEER_TIMEOUT)
+    try:
+        await _every_file_through_peers(job3, awkward_src)
+    finally:
+        job3.close()
+
+
+async def _every_file_through_peers(job3: Job, awkward_src: Path) -> None:
     async with trio.open_nursery() as nursery:
         for t in job3.cluster.ranks:
             await nursery.start(t.run)
@@ -96,7 +109,7 @@ async def test_a_silent_peer_costs_one_timeout_then_the_image(job3: Job, awkward
 async def test_replicas_take_over_from_a_silent_peer(
     awkward_image: Path, awkward_src: Path, tmp_path: Path
 ) -> None:
-    job = Job(awkward_image, tmp_path, 3, replicas=2)
+    job = Job(awkward_image, tmp_path, 3, replicas=2, timeout=SLOW_PEER_TIMEOUT)
     try:
         job.cluster.silence(1)
         for entry, rel in job.files():
@@ -107,10 +120,8 @@ async def test_replicas_take_over_from_a_silent_peer(
 
 
 SLOW_S = 0.1  # how late the slow holder answers: far above the hedge delay (2 ms)
-# Its peer timeout: the daemon's default (5 s), far above SLOW_S. At TIMEOUT (0.3 s) a stall of
-# this process of 0.2 s on a loaded machine (a full CI run) outlasted a fetch to the slow
-# holder, which was then taken for dead and routed around: nothing was asked of it first.
-SLOW_PEER_TIMEOUT = 5.0
+# Its peer timeout: SLOW_PEER_TIMEOUT, far above SLOW_S. At TIMEOUT a stall outlasted a fetch to
+# the slow holder, which was then taken for dead and routed around: nothing was asked of it first.
 # Attempts at the timing bars, each on a fresh job (a second pass would read the reader's
 # cache): a stall of this process may slow one attempt; a reader that waits out the slow holder
 # fails them all. An attempt takes 0.1 to 0.3 s here, up to 1 s with both cores busy; one that

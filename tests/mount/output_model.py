@@ -258,8 +258,13 @@ class Run:
             self.do_close_fd(fd)
         assert self.proc is not None
         # Some SIGKILLs land while puts are pending; each after the RELEASEs of the closes,
-        # which the kernel sends after close() returns (a file only created lands at its RELEASE).
-        time.sleep(rng.choice([0.05, 0.3]))
+        # which the kernel sends after close() returns (a file only created lands at its RELEASE):
+        # the daemon counts no open handle then.
+        deadline = time.monotonic() + 10
+        while self.status()["open_handles"] != 0:
+            assert time.monotonic() < deadline, "the closes' RELEASEs never came"
+            time.sleep(0.005)
+        time.sleep(rng.choice([0.0, 0.05, 0.3]))
         os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
         if not self.dest_up:

@@ -298,7 +298,7 @@ def test_failures_are_heard_while_reads_never_stop(small_src: Path, tmp_path: Pa
             assert err.value.errno == errno.EIO
             # Watched in the log, not through the mount (a status request would give trio a
             # turn of its own).
-            assert wait_until(lambda: "EIO for /c1/f5.bin" in m.log_text(), timeout=3)
+            assert wait_until(lambda: "EIO for /c1/f5.bin" in m.log_text(), timeout=10)
             assert reader.poll() is None  # and the reads went on all along
             assert bad_files() == 1
         finally:

@@ -126,7 +126,7 @@ def test_disk_errors_fail_only_that_read_and_the_daemon_serves_on(
                 return got
 
             assert wait_until(lambda: all(f"of /{n} failed" in m.log_text()
-                                          for n in ("r3.bin", "t4.txt")), timeout=5)  # fmt: skip
+                                          for n in ("r3.bin", "t4.txt")), timeout=10)  # fmt: skip
             assert status()["reader"]["bad_files"] == 0 and status()["serving"]
             log = m.log_text()
             assert "EIO for /big.bin (this read only)" in log

@@ -193,15 +193,19 @@ def test_a_budget_bounds_how_far_ahead(tree: Path, image: Path, tmp_path: Path) 
     rels = order(tree, 3)
     with mounted(image, tmp_path / "mnt", tmp_path / "local", "--prefetch-mb", "1") as m:
         plan.publish(m.mountpoint, rels)
-        time.sleep(1)
+        assert wait_until(lambda: plan_status(m)["prefetched"] > 0, 30), plan_status(m)
+        time.sleep(1)  # (time to read everything, were the budget not kept)
         s = plan_status(m)
         assert 0 < s["prefetched"] < N_FILES and s["held_bytes"] <= (1 << 20) + 8 * 40_000, s
         for k, r in enumerate(rels):  # reading moves the window; progress moves it too
             assert (m.mountpoint / r).read_bytes() == (tree / r).read_bytes(), r
-            if k == 100:
+            time.sleep(0.002)  # a step between samples: read-ahead keeps up (a file the reader
+            if k == 100:  # reached first is not read ahead)
                 plan.progress(m.mountpoint, 200)
         s = plan_status(m)
-        assert s["prefetched"] > N_FILES // 2 and s["hits"] > 0, s
+        # The window holds about 50 of these files: progress alone would move it to about
+        # 100 read ahead, reads moving it too to most of the 400.
+        assert s["prefetched"] > N_FILES // 3 and s["hits"] > 0, s
 
 
 def test_a_new_plan_replaces_the_share_and_cli_reads_a_file(
@@ -353,6 +357,6 @@ def test_a_large_plan_never_stalls_reads(tree: Path, mount: Mount) -> None:
         done.set()
         prober.join()
     assert taken.planned == 1000 * N_FILES and taken.missing == 0
-    assert max(waits) < 1.0, sorted(waits)[-5:]
+    assert max(waits) < 2.5, sorted(waits)[-5:]  # (the bug froze it 4-5 s)
     with pytest.raises(PlanRefused, match="more than this image takes"):
         plan.publish(mount.mountpoint, rels[:1] * ((1 << 20) + 1))

@@ -179,8 +179,9 @@ def test_a_users_large_files_come_in_few_reads_and_drop_makes_them_cold(user: Us
 
         reads, first = read_all()
         # 16 READs a file without the push; the kernel's own readahead races it (READs for the
-        # next ranges are sent while the first is answered: 4 to 7 a file seen here).
-        assert 8 <= reads <= 8 * 8, first
+        # next ranges are sent while the first is answered: 4 to 7 a file seen here, more when
+        # the daemon waits for a core; that the push ran is the next line's).
+        assert 8 <= reads <= 8 * 12, first
         assert first["native_pushes"] >= 8 and first["native_pushed_bytes"] >= 8 * (1 << 20), first
         assert read_all()[0] == reads  # warm: no READ at all
         done = user.run(*FANFS, "drop", mnt, "--json")
