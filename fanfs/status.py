@@ -339,6 +339,7 @@ def render(s: Status) -> str:
             f"to peers ({human_bytes(p.bytes_served_to_peers)}); {rd.hedged} hedged "
             f"({rd.hedges_won} won); {rd.fallbacks} image fallbacks, {p.peer_timeouts} peer "
             f"timeouts, dead peers {p.dead_peers}"
+            + (f" ({p.plane_left} transfers with them left to MPI)" if p.plane_left else "")
         )
     if budget := _budget(s.budget):
         lines.append("budget:   " + budget)

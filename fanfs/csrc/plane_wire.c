@@ -127,7 +127,8 @@ void plane_take_later(struct plane *pl, MPI_Message *m, int n, int peer, int tag
     int64_t end;
     int got, room;
     if (n > (int)FANFS_REMOTE_MAX) {
-        count(pl, MALFORMED, 1);
+        if (tag >= 0)
+            count(pl, MALFORMED, 1); /* (a drop, tag -1, was counted by plane_drop) */
         taken(pl, &t, -1); /* left unreceived: never allocated for */
         return;
     }
