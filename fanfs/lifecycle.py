@@ -10,9 +10,11 @@ signals, which are therefore handled during the whole clean-up too.
 
 Start-up: every check a user mistake can fail runs before anything is mounted; `agree` is
 the start-up collective after each step: all ranks learn whether any failed (or was asked to
-stop), so they fail together with one clear line instead of some hanging. After start-up no
-collective runs (a dead rank must not block one), and MPI is not finalized when a peer is
-gone (MPI_Finalize can wait for it forever).
+stop), so they fail together with one clear line instead of some hanging. A rank that died
+or never started cannot answer one: each collective waits at most `start_timeout_s`, and a
+few seconds past a stop signal (fanfs/world.py), then fails this rank with one clear line.
+After start-up no collective runs (a dead rank must not block one), and MPI is not finalized
+when a peer is gone or a collective was left unfinished (MPI_Finalize can wait forever).
 
 Signals (SIGTERM, SIGINT, SIGHUP) mean "stop", whenever they come, never Python's defaults
 (which would kill the daemon without cleaning up): outside trio the first one is noted (and
@@ -93,11 +95,13 @@ class Lifecycle:
     name); `noted`, if not None, is the line logged (with the signal's name) when a stop signal
     comes outside trio; `interrupted` the message of a start-up cut short by one (with
     `{signal}`, its name); `early`: what held the signals before (the daemon command's first
-    step), whose signal counts as the first."""
+    step), whose signal counts as the first; `start_timeout_s`: how long a start-up collective
+    waits for the other ranks (FANFS_START_TIMEOUT; fanfs/world.py)."""
 
     def __init__(self, log: logging.Logger, *, noted: str | None, interrupted: str,
-                 early: Early | None = None):  # fmt: skip
+                 early: Early | None = None, start_timeout_s: float | None = None):  # fmt: skip
         self.log = log
+        self.start_timeout_s = start_timeout_s
         self.noted = noted
         self.interrupted = interrupted
         self.early = early
@@ -121,11 +125,17 @@ class Lifecycle:
                 stack.callback(signal.signal, sig, signal.SIG_IGN)
             if self.early is not None and self.early.first:  # it came while the daemon loaded
                 self._on_signal(self.early.first, None)
-            self.world = mpi.join(dict(os.environ))
+            self.world = mpi.join(dict(os.environ), self.start_timeout_s, self._stopped)
             if self.world is not None:
                 self.rank, self.size = self.world.rank, self.world.size
                 stack.callback(self._finalize, self.world, gone)
             body(stack)
+
+    def _stopped(self) -> Interrupted | None:
+        """The error a start-up cut short by a stop signal gives, once one came."""
+        if not self.stop_signal:
+            return None
+        return Interrupted(self.interrupted.format(signal=signal.Signals(self.stop_signal).name))
 
     def _finalize(self, world: mpi.World, gone: Callable[[], Collection[int]]) -> None:
         dead = gone()
@@ -144,9 +154,8 @@ class Lifecycle:
     def agree(self, error: FanfsError | None) -> None:
         """Raise if this rank or any other failed a start-up step (a start-up collective), or
         was asked to stop meanwhile: all ranks fail together, none waits for another."""
-        if error is None and self.stop_signal:
-            name = signal.Signals(self.stop_signal).name
-            error = Interrupted(self.interrupted.format(signal=name))
+        if error is None:
+            error = self._stopped()
         if self.world is None:
             if error is not None:
                 raise error

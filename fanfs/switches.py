@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 PREFIX = "FANFS_"
 SPIN_US = 500  # the default: see `Switches.spin_us`
+START_TIMEOUT_S = 300  # the default: see `Switches.start_timeout_s`
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +34,10 @@ class Switches:
     # readahead; it stops async readahead at 3/4 of it); None: sized to the node (the
     # daemon's BACKGROUND); 0: the kernel's own (12).
     background: int | None = None
+    # FANFS_START_TIMEOUT: how many seconds a daemon's start-up collective waits for the other
+    # ranks (one died or never started) before the daemon fails with one line; the job
+    # template waits as long for every node to serve.
+    start_timeout_s: int = START_TIMEOUT_S
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> Switches:
@@ -42,6 +47,7 @@ class Switches:
             return environ.get(PREFIX + name, "").strip()
 
         spin, pretend, background = value("SPIN_US"), value("PRETEND_PROTOCOL"), value("BACKGROUND")
+        start = value("START_TIMEOUT")
         return cls(
             front=value("FRONT") != "0",
             native_decode=value("NATIVE_DECODE") != "0",
@@ -51,4 +57,5 @@ class Switches:
             spin_us=int(spin) if spin else SPIN_US,
             pretend_protocol=int(pretend.partition(".")[2]) if pretend else 0,
             background=int(background) if background else None,
+            start_timeout_s=int(start) if start else START_TIMEOUT_S,
         )

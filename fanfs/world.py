@@ -9,10 +9,16 @@ duplicate communicator, and no collective runs again (a dead rank must not block
 
 from __future__ import annotations
 
+import pickle
+import struct
 import time
+from collections.abc import Callable
 from typing import Any
 
 CHUNK = 1 << 30  # MPI counts are C ints: larger payloads go as several messages
+# A stop signal during a start-up collective: the others may be on their way to it (all ranks
+# then fail together, one clear line); past this the wait ends anyway (a rank may be dead).
+STOP_GRACE_S = 5.0
 # Transfers given up on (a peer died mid-transfer: Open MPI may never end them), with their
 # buffers: MPI may still use them, so they live as long as the process (`leave_to_mpi`).
 LEFT_TO_MPI: list[tuple[Any, Any]] = []
@@ -44,16 +50,18 @@ def launched_size(environ: dict[str, str]) -> int:
     return 1
 
 
-def join(environ: dict[str, str]) -> World | None:
+def join(environ: dict[str, str], limit_s: float | None = None,
+         stopping: Callable[[], Exception | None] = lambda: None) -> World | None:  # fmt: skip
     """The job's World when an MPI launcher started this process with more than one rank,
-    else None; MountFailed when the MPI library cannot serve fanfs."""
+    else None; MountFailed when the MPI library cannot serve fanfs. `limit_s` and `stopping`:
+    as World's."""
     from fanfs import logs
     from fanfs.errors import MountFailed
 
     if launched_size(environ) <= 1:
         return None
     try:
-        world = World()
+        world = World(limit_s, stopping)
     except RuntimeError as e:
         raise MountFailed(str(e)) from None
     logs.set_rank(world.rank, world.size)
@@ -61,9 +69,18 @@ def join(environ: dict[str, str]) -> World | None:
 
 
 class World:
-    """COMM_WORLD for start-up collectives (main thread, before the transport thread starts)."""
+    """COMM_WORLD for start-up collectives (main thread, before the transport thread starts).
 
-    def __init__(self) -> None:
+    A rank that died or never started leaves every collective unfinished for good (Open MPI
+    4 has no way to end one), and its peers used to wait in it for ever, deaf to the stop
+    signals (a Python handler runs only between bytecodes), spinning a core each. So every
+    collective is begun non-blocking and tested: `limit_s` bounds the wait (None: no bound,
+    `fanfs prepare`), and once `stopping()` gives an error the wait goes on STOP_GRACE_S more
+    (the others may be on their way) and then raises it. A collective left so is `abandoned`:
+    MPI_Finalize would wait for it, so `finalize` does nothing then."""
+
+    def __init__(self, limit_s: float | None = None,
+                 stopping: Callable[[], Exception | None] = lambda: None) -> None:  # fmt: skip
         MPI = _mpi()
         self.MPI = MPI
         provided = MPI.Query_thread()
@@ -72,18 +89,48 @@ class World:
                 "the MPI library gives thread level "
                 f"{provided}; fanfs needs MPI_THREAD_SERIALIZED or better"
             )
-        self.comm = MPI.COMM_WORLD.Dup()
-        self.comm.Set_errhandler(MPI.ERRORS_RETURN)
-        self.rank: int = self.comm.Get_rank()
-        self.size: int = self.comm.Get_size()
+        self.limit_s, self.stopping = limit_s, stopping
+        self.abandoned = False
+        self.rank: int = MPI.COMM_WORLD.Get_rank()
+        self.size: int = MPI.COMM_WORLD.Get_size()
+        self.comm = self._dup("joining the job")
         self._posted: list[Any] = []  # requests of `post`, until they complete
         # The data plane's communicator (fanfs/csrc/plane.c), which its C thread alone uses:
         # another thread makes MPI calls then, which MPI allows only at THREAD_MULTIPLE. Every
         # rank makes it (a collective) whether or not its plane runs.
         self.plane_comm: Any = None
         if provided >= MPI.THREAD_MULTIPLE:
-            self.plane_comm = MPI.COMM_WORLD.Dup()
-            self.plane_comm.Set_errhandler(MPI.ERRORS_RETURN)
+            self.plane_comm = self._dup("joining the job")
+
+    def _dup(self, what: str) -> Any:
+        comm, req = self.MPI.COMM_WORLD.Idup()
+        self._wait(req, what)
+        comm.Set_errhandler(self.MPI.ERRORS_RETURN)
+        return comm
+
+    def _wait(self, req: Any, what: str, keep: Any = None) -> None:
+        """Wait for collective `req` (`keep`: its buffers) within `limit_s` and the stop."""
+        from fanfs.errors import MountFailed
+
+        began, pause, stop_at = time.monotonic(), 1e-4, 0.0
+        while not req.Test():
+            now = time.monotonic()
+            error = self.stopping()
+            if error is not None:
+                stop_at = stop_at or now + STOP_GRACE_S
+                error = error if now > stop_at else None
+            elif self.limit_s is not None and now - began > self.limit_s:
+                error = MountFailed(
+                    f"rank {self.rank} waited {self.limit_s:g} s for the other ranks at "
+                    f"start-up ({what}): one died or never started (the launcher's output "
+                    "says which)"
+                )
+            if error is not None:
+                self.abandoned = True
+                leave_to_mpi(req, keep)
+                raise error
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
 
     def plane_handles(self) -> tuple[int, int, str] | None:
         """(communicator, MPI_BYTE, a loaded library whose dependencies hold MPI's functions)
@@ -95,19 +142,33 @@ class World:
 
     def bcast_bytes(self, data: bytes | None) -> bytes:
         """Rank 0's `data` on every rank (buffer API, chunked)."""
-        n = self.comm.bcast(len(data) if data is not None else 0, root=0)
+        size = bytearray(struct.pack("<q", len(data) if data is not None else 0))
+        self._wait(self.comm.Ibcast([size, self.MPI.BYTE], root=0), "rank 0's broadcast", size)
+        (n,) = struct.unpack("<q", size)
         buf = bytearray(data) if self.rank == 0 and data is not None else bytearray(n)
         view = memoryview(buf)
         for off in range(0, n, CHUNK):
-            self.comm.Bcast(view[off : off + CHUNK], root=0)
+            part = view[off : off + CHUNK]
+            self._wait(self.comm.Ibcast([part, self.MPI.BYTE], root=0), "rank 0's broadcast",
+                       buf)  # fmt: skip
         return bytes(buf)
 
     def bcast(self, obj: Any) -> Any:
-        return self.comm.bcast(obj, root=0)
+        """Rank 0's `obj` on every rank (pickled, as mpi4py's bcast: rank 0 is this job's)."""
+        return pickle.loads(self.bcast_bytes(pickle.dumps(obj) if self.rank == 0 else None))
 
     def allgather(self, obj: Any) -> list[Any]:
-        result: list[Any] = self.comm.allgather(obj)
-        return result
+        """Every rank's `obj`, in rank order (pickled, as mpi4py's allgather)."""
+        MPI, data = self.MPI, pickle.dumps(obj)
+        mine, sizes = bytearray(struct.pack("<q", len(data))), bytearray(8 * self.size)
+        req = self.comm.Iallgather([mine, MPI.BYTE], [sizes, MPI.BYTE])
+        self._wait(req, "every rank's verdict", (mine, sizes))
+        counts = list(struct.unpack(f"<{self.size}q", sizes))
+        displs = [sum(counts[:r]) for r in range(self.size)]
+        out = bytearray(max(1, sum(counts)))
+        req = self.comm.Iallgatherv([data, MPI.BYTE], [out, (counts, displs), MPI.BYTE])
+        self._wait(req, "every rank's verdict", (data, out))
+        return [pickle.loads(out[d : d + c]) for c, d in zip(counts, displs, strict=True)]
 
     # Point-to-point messages of picklable objects, for `fanfs prepare` across ranks.
 
@@ -169,6 +230,8 @@ class World:
         self.comm.Abort(code)
 
     def finalize(self) -> None:
+        if self.abandoned:
+            return  # a collective left unfinished: MPI_Finalize would wait for it for ever
         if self.plane_comm is not None:
             from fanfs.native import lib
 

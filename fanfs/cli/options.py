@@ -184,6 +184,10 @@ CHECKED_ENV: dict[str, tuple[Callable[[str], bool], str]] = {
         lambda v: v.isascii() and v.isdecimal() and int(v) < 1 << 16,
         "a whole number of requests below 65536",
     ),
+    "START_TIMEOUT": (
+        lambda v: v.isascii() and v.isdecimal() and 0 < int(v) < 1 << 31,
+        "a whole number of seconds, at least 1",
+    ),
     "LOG_LEVEL": (_level, "a log level: DEBUG, INFO, WARNING, ERROR or CRITICAL"),
     "PRETEND_PROTOCOL": (_pretend, "7.N, a FUSE protocol from 7.12 (tests only)"),
 }

@@ -95,8 +95,8 @@ class Daemon:
         self.started = time.time()
         self.serving = False
         self.life = Lifecycle(log, noted="%s: stopping",
-                              interrupted="stopped by {signal} before serving",
-                              early=early)  # fmt: skip
+                              interrupted="stopped by {signal} before serving", early=early,
+                              start_timeout_s=cfg.switches.start_timeout_s)  # fmt: skip
         self.node: assemble.Node | None = None  # every part of the daemon, once built
         self.plan_socket = ""
         self.mountpoint = Path(cfg.mountpoint)

@@ -108,7 +108,8 @@ class OutputDaemon:
         """`early`: what held the stop signals since the command's start (stopsignals)."""
         self.cfg = cfg
         self.started = time.time()
-        self.life = Lifecycle(log, noted=None, interrupted="stopped before serving", early=early)
+        self.life = Lifecycle(log, noted=None, interrupted="stopped before serving", early=early,
+                              start_timeout_s=cfg.switches.start_timeout_s)  # fmt: skip
         self.phase = "starting"
         self.mountpoint = Path(cfg.mountpoint or ".")
         self.dest = Path(cfg.dest)

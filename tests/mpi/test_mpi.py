@@ -781,3 +781,57 @@ def test_a_receive_given_up_is_kept_until_mpi_is_done(after: int | None) -> None
         world.LEFT_TO_MPI.clear()
     else:
         assert comm.requests[0]() is None and buf() is None
+
+
+DIES_AT_START = "from mpi4py import MPI; import os; os._exit(3)"  # dead once MPI began
+
+
+def _start_up_daemons(base: Path) -> list[int]:
+    """The `fanfs mount` ranks under `base` whose MPI has begun (its threads exist: the stop
+    signals are taken by then)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+            ours = argv[2:3] == [b"mount"] and any(str(base).encode() in a for a in argv)
+            if ours and len(list((d / "task").iterdir())) > 1:
+                found.append(int(d.name))
+    return found
+
+
+@pytest.mark.parametrize("ending", ["timeout", "signal"])
+def test_a_rank_dead_at_start_up_ends_the_others_start(
+    image: Path, tmp_path: Path, ending: str
+) -> None:
+    """A rank that dies at start-up (or never starts) leaves every start-up collective
+    unfinished: its peers waited in one for good, deaf to SIGTERM (a Python handler runs
+    between bytecodes), a core each; a Slurm job's output step did, its rank 0 killed by a
+    segfault. The wait now ends at FANFS_START_TIMEOUT, or a few seconds after a stop signal,
+    with one line from each rank; nothing is left mounted or staged."""
+    mnts = [tmp_path / f"mnt-{r}" for r in range(2)]
+    for m in mnts:
+        m.mkdir()
+    cmd = [*MPIRUN, "-np", "2", *FANFS, "mount", str(image), str(tmp_path / "mnt-{rank}"),
+           "--local", str(tmp_path / "local-{rank}"), ":", "-np", "1", sys.executable, "-c",
+           DIES_AT_START]  # fmt: skip
+    env = {**ENV, "FANFS_START_TIMEOUT": "5" if ending == "timeout" else "600"}
+    log = tmp_path / "mpirun.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        if ending == "signal":
+            assert wait_until(lambda: len(_start_up_daemons(tmp_path)) == 2, 60), log.read_text()
+            time.sleep(1)  # (in a start-up collective, waiting for the dead rank)
+            for pid in _start_up_daemons(tmp_path):
+                os.kill(pid, signal.SIGTERM)
+        began = time.monotonic()
+        proc.wait(90)
+        assert time.monotonic() - began < 60, log.read_text()
+    finally:
+        launch.stop_process(proc, mnts)
+    text = log.read_text()
+    line = ("waited 5 s for the other ranks at start-up" if ending == "timeout"
+            else "stopped by SIGTERM before serving")  # fmt: skip
+    assert text.count(line) == 2, text
+    assert not [m for m in mnts if mounts.find(m)]
+    assert not list(tmp_path.glob("local-*/fanfs-stage-*"))

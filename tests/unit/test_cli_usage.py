@@ -38,6 +38,8 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ("FANFS_BACKGROUND", "65536"),
         ("FANFS_PRETEND_PROTOCOL", "27"),
         ("FANFS_PRETEND_PROTOCOL", "7.11"),
+        ("FANFS_START_TIMEOUT", "0"),
+        ("FANFS_START_TIMEOUT", "1.5"),
     ],
 )
 def test_a_bad_switch_is_one_line_for_every_command(image: Path, var: str, value: str) -> None:
