@@ -194,19 +194,23 @@ static inline void sums4(__m128i x[4], __m128i *carry) {
     *carry = _mm_add_epi32(*carry, before);
 }
 
+/* For 8-byte words, 2 to a vector, with one shuffle per vector (a shift and a broadcast,
+ * sums4's way, took two and were a fifth of delta8's pass):
+ * s, the lanewise sum of the block's vectors 0..k, holds in its low lane the sum of the
+ * even words up to 2k and in its high lane of the odd ones up to 2k + 1; word 2k's sum is
+ * then s's low lane plus the high lane of the s before it, word 2k+1's s's two lanes. The
+ * sum before the block starts s's low lane: `carry` is (that sum, 0). */
 static inline void sums8(__m128i x[8], __m128i *carry) {
-    __m128i before = _mm_setzero_si128();
+    __m128i s = *carry, prev;
     int k;
     UNROLL
     for (k = 0; k < 8; k++) {
-        x[k] = _mm_add_epi64(x[k], _mm_slli_si128(x[k], 8));
-        x[k] = _mm_add_epi64(x[k], before);
-        before = _mm_unpackhi_epi64(x[k], x[k]);
+        prev = s;
+        s = _mm_add_epi64(s, x[k]);
+        x[k] = _mm_add_epi64(s, _mm_castpd_si128(_mm_shuffle_pd(_mm_castsi128_pd(prev),
+                                                                _mm_castsi128_pd(s), 1)));
     }
-    UNROLL
-    for (k = 0; k < 8; k++)
-        x[k] = _mm_add_epi64(x[k], *carry);
-    *carry = _mm_add_epi64(*carry, before);
+    *carry = _mm_unpackhi_epi64(x[7], _mm_setzero_si128());
 }
 
 /* The vector steps of a 4-byte filter; the words done, `*acc` the running sum after them.
@@ -245,22 +249,59 @@ steps4(const int fid, const unsigned char *in, uint64_t words, double inv, unsig
     return i;
 }
 
-/* decimal8's doubles of 2 int64 in -2^51..2^51-1 (`*bad` made nonzero for others): added to
- * the bits of 1.5 * 2^52 as integers, they are the bits of 1.5 * 2^52 + n, exact, from which
- * 1.5 * 2^52 is taken away, exact: (double)n without AVX-512's conversion. */
-static inline __m128d to_double(__m128i n, __m128i *bad) {
-    const __m128i magic = _mm_set1_epi64x(0x4338000000000000LL); /* 1.5 * 2^52 */
-    const __m128i half = _mm_set1_epi64x(1LL << 51);
-    *bad = _mm_or_si128(*bad, _mm_srli_epi64(_mm_add_epi64(n, half), 52));
-    return _mm_sub_pd(_mm_castsi128_pd(_mm_add_epi64(n, magic)), _mm_castsi128_pd(magic));
+/* decimal8's quotient n / 10^e, correctly rounded as a division gives it, without one where
+ * the CPU has FMA (x86-64 since 2013; a division takes the divider several times as long as
+ * a multiply-add takes its unit): with y = RN(10^-e),
+ *     q0 = RN(n * y),  r = RN(n - q0 * 10^e),  q = RN(q0 + r * y),
+ * the last two fused (one rounding each). Why q = RN(n / 10^e), for |n| < 2^51 and e <= 18
+ * (what the vectors take; t = n / 10^e, u = ulp(t), the gap between doubles at t):
+ * - y = (1 + d) / 10^e with |d| <= 2^-53, so |q0 - t| <= 2u (u for n * y's error, u for
+ *   the rounding of it, which may cross into the binade above);
+ * - r = (n - q0 * 10^e)(1 + d2), |d2| <= 2^-53, so q0 + r * y = t + (t - q0)(d + d2 + d d2),
+ *   within 2u * 2^-52 (and a hair) < u * 2^-50 of t;
+ * - a tie point m of rounding near t (a midpoint between doubles, gap u or u/2) is
+ *   m = M * 2^(k-1) with 2^(k-1) >= u / 4; n - m * 10^e is then a nonzero multiple of
+ *   2^(k-1+e) (k - 1 + e < 0, as u < 2^-1 / 10^e; zero would make t = m, whose odd part
+ *   needs 54 bits, from an n of 51), so |t - m| >= 2^(k-1) / 5^e >= u / 4 / 5^18 > u * 2^-44;
+ * so no tie point lies between t and the value rounded: q = RN(t). (Markstein's correction
+ * step, here with the bound made sharp by 10^e's small odd part, 5^e.) The same bits as
+ * `rest8`'s division, checked against numpy's by tests/unit/test_native.py. The two fused
+ * steps are asm: their intrinsics would need every function they are inlined into built for
+ * FMA, which blocks8 picks at run time (`__builtin_cpu_supports`). */
+static inline __m128d fnmadd(__m128d a, __m128d b, __m128d c) { /* RN(c - a * b) */
+    __asm__("vfnmadd231pd %2, %1, %0" : "+x"(c) : "x"(a), "x"(b));
+    return c;
+}
+
+static inline __m128d fmadd(__m128d a, __m128d b, __m128d c) { /* RN(c + a * b) */
+    __asm__("vfmadd231pd %2, %1, %0" : "+x"(c) : "x"(a), "x"(b));
+    return c;
+}
+
+static inline __m128d quotient(__m128d n, __m128d p10, __m128d y) {
+    __m128d q0 = _mm_mul_pd(n, y);
+    return fmadd(fnmadd(q0, p10, n), y, q0);
+}
+
+/* decimal8's doubles of 2 int64 n in -2^51..2^51-1, given as b = n + 2^51 (the running sum
+ * starts at 2^51, so the bias costs nothing): for b in 0..2^52-1, the bits of 2^52 with b as
+ * the mantissa are the double 2^52 + b, exact, from which 1.5 * 2^52 taken away, exact,
+ * leaves n: (double)n without AVX-512's conversion. `*bad` gathers the bs: a bit above 51 is
+ * set there only if some n is beyond (hostile). */
+static inline __m128d to_double(__m128i b, __m128i *bad) {
+    const __m128i two52 = _mm_set1_epi64x(0x4330000000000000LL); /* 2^52 */
+    const __m128d magic = _mm_set1_pd(6755399441055744.0);        /* 1.5 * 2^52 */
+    *bad = _mm_or_si128(*bad, b);
+    return _mm_sub_pd(_mm_castsi128_pd(_mm_or_si128(b, two52)), magic);
 }
 
 static inline __attribute__((always_inline)) uint64_t
-steps8(const int fid, const unsigned char *in, uint64_t words, double p10, unsigned char *out,
-       uint64_t *acc) {
+steps8(const int fid, const int fused, const unsigned char *in, uint64_t words, double p10,
+       unsigned char *out, uint64_t *acc) {
     const __m128i one = _mm_set1_epi64x(1), zero = _mm_setzero_si128();
-    const __m128d scale = _mm_set1_pd(p10);
-    __m128i carry = zero, x[8];
+    const __m128d scale = _mm_set1_pd(p10), inv = _mm_set1_pd(1 / p10);
+    const uint64_t bias = fid == FANFS_DECIMAL8 ? 1ULL << 51 : 0; /* to_double's */
+    __m128i carry = _mm_set_epi64x(0, (int64_t)bias), x[8];
     uint64_t i;
     int k;
     for (i = 0; i + BLOCK <= words; i += BLOCK) {
@@ -275,7 +316,9 @@ steps8(const int fid, const unsigned char *in, uint64_t words, double p10, unsig
             sums8(x, &carry);
             UNROLL
             for (k = 0; k < 8; k++)
-                v[k] = _mm_div_pd(to_double(x[k], &bad), scale);
+                v[k] = fused ? quotient(to_double(x[k], &bad), scale, inv)
+                             : _mm_div_pd(to_double(x[k], &bad), scale);
+            bad = _mm_srli_epi64(bad, 52);
             if (_mm_movemask_epi8(_mm_cmpeq_epi32(bad, zero)) == 0xFFFF) {
                 UNROLL
                 for (k = 0; k < 8; k++)
@@ -283,11 +326,11 @@ steps8(const int fid, const unsigned char *in, uint64_t words, double p10, unsig
                 continue;
             }
             for (k = 0; k < 8; k++) { /* an integer beyond 2^51 (hostile): converted alone */
-                int64_t n[2];
+                uint64_t b[2];
                 double d[2];
-                _mm_storeu_si128((__m128i *)n, x[k]);
-                d[0] = (double)n[0] / p10;
-                d[1] = (double)n[1] / p10;
+                _mm_storeu_si128((__m128i *)b, x[k]);
+                d[0] = (double)(int64_t)(b[0] - bias) / p10;
+                d[1] = (double)(int64_t)(b[1] - bias) / p10;
                 memcpy(out + 8 * i + 16 * k, d, 16);
             }
             continue;
@@ -298,7 +341,7 @@ steps8(const int fid, const unsigned char *in, uint64_t words, double p10, unsig
         for (k = 0; k < 8; k++)
             _mm_storeu_si128((__m128i *)(out + 8 * i + 16 * k), x[k]);
     }
-    *acc = (uint64_t)_mm_cvtsi128_si64(carry);
+    *acc = (uint64_t)_mm_cvtsi128_si64(carry) - bias;
     return i;
 }
 
@@ -314,10 +357,12 @@ static uint64_t blocks4(int fid, const unsigned char *in, uint64_t words, double
 static uint64_t blocks8(int fid, const unsigned char *in, uint64_t words, double p10,
                         unsigned char *out, uint64_t *acc) {
     if (fid == FANFS_DELTA8)
-        return steps8(FANFS_DELTA8, in, words, p10, out, acc);
+        return steps8(FANFS_DELTA8, 0, in, words, p10, out, acc);
+    if (fid == FANFS_DECIMAL8 && __builtin_cpu_supports("fma"))
+        return steps8(FANFS_DECIMAL8, 1, in, words, p10, out, acc);
     if (fid == FANFS_DECIMAL8)
-        return steps8(FANFS_DECIMAL8, in, words, p10, out, acc);
-    return steps8(FANFS_SHUFFLE8, in, words, p10, out, acc);
+        return steps8(FANFS_DECIMAL8, 0, in, words, p10, out, acc);
+    return steps8(FANFS_SHUFFLE8, 0, in, words, p10, out, acc);
 }
 #endif
 

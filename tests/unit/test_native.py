@@ -94,6 +94,24 @@ def test_c_filters_undo_any_bytes_as_python_does(
     assert native.decode(stored, lib.KIND_FILTER + fid, size) == filters.decode(fid, encoded, size)
 
 
+@pytest.mark.parametrize("exp", range(19))
+def test_decimal8_quotients_are_the_divisions(exp: int) -> None:
+    """decimal8's vectors divide without a division where the CPU has FMA (filters.c,
+    `quotient`): every integer they take, of every size, both signs and the edges, gives the
+    bits of the correctly rounded division (the reference's, which the encoder checks)."""
+    rng = np.random.default_rng(exp)
+    n = rng.integers(0, 1 << 51, 60_000) >> rng.integers(0, 51, 60_000)
+    edges = [0, 1, -1, 2, 5, (1 << 51) - 1, -(1 << 51), (1 << 50) + 1, -(10**15)]
+    n = np.concatenate([n * rng.choice([-1, 1], len(n)), edges])
+    d = np.diff(n, prepend=0)
+    zigzag = ((d << 1) ^ (d >> 63)).astype("<u8")
+    encoded = struct.pack("<B3xI", exp, 0) + filters.shuffle(zigzag.view(np.uint8), 8)
+    stored = zstandard.ZstdCompressor().compress(encoded)
+    want = (n.astype(np.float64) / float(f"1e{exp}")).tobytes()
+    assert filters.decode(filters.DECIMAL8, encoded, 8 * len(n)) == want
+    assert native.decode(stored, lib.KIND_FILTER + filters.DECIMAL8, 8 * len(n)) == want
+
+
 @settings(max_examples=100, deadline=None)
 @given(data=st.binary(min_size=1, max_size=50_000), cut=st.integers(1, 50))
 def test_bytes_that_do_not_decode_are_refused(data: bytes, cut: int) -> None:
