@@ -136,23 +136,22 @@ void plane_reply(struct plane *pl, MPI_Message *m, int peer, int tag, int n) {
     plane_take_later(pl, m, n, peer, tag); /* (given back: a late one, drained) */
 }
 
-void plane_replied(struct plane *pl, int peer, int tag, char *buf, int n) {
+void plane_replied(struct plane *pl, int peer, int tag, char *buf, uint32_t cap, int n) {
     struct out *o = &pl->out[tag % PLANE_OUT];
     int err;
     if (o->state == 0 || o->tag != tag || o->peer != peer) {
-        free(buf); /* (its slot was freed meanwhile) */
+        pieces_free(&pool_live()->pieces, buf, cap); /* (its slot was freed meanwhile) */
         return;
     }
     if (o->state == 2 || buf == NULL) {
-        free(buf);
+        pieces_free(&pool_live()->pieces, buf, cap);
         if (o->state == 2)
             set_state(pl, o, 0); /* late: drained, its tag free again */
         else
             hand_back(pl, o, 0, 0); /* not received */
         return;
     }
-    err = remote_fill(pool_live(), &o->r, buf, (uint32_t)n, o->began);
-    free(buf);
+    err = remote_fill(pool_live(), &o->r, buf, (uint32_t)n, o->began, buf, cap);
     if (err == 0 || err == ESTALE) { /* (ESTALE: given up meanwhile, or a hedge's other copy) */
         count(pl, FILLED, err == 0);
         count(pl, HEDGES_WON, err == 0 && o->hedge);

@@ -54,7 +54,8 @@ struct out { /* a fetch of ours, by reply tag */
 
 struct send { /* a send in flight: its buffer lives until MPI says it is done */
     MPI_Request req;
-    char *buf;      /* reply bytes (fanfs_alloc'd), an ask's header (malloc'd), or NULL */
+    char *buf;      /* a read's buffer (from pieces_alloc), an ask's header (malloc'd), or NULL */
+    uint32_t cap;   /* a read's buffer's (then a spare for the next read), else 0 */
     uint32_t bytes; /* reserved of PLANE_REPLY_BYTES, and of its peer's PLANE_PEER_BYTES */
     int peer;
     int64_t at; /* posted */
@@ -62,7 +63,8 @@ struct send { /* a send in flight: its buffer lives until MPI says it is done */
 
 struct take { /* a matched message being received: `buf` is MPI's until the receive is done */
     MPI_Request req;
-    char *buf;
+    char *buf;    /* from pieces_alloc: a raw reply becomes its piece as it is */
+    uint32_t cap; /* `buf`'s */
     int n, peer, tag; /* tag: the reply tag it came on, or -1: it is dropped */
     int64_t until;    /* not done by then: left to MPI, with its buffer, for good */
 };
@@ -71,8 +73,9 @@ struct plane_read { /* an ask to read, then its completion (plane_read.c) */
     int peer, tag;
     int64_t entry;
     uint32_t len;
-    int err;   /* 0: `buf` holds the `len` stored bytes (fanfs_alloc'd), else NULL */
-    char *buf;
+    int err;   /* 0: `buf` holds the `len` stored bytes from `at` on, else NULL */
+    char *buf; /* from pieces_alloc, `cap` bytes (an O_DIRECT read's start is aligned) */
+    uint32_t cap, at;
     int64_t taken_ns, began_ns, read_ns; /* taken by the plane, read begun, read done */
 };
 
@@ -125,9 +128,9 @@ static inline void count(struct plane *pl, int what, uint64_t n) {
 /* plane_wire.c */
 /* MPI's functions looked up in `lib` (loaded: RTLD_NOLOAD); 0, or ENOENT. */
 int plane_resolve(struct plane *pl, const char *lib);
-/* Post a send of `len` bytes of `buf` (owned from now on, freed once MPI is done with it;
- * `bytes` of PLANE_REPLY_BYTES reserved until then). 0, or -1 (no room, or MPI refused it:
- * `buf` is freed). */
+/* Post a send of `len` bytes of `buf` (malloc'd or NULL, owned from now on, freed once MPI is
+ * done with it; `bytes` of PLANE_REPLY_BYTES reserved until then). 0, or -1 (no room, or MPI
+ * refused it: `buf` is freed). */
 int plane_post(struct plane *pl, char *buf, uint32_t len, uint32_t bytes, int peer, int tag);
 /* The sends MPI is done with let go, and those to a peer found dead, out for quarantine_ns
  * (they may never end: their buffers are then MPI's for good, counted LEFT); 1 if any. */
@@ -159,8 +162,8 @@ void plane_read_one(struct plane_read *r); /* read in the calling thread */
 /* plane.c */
 /* The requester: a reply of `n` bytes from `peer` on `tag` (a reply tag). */
 void plane_reply(struct plane *pl, MPI_Message *m, int peer, int tag, int n);
-/* ... and its `n` bytes received into `buf` (malloc'd, freed here; NULL: the receive failed
- * or was left). */
-void plane_replied(struct plane *pl, int peer, int tag, char *buf, int n);
+/* ... and its `n` bytes received into `buf` (from pieces_alloc, `cap` bytes; given to the
+ * fill, or freed here; NULL: the receive failed or was left). */
+void plane_replied(struct plane *pl, int peer, int tag, char *buf, uint32_t cap, int n);
 
 #endif

@@ -30,15 +30,19 @@
 #include "plane.h"
 
 void plane_read_one(struct plane_read *r) {
-    uint32_t cap = 0;
+    struct pieces *c = &pool_live()->pieces;
     const char *at = NULL;
-    r->buf = NULL;
     r->began_ns = fanfs_now_ns();
-    r->err = fanfs_pool_fast_stored(r->entry, r->len, &r->buf, &cap, &at);
-    if (r->err == 0 && at != r->buf) /* (an O_DIRECT read starts at the block before) */
-        memmove(r->buf, at, r->len);
-    if (r->err != 0) {
-        free(r->buf);
+    /* A spare if one is kept (the last sends' buffers: pages mapped already), with room for
+     * an O_DIRECT read's aligned span, so that the read never grows it. */
+    r->cap = 0;
+    r->buf = pieces_alloc(c, (uint64_t)r->len + 2 * FANFS_DIRECT_ALIGN, &r->cap);
+    r->err = r->buf == NULL ? ENOMEM
+                            : fanfs_pool_fast_stored(r->entry, r->len, &r->buf, &r->cap, &at);
+    if (r->err == 0) {
+        r->at = (uint32_t)(at - r->buf);
+    } else {
+        pieces_free(c, r->buf, r->cap);
         r->buf = NULL;
     }
     r->read_ns = fanfs_now_ns();

@@ -47,17 +47,28 @@ int plane_resolve(struct plane *pl, const char *lib) {
 
 /* -- sends ----------------------------------------------------------------------------------- */
 
-int plane_post(struct plane *pl, char *buf, uint32_t len, uint32_t bytes, int peer, int tag) {
+/* A send's buffer let go: a read's kept as a spare for the next (its pages mapped already). */
+static void release(char *buf, uint32_t cap) {
+    if (cap > 0)
+        pieces_free(&pool_live()->pieces, buf, cap);
+    else
+        free(buf);
+}
+
+/* plane_post's, the bytes sent starting at `at` in `buf` (`cap`: as struct send's). */
+static int post(struct plane *pl, char *buf, uint32_t cap, const char *at, uint32_t len,
+                uint32_t bytes, int peer, int tag) {
     struct send *s;
     if (pl->nsends == PLANE_SENDS) {
-        free(buf);
+        release(buf, cap);
         return -1;
     }
     s = &pl->sends[pl->nsends]; /* (`buf` is MPI's until done: a slot may move, its buffer not) */
     s->buf = buf;
+    s->cap = cap;
     s->bytes = bytes;
-    if (pl->isend(buf, (int)len, pl->byte, peer, tag, pl->comm, &s->req) != MPI_SUCCESS) {
-        free(buf);
+    if (pl->isend(at, (int)len, pl->byte, peer, tag, pl->comm, &s->req) != MPI_SUCCESS) {
+        release(buf, cap);
         return -1;
     }
     s->peer = peer;
@@ -66,6 +77,10 @@ int plane_post(struct plane *pl, char *buf, uint32_t len, uint32_t bytes, int pe
     pl->peer_bytes[peer] += bytes;
     pl->nsends++;
     return 0;
+}
+
+int plane_post(struct plane *pl, char *buf, uint32_t len, uint32_t bytes, int peer, int tag) {
+    return post(pl, buf, 0, buf, len, bytes, peer, tag);
 }
 
 /* (A failed send too: MPI is done with it.) */
@@ -86,7 +101,7 @@ int plane_settle(struct plane *pl) {
             s->buf = NULL; /* its peer died: left to MPI, its buffer never freed */
             count(pl, LEFT, 1);
         }
-        free(s->buf);
+        release(s->buf, s->cap);
         pl->reply_bytes -= s->bytes;
         pl->peer_bytes[s->peer] -= s->bytes;
         pl->sends[i] = pl->sends[--pl->nsends];
@@ -112,11 +127,11 @@ static void taken(struct plane *pl, struct take *t, int got) {
     if (got == 0) {
         count(pl, LEFT, 1);
     } else if (got < 0 || t->tag < 0) {
-        free(t->buf);
+        pieces_free(&pool_live()->pieces, t->buf, t->cap);
         t->buf = NULL;
     }
     if (t->tag >= 0)
-        plane_replied(pl, t->peer, t->tag, got > 0 ? t->buf : NULL, t->n);
+        plane_replied(pl, t->peer, t->tag, got > 0 ? t->buf : NULL, t->cap, t->n);
 }
 
 /* A large message comes in parts as its sender answers (rendezvous): a sender killed mid-send
@@ -132,7 +147,7 @@ void plane_take_later(struct plane *pl, MPI_Message *m, int n, int peer, int tag
         taken(pl, &t, -1); /* left unreceived: never allocated for */
         return;
     }
-    if ((t.buf = malloc(n > 0 ? (size_t)n : 1)) == NULL ||
+    if ((t.buf = pieces_alloc(&pool_live()->pieces, (uint64_t)n, &t.cap)) == NULL ||
         pl->imrecv(t.buf, n, pl->byte, m, &t.req) != MPI_SUCCESS) {
         taken(pl, &t, -1);
         return;
@@ -179,7 +194,8 @@ void plane_drop(struct plane *pl, MPI_Message *m, int peer, int n) {
 /* A read done (inline, or by a reader): its reply sent, or a refusal (not a file staged here,
  * a bad copy, a disk error). */
 static void reply_read(struct plane *pl, struct plane_read *r) {
-    if (r->err != 0 || plane_post(pl, r->buf, r->len, r->len, r->peer, r->tag) != 0) {
+    if (r->err != 0 ||
+        post(pl, r->buf, r->cap, r->buf + r->at, r->len, r->len, r->peer, r->tag) != 0) {
         count(pl, REFUSED, 1);
         plane_post(pl, NULL, 0, 0, r->peer, r->tag);
         return;

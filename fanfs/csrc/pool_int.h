@@ -211,9 +211,11 @@ int remote_plane_attach(struct pool *P, int fd);
 void remote_plane_detach(struct pool *P);
 int remote_plane_take(struct pool *P, struct fanfs_rreq *out, int max);
 void remote_hand_back(struct pool *P, const struct fanfs_rreq *r);
-/* fanfs_remote_fill for the plane: its latency since `asked_ns` remembered too. */
+/* fanfs_remote_fill for the plane: its latency since `asked_ns` remembered too, and `own`
+ * (NULL, or `stored`'s buffer: from pieces_alloc, `own_cap` bytes) given to the fill, which
+ * frees it or, for a raw piece, makes it the piece (no copy). */
 int remote_fill(struct pool *P, const struct fanfs_rreq *r, const char *stored, uint32_t len,
-                int64_t asked_ns);
+                int64_t asked_ns, char *own, uint32_t own_cap);
 
 /* fast.c */
 void fast_mark_bad(struct fast *f, int64_t entry);

@@ -299,15 +299,15 @@ static int rq_pending_locked(const struct pieces *c, const struct fanfs_rreq *r)
 }
 
 int fanfs_remote_fill(const struct fanfs_rreq *r, const char *stored, uint32_t len) {
-    return remote_fill(pool_live(), r, stored, len, 0);
+    return remote_fill(pool_live(), r, stored, len, 0, NULL, 0);
 }
 
 int remote_fill(struct pool *P, const struct fanfs_rreq *r, const char *stored, uint32_t len,
-                int64_t asked_ns) {
+                int64_t asked_ns, char *own, uint32_t own_cap) {
     struct pieces *c = &P->pieces;
     struct fanfs_piece p;
     struct qjob *w;
-    char *buf;
+    char *buf = NULL;
     uint32_t cap = 0;
     int err;
     int64_t began = fanfs_now_ns();
@@ -322,22 +322,24 @@ int remote_fill(struct pool *P, const struct fanfs_rreq *r, const char *stored, 
         p.cache = 1;
     }
     pthread_mutex_unlock(&c->lock);
-    if (err != 0)
-        return err;
-    if (len != r->len)
-        return FANFS_EBADDATA;
-    if (fanfs_crc32(0, stored, len) != r->crc)
-        return FANFS_EBADCRC; /* a bad copy: the MPI thread asks another holder */
-    buf = pieces_alloc(c, p.size, &cap);
-    if (buf == NULL)
-        return ENOMEM;
-    if (p.kind == FANFS_KIND_RAW) {
-        err = p.len == p.size ? (memcpy(buf, stored, p.size), 0) : FANFS_EBADDATA;
-    } else {
+    if (err == 0 && (len != r->len || (p.kind == FANFS_KIND_RAW && p.len != p.size)))
+        err = FANFS_EBADDATA;
+    if (err == 0 && fanfs_crc32(0, stored, len) != r->crc)
+        err = FANFS_EBADCRC; /* a bad copy: the MPI thread asks another holder */
+    if (err == 0 && p.kind == FANFS_KIND_RAW && own != NULL) { /* the piece as it came */
+        buf = own;
+        cap = own_cap;
+        own = NULL;
+    } else if (err == 0 && (buf = pieces_alloc(c, p.size, &cap)) == NULL) {
+        err = ENOMEM;
+    } else if (err == 0 && p.kind == FANFS_KIND_RAW) {
+        memcpy(buf, stored, p.size);
+    } else if (err == 0) {
         struct fanfs_dicts *dicts = pool_dicts_hold(&P->work);
         err = fanfs_decode(dicts, &p, (const unsigned char *)stored, (unsigned char *)buf);
         fanfs_dicts_free(dicts);
     }
+    pieces_free(c, own, own_cap); /* (`stored` is not used past here) */
     if (err != 0) {
         pieces_free(c, buf, cap);
         return err;
