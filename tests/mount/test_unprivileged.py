@@ -183,7 +183,11 @@ def test_a_users_large_files_come_in_few_reads_and_drop_makes_them_cold(user: Us
         # the daemon waits for a core; that the push ran is the next line's).
         assert 8 <= reads <= 8 * 12, first
         assert first["native_pushes"] >= 8 and first["native_pushed_bytes"] >= 8 * (1 << 20), first
-        assert read_all()[0] == reads  # warm: no READ at all
+        # Warm: served from the page cache. Not "no READ at all": a CI run once saw 7 of the
+        # pass's 128 ranges of 128 KiB come back by READ (reclaimed under the host's memory
+        # pressure, the likeliest guess); pushed pages that did not stay would cost 9 to 12 a
+        # file (what the READs of the first pass did not bring).
+        assert read_all()[0] - reads < 8
         done = user.run(*FANFS, "drop", mnt, "--json")
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout)["inodes"] >= 8
