@@ -253,7 +253,7 @@ steps4(const int fid, const unsigned char *in, uint64_t words, double inv, unsig
  * the CPU has FMA (x86-64 since 2013; a division takes the divider several times as long as
  * a multiply-add takes its unit): with y = RN(10^-e),
  *     q0 = RN(n * y),  r = RN(n - q0 * 10^e),  q = RN(q0 + r * y),
- * the last two fused (one rounding each). Why q = RN(n / 10^e), for |n| < 2^51 and e <= 18
+ * the last two fused (one rounding each). Why q = RN(n / 10^e), for -2^51 <= n < 2^51, e <= 18
  * (what the vectors take; t = n / 10^e, u = ulp(t), the gap between doubles at t):
  * - y = (1 + d) / 10^e with |d| <= 2^-53, so |q0 - t| <= 2u (u for n * y's error, u for
  *   the rounding of it, which may cross into the binade above);
@@ -269,12 +269,12 @@ steps4(const int fid, const unsigned char *in, uint64_t words, double inv, unsig
  * steps are asm: their intrinsics would need every function they are inlined into built for
  * FMA, which blocks8 picks at run time (`__builtin_cpu_supports`). */
 static inline __m128d fnmadd(__m128d a, __m128d b, __m128d c) { /* RN(c - a * b) */
-    __asm__("vfnmadd231pd %2, %1, %0" : "+x"(c) : "x"(a), "x"(b));
+    __asm__("vfnmadd231pd {%2, %1, %0|%0, %1, %2}" : "+x"(c) : "x"(a), "x"(b));
     return c;
 }
 
 static inline __m128d fmadd(__m128d a, __m128d b, __m128d c) { /* RN(c + a * b) */
-    __asm__("vfmadd231pd %2, %1, %0" : "+x"(c) : "x"(a), "x"(b));
+    __asm__("vfmadd231pd {%2, %1, %0|%0, %1, %2}" : "+x"(c) : "x"(a), "x"(b));
     return c;
 }
 

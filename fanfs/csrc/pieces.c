@@ -244,6 +244,17 @@ void pieces_drop(struct pieces *c) {
     pthread_mutex_unlock(&c->lock);
 }
 
+void pieces_free_spares(struct pieces *c) {
+    int i;
+    pthread_mutex_lock(&c->lock);
+    for (i = 0; i < PIECES_SPARES; i++) {
+        free(c->spare[i].buf);
+        c->spare[i].buf = NULL;
+    }
+    c->spare_bytes = 0;
+    pthread_mutex_unlock(&c->lock);
+}
+
 void pieces_clear(struct pieces *c) {
     int i;
     pthread_mutex_lock(&c->lock);

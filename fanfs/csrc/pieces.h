@@ -130,6 +130,8 @@ int pieces_busy(struct pieces *c);
 void pieces_drop(struct pieces *c);
 /* Free every slot and spare: nobody uses the cache any more (the pool's stop). */
 void pieces_clear(struct pieces *c);
+/* Free the spares alone (the data plane's stop: its buffers came back after the pool's). */
+void pieces_free_spares(struct pieces *c);
 void pieces_counters(struct pieces *c, uint64_t *hits, uint64_t *misses);
 
 #endif

@@ -386,6 +386,7 @@ void fanfs_plane_stop(void) {
     (void)w;
     pthread_join(pl->thread, NULL);
     plane_reads_stop(&pl->reads); /* (after the thread: it takes no read any more) */
+    pieces_free_spares(&pool_live()->pieces); /* what it gave back after the pool's stop */
     pl->running = 0;
     close(pl->wakefd);
     pl->wakefd = -1;

@@ -30,19 +30,15 @@
 #include "plane.h"
 
 void plane_read_one(struct plane_read *r) {
-    struct pieces *c = &pool_live()->pieces;
     const char *at = NULL;
     r->began_ns = fanfs_now_ns();
-    /* A spare if one is kept (the last sends' buffers: pages mapped already), with room for
-     * an O_DIRECT read's aligned span, so that the read never grows it. */
+    r->buf = NULL; /* (a spare if one is kept: the last sends' buffers) */
     r->cap = 0;
-    r->buf = pieces_alloc(c, (uint64_t)r->len + 2 * FANFS_DIRECT_ALIGN, &r->cap);
-    r->err = r->buf == NULL ? ENOMEM
-                            : fanfs_pool_fast_stored(r->entry, r->len, &r->buf, &r->cap, &at);
+    r->err = fast_stored(r->entry, r->len, &r->buf, &r->cap, &at, 1);
     if (r->err == 0) {
         r->at = (uint32_t)(at - r->buf);
     } else {
-        pieces_free(c, r->buf, r->cap);
+        pieces_free(&pool_live()->pieces, r->buf, r->cap);
         r->buf = NULL;
     }
     r->read_ns = fanfs_now_ns();
