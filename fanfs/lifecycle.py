@@ -90,6 +90,19 @@ def failed(code: int, message: str) -> FanfsError:
     return err
 
 
+def verdict(obj: Any, rank: int, prefix: str = "") -> FanfsError | None:
+    """Rank `rank`'s start-up verdict as it came (`World.bcast`, `allgather`): None, it went
+    on; [exit code, message], it failed (the error, its message after `prefix`). Checked as
+    data: anything else is an error of its own."""
+    if obj is None:
+        return None
+    codes = {int(c) for c in ExitCode}
+    if (isinstance(obj, list) and len(obj) == 2 and type(obj[0]) is int and obj[0] in codes
+            and isinstance(obj[1], str)):  # fmt: skip
+        return failed(obj[0], prefix + obj[1])
+    return FanfsError(f"rank {rank} sent a start-up verdict that is not fanfs's: {obj!r:.200}")
+
+
 class Lifecycle:
     """One daemon's life around its body. `log` is the daemon's logger (its lines keep their
     name); `noted`, if not None, is the line logged (with the signal's name) when a stop signal
@@ -165,9 +178,9 @@ class Lifecycle:
         )
         if error is not None:
             raise error
-        for rank, verdict in enumerate(verdicts):
-            if verdict is not None:
-                raise failed(verdict[0], f"rank {rank} failed to start: {verdict[1]}")
+        for rank, said in enumerate(verdicts):
+            if (err := verdict(said, rank, f"rank {rank} failed to start: ")) is not None:
+                raise err
 
     def mount(self, stack: contextlib.ExitStack, ops: Any, mountpoint: Path,
               options: set[str] = fuse_ops.MOUNT_OPTIONS, background: int = 0,

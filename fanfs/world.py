@@ -9,13 +9,16 @@ duplicate communicator, and no collective runs again (a dead rank must not block
 
 from __future__ import annotations
 
-import pickle
+import json
 import struct
 import time
 from collections.abc import Callable
 from typing import Any
 
 CHUNK = 1 << 30  # MPI counts are C ints: larger payloads go as several messages
+# The most one rank may say in `bcast` or `allgather` (verdicts, names, paths, prepare's
+# settings and dictionaries): far above any of them, far below a rank's memory.
+MESSAGE_MAX = 64 << 20
 # A stop signal during a start-up collective: the others may be on their way to it (all ranks
 # then fail together, one clear line); past this the wait ends anyway (a rank may be dead).
 STOP_GRACE_S = 5.0
@@ -140,11 +143,13 @@ class World:
         MPI = self.MPI
         return MPI._handleof(self.plane_comm), MPI._handleof(MPI.BYTE), MPI.__file__
 
-    def bcast_bytes(self, data: bytes | None) -> bytes:
-        """Rank 0's `data` on every rank (buffer API, chunked)."""
+    def bcast_bytes(self, data: bytes | None, limit: int | None = None) -> bytes:
+        """Rank 0's `data` on every rank (buffer API, chunked); more than `limit` bytes
+        announced: refused before any is allocated."""
         size = bytearray(struct.pack("<q", len(data) if data is not None else 0))
         self._wait(self.comm.Ibcast([size, self.MPI.BYTE], root=0), "rank 0's broadcast", size)
         (n,) = struct.unpack("<q", size)
+        _check_size(n, limit, 0)
         buf = bytearray(data) if self.rank == 0 and data is not None else bytearray(n)
         view = memoryview(buf)
         for off in range(0, n, CHUNK):
@@ -154,23 +159,29 @@ class World:
         return bytes(buf)
 
     def bcast(self, obj: Any) -> Any:
-        """Rank 0's `obj` on every rank (pickled, as mpi4py's bcast: rank 0 is this job's)."""
-        return pickle.loads(self.bcast_bytes(pickle.dumps(obj) if self.rank == 0 else None))
+        """Rank 0's `obj` (JSON's types; a tuple arrives as a list) on every rank."""
+        data = _dumps(obj) if self.rank == 0 else None
+        return _loads(self.bcast_bytes(data, MESSAGE_MAX), 0)
 
     def allgather(self, obj: Any) -> list[Any]:
-        """Every rank's `obj`, in rank order (pickled, as mpi4py's allgather)."""
-        MPI, data = self.MPI, pickle.dumps(obj)
+        """Every rank's `obj` (JSON's types; a tuple arrives as a list), in rank order."""
+        MPI, data = self.MPI, _dumps(obj)
         mine, sizes = bytearray(struct.pack("<q", len(data))), bytearray(8 * self.size)
         req = self.comm.Iallgather([mine, MPI.BYTE], [sizes, MPI.BYTE])
         self._wait(req, "every rank's verdict", (mine, sizes))
         counts = list(struct.unpack(f"<{self.size}q", sizes))
+        for rank, n in enumerate(counts):
+            _check_size(n, MESSAGE_MAX, rank)
         displs = [sum(counts[:r]) for r in range(self.size)]
         out = bytearray(max(1, sum(counts)))
         req = self.comm.Iallgatherv([data, MPI.BYTE], [out, (counts, displs), MPI.BYTE])
         self._wait(req, "every rank's verdict", (data, out))
-        return [pickle.loads(out[d : d + c]) for c, d in zip(counts, displs, strict=True)]
+        return [
+            _loads(out[d : d + c], r) for r, (c, d) in enumerate(zip(counts, displs, strict=True))
+        ]
 
-    # Point-to-point messages of picklable objects, for `fanfs prepare` across ranks.
+    # Point-to-point messages of picklable objects, for `fanfs prepare` across ranks: rank 0
+    # hands out work and takes back its results (exceptions too) from the job's own ranks.
 
     def post(self, obj: Any, dest: int, tag: int) -> None:
         """Send without waiting (a blocking send could wait on a peer that is itself sending
@@ -239,3 +250,27 @@ class World:
             self.plane_comm.Free()
         self.comm.Free()
         self.MPI.Finalize()
+
+
+# The start-up collectives carry data, never code: a peer daemon's messages are checked like
+# input (docs/security.md), and unpickling runs whatever a pickle names.
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, allow_nan=False).encode()
+
+
+def _loads(data: bytes | bytearray, rank: int) -> Any:
+    from fanfs.errors import FanfsError
+
+    try:
+        return json.loads(bytes(data))
+    except (ValueError, RecursionError) as e:
+        raise FanfsError(
+            f"rank {rank} sent a start-up message that is not fanfs's ({len(data)} bytes: {e})"
+        ) from None
+
+
+def _check_size(n: int, limit: int | None, rank: int) -> None:
+    from fanfs.errors import FanfsError
+
+    if n < 0 or (limit is not None and n > limit):
+        raise FanfsError(f"rank {rank} announced a start-up message of {n} bytes")

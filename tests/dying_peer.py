@@ -38,7 +38,7 @@ def output(world: mpi.World, base: Path) -> None:
     from fanfs.output.replicas import TAG
 
     world.allgather(None)  # the paths checked
-    world.allgather(("1-dying", str(base / "nowhere")))  # its token and DEST
+    world.allgather(("1-0000dead", str(base / "nowhere")))  # its token and DEST
     world.allgather(None)  # mounted
     (base / "pid").write_text(str(os.getpid()))
     wait_for(base / "go")

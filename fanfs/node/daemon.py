@@ -37,7 +37,7 @@ import trio
 from fanfs import mounts, native, placement
 from fanfs.errors import FanfsError
 from fanfs.image.catalog import Catalog
-from fanfs.lifecycle import Lifecycle, check_mountpoint, expand, failed, node_name
+from fanfs.lifecycle import Lifecycle, check_mountpoint, expand, node_name, verdict
 from fanfs.node import assemble, fuse_ops
 from fanfs.node.pool import THREADS
 from fanfs.node.staging import default_parent
@@ -129,17 +129,16 @@ class Daemon:
             single, _ = Catalog.load(self.cfg.image)
             check_partitions(self.cfg.image, single, range(single.n_partitions))
             return single
-        verdict, raw = None, None
+        mine, raw = None, None
         catalog: Catalog | None = None
         if self.rank == 0:
             try:
                 catalog, raw = Catalog.load(self.cfg.image)
                 check_partitions(self.cfg.image, catalog, range(catalog.n_partitions))
             except FanfsError as e:
-                verdict = (int(e.exit_code), str(e))
-        verdict = world.bcast(verdict)
-        if verdict is not None:
-            raise failed(*verdict)
+                mine = (int(e.exit_code), str(e))
+        if (err := verdict(world.bcast(mine), 0)) is not None:
+            raise err
         raw = world.bcast_bytes(raw)
         if catalog is None:
             catalog = Catalog.from_bytes(raw, f"{self.cfg.image} (broadcast)")

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from fanfs.errors import FanfsError
 from fanfs.node import fuse_ops
 from fanfs.node.staging import StagingDir
 from fanfs.output import fs
@@ -69,6 +71,17 @@ class Place:
     token: str
 
 
+def owner_place(said: Any, rank: int) -> tuple[str, str]:
+    """Rank `rank`'s (token, DEST) as it came (`World.allgather`), checked as data: the token
+    names temporary files in DEST (a '/' or '..' in it would reach outside), DEST is where
+    this rank lands that one's files if it dies."""
+    token, dest = said if isinstance(said, list) and len(said) == 2 else (None, None)
+    if (isinstance(token, str) and re.fullmatch(rf"{rank}-[0-9a-f]{{8}}", token) is not None
+            and isinstance(dest, str) and dest.startswith("/") and "\0" not in dest):  # fmt: skip
+        return token, dest
+    raise FanfsError(f"rank {rank} sent a token and DEST that are not fanfs's: {said!r:.200}")
+
+
 def build(stack: contextlib.ExitStack, place: Place, dest: Dest, staging: StagingDir,
           dead: list[Dead], *, replicas: int, peer_timeout: float, max_ops: int,
           status: Callable[[], dict[str, Any]], pretend: int = 0) -> Wing:  # fmt: skip
@@ -89,8 +102,9 @@ def build(stack: contextlib.ExitStack, place: Place, dest: Dest, staging: Stagin
         assert place.world is not None
         # A start-up collective: each rank learns its owner's token and DEST (which may
         # differ per node: {node}), to land the owner's files there if it dies.
-        peers = place.world.allgather((place.token, place.dest))
-        owner_token, owner_dest = peers[(place.rank - 1) % place.size]
+        owner = (place.rank - 1) % place.size
+        said = place.world.allgather((place.token, place.dest))[owner]
+        owner_token, owner_dest = owner_place(said, owner)
         partner = Replicas(place.world, staging, tree.open_local_or_none, owner_dest,
                            owner_token, peer_timeout, on_sent=sent)  # fmt: skip
         on_enqueued = partner.enqueued

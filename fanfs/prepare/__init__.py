@@ -31,7 +31,7 @@ from fanfs import logs
 from fanfs.errors import ExitCode, FanfsError, SourceError, UsageError
 from fanfs.image import codec, imagedir
 from fanfs.prepare.dicts import train_dictionaries
-from fanfs.prepare.fanout import TAG_TASK, results, serve_batches
+from fanfs.prepare.fanout import TAG_TASK, results, serve_batches, setup
 from fanfs.prepare.interrupt import stop
 from fanfs.prepare.pack import Packer
 from fanfs.prepare.publish import image_readers, publish, write_catalog
@@ -167,7 +167,7 @@ def _prepare(
     encoder = codec.Encoder(policy, dicts)
     if world is not None and state is not None:
         log.info("packing with %d ranks, %d processes each", world.size, jobs)
-        world.bcast((policy.mode, policy.level, dicts))
+        world.bcast(setup(policy, dicts))
         state["ranks_told"] = True
     tmp = imagedir.partial_path(image)
     try:

@@ -5,6 +5,7 @@ Memory stays bounded: at most WINDOW_BYTES of file data are read ahead of the wr
 
 from __future__ import annotations
 
+import base64
 import logging
 import multiprocessing as mp
 import os
@@ -129,14 +130,31 @@ def _outcome(where: str, fn: Any, *args: Any) -> tuple[str, Any]:
         return "error", RuntimeError(f"{where}: {e!r}")
 
 
+def setup(policy: codec.Policy, dicts: list[bytes]) -> list[Any]:
+    """What rank 0 tells the others before packing (`World.bcast`'s JSON: the policy as
+    `--compress` spells it, the dictionaries in base64)."""
+    return [str(policy), [base64.b64encode(d).decode() for d in dicts]]
+
+
+def _setup(said: Any) -> codec.Encoder:
+    """The encoder `setup` describes, checked as data."""
+    spec, dicts = said if isinstance(said, list) and len(said) == 2 else (None, None)
+    if isinstance(spec, str) and isinstance(dicts, list):
+        try:
+            return codec.Encoder(codec.parse_compress(spec),
+                                 [base64.b64decode(d, validate=True) for d in dicts])  # fmt: skip
+        except (TypeError, ValueError):  # (binascii.Error is one)
+            pass
+    raise FanfsError(f"rank 0 sent packing settings that are not fanfs's: {said!r:.200}")
+
+
 def serve_batches(world: Any, jobs: int) -> None:
     """A rank other than 0 under an MPI launcher: read, checksum and compress the batches rank 0
     sends, with `jobs` local processes, and send the results back in order."""
-    setup = world.bcast(None)
-    if setup is None:  # rank 0 failed before packing: it reports the error
+    said = world.bcast(None)
+    if said is None:  # rank 0 failed before packing: it reports the error
         return
-    mode, level, dicts = setup
-    encoder = codec.Encoder(codec.Policy(mode, level), dicts)
+    encoder = _setup(said)
     workers = _Workers(jobs, encoder) if jobs > 1 else None
     inflight: deque[int] = deque()
     sent = files = 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +22,8 @@ from catalogs import columns_of, encode
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fanfs.errors import ImageError
+from fanfs import lifecycle
+from fanfs.errors import FanfsError, ImageError
 from fanfs.image import catalog as cat
 from fanfs.node.fuse_ops import ROOT, STATUS_XATTR, FanfsOperations
 from fanfs.node.reader import Reader
@@ -36,6 +38,8 @@ from fanfs.node.transport.inbox import (
     parse_batch,
     parse_request,
 )
+from fanfs.output.assemble import owner_place
+from fanfs.prepare import fanout
 
 SETTINGS = settings(max_examples=300, deadline=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
@@ -209,6 +213,44 @@ def test_peer_batch_header_round_trip() -> None:
     header[2] = -1  # an entry that cannot be
     assert parse_batch(header, 32767) is None
     assert parse_batch(batch_header(32767, [5]), 32767) is None  # a tag beyond the bound
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@SETTINGS
+@given(said=JSON | st.tuples(st.integers(-5, 200), st.text()).map(list)
+       | st.tuples(st.text(), st.text()).map(list))  # fmt: skip
+def test_start_up_messages_are_checked_as_data(said: object) -> None:
+    """What a peer says in a start-up collective (fanfs.world's JSON: a verdict, an output
+    daemon's token and DEST, prepare's settings) is a correct value or a FanfsError naming
+    the rank, never another exception."""
+    try:
+        err = lifecycle.verdict(said, 3)
+        assert err is None or isinstance(err, FanfsError)
+        if said is None:
+            assert err is None
+        elif "not fanfs's" not in str(err):  # a verdict: its code and message, as sent
+            assert isinstance(said, list) and err.exit_code == said[0] and str(err) == said[1]
+    except FanfsError as e:
+        raise AssertionError(f"{said!r}: {e}") from None
+    with contextlib.suppress(FanfsError):
+        token, dest = owner_place(said, 4)
+        assert re.fullmatch(r"4-[0-9a-f]{8}", token) and dest.startswith("/")
+    with contextlib.suppress(FanfsError):
+        fanout._setup(said)
+
+
+def test_a_peers_token_cannot_reach_outside_dest() -> None:
+    assert owner_place(["4-0123abcd", "/scratch/out"], 4) == ("4-0123abcd", "/scratch/out")
+    for token, dest in [("4-../../x", "/d"), ("4-0123abcd/..", "/d"), ("3-0123abcd", "/d"),
+                        ("4-0123abcd", "rel"), ("4-0123abcd", "/d\0x")]:  # fmt: skip
+        with pytest.raises(FanfsError, match="rank 4 sent a token and DEST"):
+            owner_place([token, dest], 4)
 
 
 @pytest.fixture

@@ -835,3 +835,56 @@ def test_a_rank_dead_at_start_up_ends_the_others_start(
     assert text.count(line) == 2, text
     assert not [m for m in mnts if mounts.find(m)]
     assert not list(tmp_path.glob("local-*/fanfs-stage-*"))
+
+
+# A third rank that follows the daemons' start-up collectives (fanfs.world's own calls) up to
+# their first agreement, and says there what argv[2] asks: a pickle that, unpickled, would
+# create the file argv[1]; or a JSON verdict no daemon sends.
+HOSTILE_AT_START = """import pickle, struct, sys
+from fanfs.world import World
+
+class Evil:
+    def __reduce__(self):
+        return (open, (sys.argv[1], "w"))
+
+w = World(60)
+w.bcast(None)  # rank 0's verdict on the image
+w.bcast_bytes(None)  # the catalog
+data = pickle.dumps(Evil()) if sys.argv[2] == "pickle" else b"[999, 5]"
+MPI = w.MPI
+mine, sizes = bytearray(struct.pack("<q", len(data))), bytearray(8 * w.size)
+w.comm.Iallgather([mine, MPI.BYTE], [sizes, MPI.BYTE]).Wait()
+counts = list(struct.unpack(f"<{w.size}q", sizes))
+out = bytearray(sum(counts))
+displs = [sum(counts[:r]) for r in range(w.size)]
+w.comm.Iallgatherv([data, MPI.BYTE], [out, (counts, displs), MPI.BYTE]).Wait()
+"""
+
+
+@pytest.mark.parametrize("says", ["pickle", "shape"])
+def test_a_hostile_rank_at_start_up_is_read_as_data(image: Path, tmp_path: Path, says: str) -> None:
+    """A peer daemon's messages are checked like input, the start-up collectives' too: they
+    carry JSON, so a rank's pickle (which, unpickled, runs what it names) and a verdict of the
+    wrong shape each end every daemon's start with one line naming the rank; nothing runs,
+    nothing is left mounted or staged."""
+    mnts = [tmp_path / f"mnt-{r}" for r in range(2)]
+    for m in mnts:
+        m.mkdir()
+    marker = tmp_path / "ran"
+    cmd = [*MPIRUN, "-np", "2", *FANFS, "mount", str(image), str(tmp_path / "mnt-{rank}"),
+           "--local", str(tmp_path / "local-{rank}"), ":", "-np", "1", sys.executable, "-c",
+           HOSTILE_AT_START, str(marker), says]  # fmt: skip
+    log = tmp_path / "mpirun.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=ENV)
+    try:
+        proc.wait(90)
+    finally:
+        launch.stop_process(proc, mnts)
+    text = log.read_text()
+    assert not marker.exists(), text  # (mpirun's own code: 0, with --enable-recovery)
+    line = ("rank 2 sent a start-up message that is not fanfs's" if says == "pickle"
+            else "rank 2 sent a start-up verdict that is not fanfs's")  # fmt: skip
+    assert text.count(line) == 2, text
+    assert not [m for m in mnts if mounts.find(m)]
+    assert not list(tmp_path.glob("local-*/fanfs-stage-*"))
