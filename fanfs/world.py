@@ -150,7 +150,12 @@ class World:
         self._wait(self.comm.Ibcast([size, self.MPI.BYTE], root=0), "rank 0's broadcast", size)
         (n,) = struct.unpack("<q", size)
         _check_size(n, limit, 0)
-        buf = bytearray(data) if self.rank == 0 and data is not None else bytearray(n)
+        try:
+            buf = bytearray(data) if self.rank == 0 and data is not None else bytearray(n)
+        except MemoryError:
+            from fanfs.errors import FanfsError
+
+            raise FanfsError(f"rank 0 announced {n} bytes: more than this rank can hold") from None
         view = memoryview(buf)
         for off in range(0, n, CHUNK):
             part = view[off : off + CHUNK]

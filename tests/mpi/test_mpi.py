@@ -837,9 +837,9 @@ def test_a_rank_dead_at_start_up_ends_the_others_start(
     assert not list(tmp_path.glob("local-*/fanfs-stage-*"))
 
 
-# A third rank that follows the daemons' start-up collectives (fanfs.world's own calls) up to
-# their first agreement, and says there what argv[2] asks: a pickle that, unpickled, would
-# create the file argv[1]; or a JSON verdict no daemon sends.
+# A third rank that follows the daemons' start-up collectives (fanfs.world's own calls) and
+# says what argv[2] asks: at their first agreement, a pickle that, unpickled, would create the
+# file argv[1], or a JSON verdict no daemon sends; or, as rank 0, a catalog of 2^60 bytes.
 HOSTILE_AT_START = """import pickle, struct, sys
 from fanfs.world import World
 
@@ -848,10 +848,13 @@ class Evil:
         return (open, (sys.argv[1], "w"))
 
 w = World(60)
+MPI = w.MPI
 w.bcast(None)  # rank 0's verdict on the image
+if sys.argv[2] == "size":  # rank 0: the catalog's size, and no catalog
+    w.comm.Ibcast([bytearray(struct.pack("<q", 1 << 60)), MPI.BYTE], root=0).Wait()
+    sys.exit(0)
 w.bcast_bytes(None)  # the catalog
 data = pickle.dumps(Evil()) if sys.argv[2] == "pickle" else b"[999, 5]"
-MPI = w.MPI
 mine, sizes = bytearray(struct.pack("<q", len(data))), bytearray(8 * w.size)
 w.comm.Iallgather([mine, MPI.BYTE], [sizes, MPI.BYTE]).Wait()
 counts = list(struct.unpack(f"<{w.size}q", sizes))
@@ -859,21 +862,30 @@ out = bytearray(sum(counts))
 displs = [sum(counts[:r]) for r in range(w.size)]
 w.comm.Iallgatherv([data, MPI.BYTE], [out, (counts, displs), MPI.BYTE]).Wait()
 """
+HOSTILE_SAYS = {
+    "pickle": "rank 2 sent a start-up message that is not fanfs's",
+    "shape": "rank 2 sent a start-up verdict that is not fanfs's",
+    "size": "rank 0 announced 1152921504606846976 bytes: more than this rank can hold",
+}
 
 
-@pytest.mark.parametrize("says", ["pickle", "shape"])
+@pytest.mark.parametrize("says", sorted(HOSTILE_SAYS))
 def test_a_hostile_rank_at_start_up_is_read_as_data(image: Path, tmp_path: Path, says: str) -> None:
     """A peer daemon's messages are checked like input, the start-up collectives' too: they
     carry JSON, so a rank's pickle (which, unpickled, runs what it names) and a verdict of the
-    wrong shape each end every daemon's start with one line naming the rank; nothing runs,
+    wrong shape each end every daemon's start with one line naming the rank, and so does a
+    catalog larger than a rank can hold (a MemoryError's traceback before); nothing runs,
     nothing is left mounted or staged."""
-    mnts = [tmp_path / f"mnt-{r}" for r in range(2)]
+    ranks = [1, 2] if says == "size" else [0, 1]  # (the hostile rank is rank 0 or 2)
+    mnts = [tmp_path / f"mnt-{r}" for r in ranks]
     for m in mnts:
         m.mkdir()
     marker = tmp_path / "ran"
-    cmd = [*MPIRUN, "-np", "2", *FANFS, "mount", str(image), str(tmp_path / "mnt-{rank}"),
-           "--local", str(tmp_path / "local-{rank}"), ":", "-np", "1", sys.executable, "-c",
-           HOSTILE_AT_START, str(marker), says]  # fmt: skip
+    daemons = ["-np", "2", *FANFS, "mount", str(image), str(tmp_path / "mnt-{rank}"),
+               "--local", str(tmp_path / "local-{rank}")]  # fmt: skip
+    hostile = ["-np", "1", sys.executable, "-c", HOSTILE_AT_START, str(marker), says]
+    first, then = (hostile, daemons) if says == "size" else (daemons, hostile)
+    cmd = [*MPIRUN, *first, ":", *then]
     log = tmp_path / "mpirun.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=ENV)
@@ -883,8 +895,6 @@ def test_a_hostile_rank_at_start_up_is_read_as_data(image: Path, tmp_path: Path,
         launch.stop_process(proc, mnts)
     text = log.read_text()
     assert not marker.exists(), text  # (mpirun's own code: 0, with --enable-recovery)
-    line = ("rank 2 sent a start-up message that is not fanfs's" if says == "pickle"
-            else "rank 2 sent a start-up verdict that is not fanfs's")  # fmt: skip
-    assert text.count(line) == 2, text
+    assert text.count(HOSTILE_SAYS[says]) == 2, text
     assert not [m for m in mnts if mounts.find(m)]
     assert not list(tmp_path.glob("local-*/fanfs-stage-*"))
