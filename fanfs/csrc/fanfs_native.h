@@ -396,7 +396,9 @@ void fanfs_plane_counters(uint64_t out[FANFS_PLANE_COUNTS]);
  * Counted before the READs are woken. */
 int fanfs_remote_latencies(uint64_t since, int64_t *ns, uint32_t *len, int max, uint64_t *now);
 /* The stored bytes of entry `e` (`len` of them, checked) for a peer, read by the calling
- * thread like the fast path's (fast.c): 0 with `*at` in `*buf` (fanfs_alloc'd, `*cap`); ENOENT
+ * thread like the fast path's (fast.c): 0 with `*at` in `*buf` (`*cap` bytes; when NULL, taken
+ * from pieces_alloc, a spare when one is kept, once the entry and length are found good and
+ * with room for an O_DIRECT read's aligned span); ENOENT
  * when it is not a file stored whole in a partition staged here (or the fast path is off),
  * EINVAL when `len` is not its stored length or over FANFS_REMOTE_MAX; a read's errno, or
  * FANFS_EBADCRC. */

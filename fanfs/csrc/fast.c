@@ -303,10 +303,6 @@ void fanfs_lookahead_counters(uint64_t out[3]) {
 }
 
 int fanfs_pool_fast_stored(int64_t e, uint32_t len, char **buf, uint32_t *cap, const char **at) {
-    return fast_stored(e, len, buf, cap, at, 0);
-}
-
-int fast_stored(int64_t e, uint32_t len, char **buf, uint32_t *cap, const char **at, int spare) {
     struct pool *P = pool_live();
     const struct fast *f = &P->fast;
     struct fanfs_piece p;
@@ -326,7 +322,7 @@ int fast_stored(int64_t e, uint32_t len, char **buf, uint32_t *cap, const char *
     if (len == 0 || len > FANFS_REMOTE_MAX || fanfs_col64(f->t.stored, (uint64_t)e) != len)
         goto out;
     err = ENOMEM; /* (room for an O_DIRECT read's aligned span: the read never grows it) */
-    if (spare && *buf == NULL &&
+    if (*buf == NULL &&
         (*buf = pieces_alloc(&P->pieces, (uint64_t)len + 2 * FANFS_DIRECT_ALIGN, cap)) == NULL)
         goto out;
     err = fanfs_read_stored(fd, __atomic_load_n(&f->dfd[part], __ATOMIC_RELAXED), &p, buf, cap,

@@ -34,7 +34,7 @@ void plane_read_one(struct plane_read *r) {
     r->began_ns = fanfs_now_ns();
     r->buf = NULL; /* (a spare if one is kept: the last sends' buffers) */
     r->cap = 0;
-    r->err = fast_stored(r->entry, r->len, &r->buf, &r->cap, &at, 1);
+    r->err = fanfs_pool_fast_stored(r->entry, r->len, &r->buf, &r->cap, &at);
     if (r->err == 0) {
         r->at = (uint32_t)(at - r->buf);
     } else {

@@ -218,9 +218,6 @@ int remote_fill(struct pool *P, const struct fanfs_rreq *r, const char *stored, 
                 int64_t asked_ns, char *own, uint32_t own_cap);
 
 /* fast.c */
-/* fanfs_pool_fast_stored; `spare`: *buf, when NULL, from pieces_alloc (a spare when one is
- * kept: pages mapped already), once the entry and length are found good. */
-int fast_stored(int64_t e, uint32_t len, char **buf, uint32_t *cap, const char **at, int spare);
 void fast_mark_bad(struct fast *f, int64_t entry);
 int lookahead_wanted(struct lookahead *la, uint64_t ino);
 
