@@ -90,14 +90,16 @@ def failed(code: int, message: str) -> FanfsError:
     return err
 
 
+_CODES = frozenset(int(c) for c in ExitCode)
+
+
 def verdict(obj: Any, rank: int, prefix: str = "") -> FanfsError | None:
     """Rank `rank`'s start-up verdict as it came (`World.bcast`, `allgather`): None, it went
     on; [exit code, message], it failed (the error, its message after `prefix`). Checked as
     data: anything else is an error of its own."""
     if obj is None:
         return None
-    codes = {int(c) for c in ExitCode}
-    if (isinstance(obj, list) and len(obj) == 2 and type(obj[0]) is int and obj[0] in codes
+    if (isinstance(obj, list) and len(obj) == 2 and type(obj[0]) is int and obj[0] in _CODES
             and isinstance(obj[1], str)):  # fmt: skip
         return failed(obj[0], prefix + obj[1])
     return FanfsError(f"rank {rank} sent a start-up verdict that is not fanfs's: {obj!r:.200}")

@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from fanfs.errors import FanfsError, MountFailed
+
 CHUNK = 1 << 30  # MPI counts are C ints: larger payloads go as several messages
 # The most one rank may say in `bcast` or `allgather` (verdicts, names, paths, prepare's
 # settings and dictionaries): far above any of them, far below a rank's memory.
@@ -59,7 +61,6 @@ def join(environ: dict[str, str], limit_s: float | None = None,
     else None; MountFailed when the MPI library cannot serve fanfs. `limit_s` and `stopping`:
     as World's."""
     from fanfs import logs
-    from fanfs.errors import MountFailed
 
     if launched_size(environ) <= 1:
         return None
@@ -113,8 +114,6 @@ class World:
 
     def _wait(self, req: Any, what: str, keep: Any = None) -> None:
         """Wait for collective `req` (`keep`: its buffers) within `limit_s` and the stop."""
-        from fanfs.errors import MountFailed
-
         began, pause, stop_at = time.monotonic(), 1e-4, 0.0
         while not req.Test():
             now = time.monotonic()
@@ -153,8 +152,6 @@ class World:
         try:
             buf = bytearray(data) if self.rank == 0 and data is not None else bytearray(n)
         except MemoryError:
-            from fanfs.errors import FanfsError
-
             raise FanfsError(f"rank 0 announced {n} bytes: more than this rank can hold") from None
         view = memoryview(buf)
         for off in range(0, n, CHUNK):
@@ -264,8 +261,6 @@ def _dumps(obj: Any) -> bytes:
 
 
 def _loads(data: bytes | bytearray, rank: int) -> Any:
-    from fanfs.errors import FanfsError
-
     try:
         return json.loads(bytes(data))
     except (ValueError, RecursionError) as e:
@@ -275,7 +270,5 @@ def _loads(data: bytes | bytearray, rank: int) -> Any:
 
 
 def _check_size(n: int, limit: int | None, rank: int) -> None:
-    from fanfs.errors import FanfsError
-
     if n < 0 or (limit is not None and n > limit):
         raise FanfsError(f"rank {rank} announced a start-up message of {n} bytes")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -71,11 +72,18 @@ class Place:
     token: str
 
 
+def new_token(rank: int) -> str:
+    """This daemon's name in DEST (temporary names, the replicas' marker): its rank and 8
+    random hex digits (pids repeat across nodes)."""
+    return f"{rank}-{secrets.token_hex(4)}"
+
+
 def owner_place(said: Any, rank: int) -> tuple[str, str]:
     """Rank `rank`'s (token, DEST) as it came (`World.allgather`), checked as data: the token
     names temporary files in DEST (a '/' or '..' in it would reach outside), DEST is where
     this rank lands that one's files if it dies."""
     token, dest = said if isinstance(said, list) and len(said) == 2 else (None, None)
+    # (new_token's shape)
     if (isinstance(token, str) and re.fullmatch(rf"{rank}-[0-9a-f]{{8}}", token) is not None
             and isinstance(dest, str) and dest.startswith("/") and "\0" not in dest):  # fmt: skip
         return token, dest

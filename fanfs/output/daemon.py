@@ -31,7 +31,6 @@ import contextlib
 import json
 import logging
 import os
-import secrets
 import signal
 import stat
 import time
@@ -179,7 +178,7 @@ class OutputDaemon:
             stack.callback(d.close)
         # This daemon's name in DEST (temporary names, the replicas' marker): pids repeat
         # across nodes.
-        token = f"{self.rank}-{secrets.token_hex(4)}"
+        token = assemble.new_token(self.rank)
         place = assemble.Place(self.life.world, self.rank, self.size, str(self.mountpoint),
                                str(self.dest), token)  # fmt: skip
         self.wing = wing = assemble.build(
