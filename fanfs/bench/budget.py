@@ -71,3 +71,24 @@ def line(row: dict[str, Any], where: str) -> str:
         f"budget {where} (us/file): native {native:.0f}, fanfs {fanfs:.0f} = "
         f"{'; '.join(parts)}; outside the daemon's READs {fanfs - inside:.0f}"
     )
+
+
+def cpu_by_thread(spent: list[dict[str, float]], files: int) -> dict[str, float]:
+    """The daemons' CPU per file read, in microseconds, by kind of thread
+    (fanfs.bench.epoch.thread_kind), the largest first: `spent` holds each pass's CPU seconds
+    by kind, `files` the files all of them read. Empty where no daemon was watched."""
+    total: dict[str, float] = {}
+    for by_kind in spent:
+        for kind, seconds in by_kind.items():
+            total[kind] = total.get(kind, 0.0) + seconds
+    if not files:
+        return {}
+    return {k: round(v / files * 1e6, 1)
+            for k, v in sorted(total.items(), key=lambda kv: -kv[1])}  # fmt: skip
+
+
+def thread_line(row: dict[str, Any], where: str) -> str:
+    """Where a case's daemon CPU per file went, by kind of thread."""
+    spent = row["cpu_by_thread_us"]
+    return (f"cpu {where} (us/file): " + " ".join(f"{k} {v:.0f}" for k, v in spent.items()
+                                                  if round(v) > 0))  # fmt: skip

@@ -67,24 +67,9 @@ def _per_file(paths: Sequence[str], readers: int, cold: bool = False, evict: boo
     return statistics.median(walls) / len(paths)
 
 
-SERIAL_THREADS = ("loop", "fanfs-mpi", "fanfs-plane")  # a daemon's one-of-a-kind threads
-
-
-def _serial_seconds(pids: Sequence[int]) -> dict[tuple[int, str], int]:
-    """Nanoseconds each daemon's one-of-a-kind threads have run: its event loop (the main
-    thread), its MPI thread and its data plane (named so), by (daemon, name)."""
-    out: dict[tuple[int, str], int] = {}
-    for pid in pids:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                comm = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
-                name = "loop" if int(tid) == pid else comm
-                if name in SERIAL_THREADS:
-                    ns = int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
-                    out[(pid, name)] = ns
-            except (OSError, ValueError):
-                continue
-    return out
+# A daemon's one-of-a-kind threads (fanfs.bench.epoch.thread_kind): its event loop (the main
+# thread), its MPI thread and its data plane.
+SERIAL_THREADS = ("loop", "mpi", "plane")
 
 
 def _loop_per_file(paths: Sequence[str], pids: Sequence[int]) -> float:
@@ -96,11 +81,11 @@ def _loop_per_file(paths: Sequence[str], pids: Sequence[int]) -> float:
     spent = 0.0
     for _ in range(REPEAT):
         _evict(paths)
-        before = _serial_seconds(pids)
+        before = global_epoch.daemon_thread_seconds(pids)
         read_all(list(paths), SATURATE[-1])
-        after = _serial_seconds(pids)
+        after = global_epoch.daemon_thread_seconds(pids)
         for pid in pids:
-            spent += max((after.get((pid, t), 0) - before.get((pid, t), 0)) / 1e9
+            spent += max(after.get((pid, t), 0.0) - before.get((pid, t), 0.0)
                          for t in SERIAL_THREADS)  # fmt: skip
     return spent / (REPEAT * len(paths))
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import re
 import statistics
 import time
 from collections.abc import Sequence
@@ -82,29 +83,65 @@ def read_groups(
              [v for x in items for v in x[3]]) for _, items in sorted(got.items())]  # fmt: skip
 
 
-# Each daemon thread's CPU time when last seen (ns, by (pid, thread id)): a thread that ended
-# keeps counting what it had used, so the total never goes down.
-_THREAD_NS: dict[tuple[int, str], int] = {}
+# Each daemon thread's kind and CPU time when last seen (ns, by (pid, thread id)): a thread
+# that ended keeps counting what it had used, so no total ever goes down.
+_THREAD_NS: dict[tuple[int, str], tuple[str, int]] = {}
 
 
-def cpu_seconds(pids: Sequence[int]) -> float:
-    """CPU time the processes' threads have used so far: each thread's time on a CPU in
-    nanoseconds (schedstat), since /proc/PID/stat counts in 10 ms ticks, coarser than a pass
-    over a few small files; that where schedstat is missing. A thread's time since it was last
-    seen is lost when it ends (a daemon's own threads live as long as it does)."""
-    total = 0.0
+def thread_kind(comm: str, main: bool) -> str:
+    """What a daemon's thread is, from its name (fanfs/threads.py, docs/threads.md): "loop"
+    (the main thread, trio's), "front", "pool", "mpi", "plane", "plan", "serve", "trio"
+    (trio's workers), ...; "other" for a thread no one named."""
+    if main:
+        return "loop"
+    kind = re.sub(r"[- ]\d+$", "", comm)
+    kind = kind.removeprefix("fanfs-")
+    return {"Trio thread": "trio", "fanfs": "other"}.get(kind, kind)
+
+
+def daemon_thread_seconds(pids: Sequence[int]) -> dict[tuple[int, str], float]:
+    """CPU time the processes' threads have used so far, by process and kind (thread_kind):
+    each thread's time on a CPU in nanoseconds (schedstat), since /proc/PID/stat counts in 10
+    ms ticks, coarser than a pass over a few small files; that (as kind "all") where schedstat
+    is missing. A thread's time since it was last seen is lost when it ends (a daemon's own
+    threads live as long as it does)."""
+    out: dict[tuple[int, str], float] = {}
     for pid in pids:
         if not os.path.exists(f"/proc/{pid}/schedstat"):
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            ticks = int(fields[11]) + int(fields[12])
+            out[pid, "all"] = ticks / os.sysconf("SC_CLK_TCK")
             continue
         for task in os.listdir(f"/proc/{pid}/task"):
-            stat = f"/proc/{pid}/task/{task}/schedstat"
-            with contextlib.suppress(FileNotFoundError), open(stat) as f:  # ended: gone
-                _THREAD_NS[pid, task] = int(f.read().split()[0])
-        total += sum(ns for (p, _), ns in _THREAD_NS.items() if p == pid) / 1e9
-    return total
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # ended: gone
+                with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                    ns = int(f.read().split()[0])
+                with open(f"/proc/{pid}/task/{task}/comm") as f:
+                    kind = thread_kind(f.read().strip(), int(task) == pid)
+                _THREAD_NS[pid, task] = (kind, ns)
+        for (p, _), (kind, ns) in _THREAD_NS.items():
+            if p == pid:
+                out[pid, kind] = out.get((pid, kind), 0.0) + ns / 1e9
+    return out
+
+
+def thread_seconds(pids: Sequence[int]) -> dict[str, float]:
+    """daemon_thread_seconds summed over the processes, by kind."""
+    out: dict[str, float] = {}
+    for (_, kind), seconds in daemon_thread_seconds(pids).items():
+        out[kind] = out.get(kind, 0.0) + seconds
+    return out
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """CPU time the processes' threads have used so far (thread_seconds, all kinds)."""
+    return sum(thread_seconds(pids).values())
+
+
+def spent_by_thread(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """CPU seconds each kind of thread spent between two thread_seconds readings."""
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0) > 0}
 
 
 def idle_cpu_percent(pids: Sequence[int], seconds: float = IDLE_S) -> float:

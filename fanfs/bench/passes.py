@@ -89,6 +89,8 @@ class Result:
     max_ms: float = 0.0  # the slowest file
     mean_ms: float = 0.0  # a file's mean time (open, read, close)
     budget: dict[str, int] = field(default_factory=dict)  # the daemons' budget over the pass
+    # daemon_cpu_s by kind of thread (fanfs.bench.epoch.thread_kind)
+    cpu_by_thread: dict[str, float] = field(default_factory=dict)
 
     @property
     def files_per_s(self) -> float:
@@ -218,7 +220,7 @@ def make_dataset(root: Path, size: int, count: int, seed: int) -> list[str]:
 def measure(case: Case, side: Side, rels: list[str], seed: int) -> Result:
     """One pass of `side`'s files. Case "planned": cold, the directories listed after the
     caches were dropped (both sides), and fanfs's readers publish their order before reading."""
-    from fanfs.bench.epoch import cpu_seconds
+    from fanfs.bench.epoch import spent_by_thread, thread_seconds
 
     order = rels[:]
     random.Random(seed).shuffle(order)
@@ -239,9 +241,9 @@ def measure(case: Case, side: Side, rels: list[str], seed: int) -> Result:
         wall = _pass(paths, case, None)[0]  # warm up what is measured
         rounds = max(1, min(WARM_MAX_ROUNDS, round(WARM_MIN_S / max(wall, 1e-3))))
     plan = side.root if planned and side.name == "fanfs" else None
-    before = cpu_seconds(side.pids) if side.pids else 0.0
+    before = thread_seconds(side.pids) if side.pids else {}
     wall, nbytes, lat, samples = _pass(paths * rounds, case, plan)
-    spent = cpu_seconds(side.pids) - before if side.pids else 0.0
+    by_thread = spent_by_thread(before, thread_seconds(side.pids)) if side.pids else {}
     if timed is not None:
         budget = {k: v - budget.get(k, 0) for k, v in timed().items()}
     if samples is not None:  # in the order of the files' names, so that sides compare
@@ -249,8 +251,8 @@ def measure(case: Case, side: Side, rels: list[str], seed: int) -> Result:
     p50, p99 = np.percentile(np.array(lat) * 1e3, [50, 99])
     folio = pagecache.folio_kib(paths[:FOLIO_SAMPLE]) if case.client != "torch" else None
     return Result(case, side.name, wall, len(paths) * rounds, nbytes, float(p50), float(p99),
-                  folio, cold_by, spent, samples, max(lat) * 1e3, float(np.mean(lat)) * 1e3,
-                  budget)  # fmt: skip
+                  folio, cold_by, sum(by_thread.values()), samples, max(lat) * 1e3,
+                  float(np.mean(lat)) * 1e3, budget, by_thread)  # fmt: skip
 
 
 def _pass(paths: list[str], case: Case, plan: Path | None

@@ -41,6 +41,10 @@ def summarize(results: list[Result]) -> list[dict[str, Any]]:
             row[f"{k.replace('-', '_')}_mean_ms"] = statistics.mean(r.mean_ms for r in rs)
         if case.temp == "cold" and (spent := budget.per_file(by.get("fanfs", []))):
             row["budget_us"] = spent
+        fanfs = by.get("fanfs", [])
+        if threads := budget.cpu_by_thread([r.cpu_by_thread for r in fanfs],
+                                           sum(r.files for r in fanfs)):  # fmt: skip
+            row["cpu_by_thread_us"] = threads
         row["ratio"] = statistics.median(ratios)
         row["ratio_min"], row["ratio_max"] = min(ratios), max(ratios)
         for name, (a, b) in VERSUS.items():
@@ -89,6 +93,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                                      for k, v in lat.items()))  # fmt: skip
     lines += [budget.line(r, f"{_where(r)} {size_label(r['size'])} {r['temp']} x{r['readers']}")
               for r in rows if r.get("budget_us")]  # fmt: skip
+    lines += [budget.thread_line(r, f"{_where(r)} {size_label(r['size'])} {r['temp']} "
+                                    f"x{r['readers']}")
+              for r in rows if r.get("cpu_by_thread_us")]  # fmt: skip
     lines += [f"front: {f}" for f in sorted({r["front"] for r in rows if r.get("front")})]
     idle = [r["daemon_idle_cpu_pct"] for r in rows if "daemon_idle_cpu_pct" in r]
     if idle:

@@ -16,6 +16,7 @@ from typing import Any
 import fanfs.bench.data as data
 import fanfs.bench.epoch as global_epoch
 import fanfs.bench.squashfs as squashfs
+from fanfs.bench.budget import cpu_by_thread
 from fanfs.bench.launch import Daemons, check, mounted, scratch
 from fanfs.bench.passes import (
     WARM_MAX_ROUNDS,
@@ -300,7 +301,7 @@ def _epoch_cases(
     for n in readers:
         for temp in temps:
             case = Case(size, n, temp, "epoch-planned" if planned else "epoch", client, kind)
-            cpu_per_file, remote = [], []
+            cpu_per_file, remote, threads, read = [], [], [], 0
             for i in range(repeat):
                 split = global_epoch.shares(len(rels), d.ranks, seed=i)
                 remote.append(global_epoch.remote_share(split, part_of, owners))
@@ -317,24 +318,32 @@ def _epoch_cases(
                         walls = global_epoch.read_groups(groups, n, client, _read_files)
                         wall = max(w for w, _, _ in walls)
                         rounds = max(1, min(WARM_MAX_ROUNDS, round(WARM_MIN_S / max(wall, 1e-3))))
-                    before = global_epoch.cpu_seconds(pids)
+                    before = global_epoch.thread_seconds(pids)
                     plans = d.mnts if planned and reader == "fanfs" else None
                     got = global_epoch.read_groups(
                         [g * rounds for g in groups], n, client, _read_files, plans
                     )
-                    spent = global_epoch.cpu_seconds(pids) - before
+                    by_thread = global_epoch.spent_by_thread(
+                        before, global_epoch.thread_seconds(pids)
+                    )
+                    spent = sum(by_thread.values())
                     files = [len(g) * rounds for g in groups]
                     s = global_epoch.summary(got, files)
                     results.append(Result(case, reader, s["seconds"], int(s["files"]),
                                           int(s["nbytes"]), s["p50_ms"], s["p99_ms"], None,
-                                          cold_by, spent, max_ms=s["max_ms"]))  # fmt: skip
+                                          cold_by, spent, max_ms=s["max_ms"],
+                                          cpu_by_thread=by_thread))  # fmt: skip
                     if reader == "fanfs":
                         cpu_per_file.append(spent / max(1, sum(files)) * 1e6)
+                        threads.append(by_thread)
+                        read += sum(files)
             extras[case] = {
                 "remote_share": round(statistics.mean(remote), 3),
                 "daemon_cpu_us_per_file": round(statistics.mean(cpu_per_file), 1),
                 "daemon_idle_cpu_pct": idle,
                 "nodes": d.ranks,
+                # (Result.files is a node's: the rows' own sums would count a node's files)
+                "cpu_by_thread_us": cpu_by_thread(threads, read),
             }
             log("  " + _short(results, case) + f", {extras[case]['remote_share']:.0%} remote, "
                 f"daemon CPU {extras[case]['daemon_cpu_us_per_file']:.0f} us/file, "

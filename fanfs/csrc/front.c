@@ -38,6 +38,7 @@
 #include <string.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
+#include <sys/prctl.h>
 #include <unistd.h>
 
 #include "front.h"
@@ -109,6 +110,7 @@ static void *front_main(void *arg) {
     struct fanfs_front *f = arg;
     char *buf = malloc(f->bufsize);
     int leading = 0, traced;
+    prctl(PR_SET_NAME, "fanfs-front", 0, 0, 0);
     if (buf == NULL)
         return NULL;
     for (;;) {

@@ -20,6 +20,7 @@
 #include <errno.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/prctl.h>
 #include <unistd.h>
 
 #include "pool_int.h"
@@ -94,6 +95,7 @@ static struct qjob *next_job_locked(struct workers *w) {
 static void *thread_main(void *arg) {
     struct pool *P = arg;
     struct workers *w = &P->work;
+    prctl(PR_SET_NAME, "fanfs-pool", 0, 0, 0); /* (for top -H, perf and fanfs bench) */
     for (;;) {
         struct qjob *qj;
         pthread_mutex_lock(&w->lock);

@@ -11,6 +11,8 @@
  * reads the slot's bytes with no lock. Lock order: the pushes' lock before the cache's.
  */
 #define _GNU_SOURCE
+#include <sys/prctl.h>
+
 #include "pool_int.h"
 
 void push_queue(struct pool *P, const struct target *t, uint64_t ino, int i, int64_t pos,
@@ -34,6 +36,7 @@ void push_queue(struct pool *P, const struct target *t, uint64_t ino, int i, int
 static void *pusher_main(void *arg) {
     struct pool *P = arg;
     struct pushes *q = &P->push;
+    prctl(PR_SET_NAME, "fanfs-push", 0, 0, 0);
     pthread_mutex_lock(&q->lock);
     for (;;) {
         struct push_item it;

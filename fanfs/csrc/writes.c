@@ -46,6 +46,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -91,6 +92,7 @@ static void put(struct fanfs_writes *wb, const struct fanfs_wb_job *j) {
 
 static void *writer_main(void *arg) {
     struct fanfs_writes *wb = arg;
+    prctl(PR_SET_NAME, "fanfs-write", 0, 0, 0);
     pthread_mutex_lock(&wb->lock);
     for (;;) {
         struct fanfs_wb_job j;

@@ -58,6 +58,7 @@ from fanfs.node.plans import Plans, Share
 from fanfs.node.pool import NativePool
 from fanfs.node.sources import Sources
 from fanfs.node.transport.inbox import BATCH_MAX
+from fanfs.threads import name_os_thread
 
 log = logging.getLogger(__name__)
 
@@ -210,6 +211,7 @@ class ReadAhead:
     # -- the pusher threads -----------------------------------------------------------------
 
     def _pusher(self) -> None:
+        name_os_thread()
         while (job := self._jobs.get()) is not None:
             if isinstance(job, _PeerTurn):
                 self._batch(job.peer)

@@ -31,6 +31,7 @@ from fanfs.node.partfile import pread_exact as pread_exact
 from fanfs.node.staging import StagingDir
 from fanfs.progress import human_bytes
 from fanfs.status import StoreStatus
+from fanfs.threads import name_os_thread
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +170,7 @@ class PartitionStore:
         self._thread.start()
 
     def _stage_all(self, staged: Callable[[int], None]) -> None:
+        name_os_thread()
         start = time.monotonic()
         last_log = start
         try:

@@ -62,6 +62,7 @@ from fanfs.output.messages import (
     decode,
     encode,
 )
+from fanfs.threads import name_os_thread
 from fanfs.world import World
 
 log = logging.getLogger(__name__)
@@ -191,6 +192,7 @@ class Replicas:
     # -- the MPI thread --------------------------------------------------------------------
 
     def _loop(self) -> None:
+        name_os_thread()
         sleep = IDLE_SLEEP_S[0]
         last_beat = 0.0
         while not self._stop.is_set():

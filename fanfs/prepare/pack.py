@@ -23,6 +23,7 @@ from fanfs.errors import SourceError
 from fanfs.image import catalog as cat
 from fanfs.image import codec
 from fanfs.image.checksum import crc32
+from fanfs.threads import name_os_thread
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class Hasher:
             self._cond.notify_all()
 
     def _run(self) -> None:
+        name_os_thread()
         while True:
             with self._cond:
                 while not self._todo and not self._done:

@@ -69,11 +69,21 @@ def test_bench_runs_and_reports(tmp_path: Path) -> None:
                 assert b["fetch_away"] > 0 and b["owner_read"] > 0, b
         else:
             assert "budget_us" not in r, r
+        # The daemons' CPU per file, by kind of thread: every thread that spent any is named,
+        # and (cold: each pass reads the files once) it adds up to the whole. The C front
+        # answers the READs of a cold file.
+        threads = r.get("cpu_by_thread_us", {})
+        assert "other" not in threads, threads
+        if r["temp"] == "cold":
+            spent = sum(threads.values())
+            assert spent == pytest.approx(r["daemon_cpu_us_per_file"], rel=0.02), r
+            assert threads.get("front", 0) > 0, threads
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "ratio" in done.stdout and "local" in done.stdout and "remote" in done.stdout
     assert re.search(r"daemon latency \(random 64K, remote\): .*peer p50/p99/max", done.stdout)
     assert re.search(r"budget remote 64K cold x1 \(us/file\): native \d+, fanfs \d+ = READ, a peer",
                      done.stdout)  # fmt: skip
+    assert re.search(r"cpu local 64K cold x1 \(us/file\): .*front \d+", done.stdout)
     assert not list((tmp_path / "work").glob("*/src"))  # datasets removed after the run
 
 
@@ -94,6 +104,9 @@ def test_bench_global_epoch_over_three_daemons(tmp_path: Path) -> None:
         assert_speeds_measured(r)
         if r["temp"] == "cold":  # its remote files cost the daemons CPU (a warm one may not)
             assert r["daemon_cpu_us_per_file"] > 0, r
+        # By kind of thread, per file read on any node (not per node's file), as the whole is.
+        spent = sum(r["cpu_by_thread_us"].values())
+        assert spent == pytest.approx(r["daemon_cpu_us_per_file"], rel=0.02), r
         assert 0 <= r["daemon_idle_cpu_pct"] < 100, r
     assert "remote" in done.stderr and "idle" in done.stderr
     bad = fanfs("bench", "--epoch", "global", "--workdir", tmp_path / "w2")

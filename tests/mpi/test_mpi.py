@@ -24,6 +24,7 @@ from conftest import FANFS, TESTS, prepare, quietest_ticks, stopping, thread_tic
 
 from fanfs import mounts, placement, plan, world
 from fanfs.bench import datagen, launch
+from fanfs.bench import epoch as global_epoch
 from fanfs.bench.compare import assert_same_tree
 from fanfs.errors import ExitCode
 from fanfs.image import catalog as cat
@@ -321,6 +322,26 @@ def test_an_idle_daemon_sleeps(tree: Path, image: Path, tmp_path: Path) -> None:
         assert max(s[0] for s in spent) <= ticks * 5 // 100, (spent, ticks)  # 1 % of a core
         assert max(s[1] for s in spent) <= ticks * 5 * 15 // 1000, (spent, ticks)  # 1.5 %
         assert assert_same_tree(tree, m.mnts[0]) > 270  # and the peers answer at once
+        _clean_after(m)
+
+
+def test_every_daemon_thread_is_named(tree: Path, image: Path, tmp_path: Path) -> None:
+    """`top -H`, `ps -L`, perf and `fanfs bench`'s CPU by thread tell a daemon's threads apart
+    by the names the kernel keeps: each but the main one names itself (fanfs/threads.py and
+    the C's prctl), none is left with the process's own name."""
+    with mpi_mounted(image, tmp_path, 2) as m:
+        assert assert_same_tree(tree, m.mnts[0]) > 270  # local and peers' files
+        pid = m.status(0)["pid"]
+        names = {}
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                names[int(task.name)] = (task / "comm").read_text().strip()
+        kinds = [global_epoch.thread_kind(name, tid == pid) for tid, name in names.items()]
+        assert "other" not in kinds, names
+        want = {"loop", "front", "pool", "push", "mpi", "serve", "plan"}
+        if lib.plane_built():
+            want |= {"plane", "pread"}
+        assert want <= set(kinds), names
         _clean_after(m)
 
 

@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "fanfs"
 # Lower numbers are lower layers; a module may import only its own layer or lower ones.
 LAYERS = {
     "errors": 0, "progress": 0, "status": 0, "logs": 0, "native": 0, "switches": 0,
-    "stopsignals": 0,
+    "stopsignals": 0, "threads": 0,
     "placement": 1, "mounts": 1, "plan": 2, "world": 2, "torch": 3,
     # the image: its format, catalog, codec, checks; `fanfs info` and `verify` (image.verify)
     "image": 0, "image.checksum": 0, "image.format": 0, "image.catalog_check": 1,

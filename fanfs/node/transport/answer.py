@@ -36,6 +36,7 @@ from fanfs.node.transport.inbox import (
     parse_batch,
     parse_request,
 )
+from fanfs.threads import name_os_thread
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +199,7 @@ class Answers:
 
     def _reader(self) -> None:
         """Read what peers asked for that is not in the page cache (may wait for the disk)."""
+        name_os_thread()
         while (read := self._reads.get()) is not None:
             started = time.monotonic_ns()
             data: Any = None

@@ -61,6 +61,7 @@ from fanfs.node.transport.inbox import (  # noqa: F401 (the tests read the const
     Inbox,
 )
 from fanfs.status import PeerStatus
+from fanfs.threads import name_os_thread
 from fanfs.world import CHUNK, World, leave_to_mpi
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,6 @@ HOT_S = 20e-3
 # quarantined for QUARANTINE_TIMEOUTS peer timeouts.
 PLANE_HAND_BACK_S = 0.1
 PR_SET_TIMERSLACK = 29  # linux/prctl.h
-PR_SET_NAME = 15
 TIMER_SLACK_NS = 1000
 
 
@@ -95,9 +95,8 @@ def _precise_timeouts() -> None:
     with 1 us of slack, most of the rest being the wake-up itself). And name it for the system
     (`fanfs bench --calibrate`, top, perf tell it from the daemon's other threads)."""
     with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_TIMERSLACK, TIMER_SLACK_NS, 0, 0, 0)
-        libc.prctl(PR_SET_NAME, ctypes.c_char_p(b"fanfs-mpi"), 0, 0, 0)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_TIMERSLACK, TIMER_SLACK_NS, 0, 0, 0)
+    name_os_thread("fanfs-mpi")
 
 
 class MpiTransport(MpiFetches):
