@@ -19,7 +19,7 @@ from cpython.pycapsule cimport PyCapsule_GetContext, PyCapsule_New, PyCapsule_Se
 from cpython.ref cimport Py_DECREF, Py_INCREF
 from libc.errno cimport EAGAIN, EBADMSG, EILSEQ, EINVAL, EIO, ENOMEM, ENOSYS
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
-from libc.stdlib cimport free, malloc
+from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy
 
 import os
@@ -89,6 +89,7 @@ cdef extern from "fanfs_native.h" nogil:
     int fanfs_pool_submit(void *session, void *req, const fanfs_job *job)
     int fanfs_pool_read_ahead(const fanfs_job *job)
     int fanfs_pool_push_file(const fanfs_job *job, int devfd) nogil
+    int fanfs_pool_push_files(const fanfs_job *jobs, int n, int devfd, int *out) nogil
     void fanfs_pool_drop()
     void fanfs_pool_counters(fanfs_pool_stats *out)
     struct fanfs_fast_table:
@@ -492,6 +493,26 @@ def pool_push_file(tuple job, int devfd):
     with nogil:
         r = fanfs_pool_push_file(&j, devfd)
     return r
+
+
+def pool_push_files(list jobs, int devfd):
+    """pool_push_file of each of `jobs` (peers' files: their fetches asked together, a few
+    ahead of the one being stored), in this thread; a list of its answers."""
+    cdef int n = len(jobs), k
+    cdef fanfs_job *js = <fanfs_job *>calloc(max(n, 1), sizeof(fanfs_job))
+    cdef int *out = <int *>calloc(max(n, 1), sizeof(int))
+    try:
+        if js == NULL or out == NULL:
+            raise MemoryError()
+        for k in range(n):
+            if _job_from(jobs[k], &js[k]) != 0:
+                raise ValueError(f"pool_push_files: job {k} is malformed")
+        with nogil:
+            fanfs_pool_push_files(js, n, devfd, out)
+        return [out[k] for k in range(n)]
+    finally:
+        free(js)
+        free(out)
 
 
 def pool_drop():

@@ -122,6 +122,7 @@ class PlanStatus:
     followed_lost: int = 0  # ... and could not tell (its record was full)
     pushed_in_c: int = 0  # of the pushed, files read, checked, decoded and stored by the C alone
     pushed_from_peers: int = 0  # ... of them peers' files (fetched as the front's: the data plane)
+    pushed_together: int = 0  # ... of those, fetched in a turn of several (fanfs_pool_push_files)
 
 
 NO_PLAN = PlanStatus(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
@@ -348,7 +349,8 @@ def render(s: Status) -> str:
         lines.append(
             f"plan:     {pl.shares} shares, {pl.planned} planned ({pl.missing} missing), at "
             f"{pl.position}; {pl.prefetched} read ahead ({pl.pushed_to_kernel} into the page "
-            f"cache, {pl.pushed_in_c} of them by the C alone, {pl.pushed_from_peers} from peers), "
+            f"cache, {pl.pushed_in_c} of them by the C alone, {pl.pushed_from_peers} from peers, "
+            f"{pl.pushed_together} in turns of several), "
             f"{pl.hits} hits, {pl.misses} misses, "
             f"{human_bytes(pl.dropped_unread_bytes)} dropped unread; {pl.followed} opens and "
             f"reads answered in C followed ({pl.followed_lost} lost)"

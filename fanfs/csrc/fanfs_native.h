@@ -26,7 +26,7 @@
 #include <string.h>
 #include <sys/uio.h>
 
-#define FANFS_NATIVE_API 16
+#define FANFS_NATIVE_API 17
 
 /* What a piece's stored bytes are (fanfs/node/pool.py names the same numbers). */
 enum {
@@ -228,6 +228,12 @@ int fanfs_pool_read_ahead(const struct fanfs_job *job);
  * FANFS_EBADDATA: the file is bad, and reported as a READ's would be; FANFS_EREMOTE: no
  * holder gave a peer's file in time; a failed read or store). */
 int fanfs_pool_push_file(const struct fanfs_job *job, int devfd);
+/* `n` peers' files as fanfs_pool_push_file pushes each (out[k]: its answer), their fetches
+ * asked FANFS_PUSH_TOGETHER at a time ahead of the one being stored, so that the data plane
+ * asks their holders together: a planned epoch's turn of several files costs about one round
+ * trip, not one each, and no Python on either side. 0, or EINVAL. */
+#define FANFS_PUSH_TOGETHER 8
+int fanfs_pool_push_files(const struct fanfs_job *jobs, int n, int devfd, int *out);
 /* Empty the cache of decoded pieces (cold measurements). */
 void fanfs_pool_drop(void);
 

@@ -280,17 +280,24 @@ int job_answer(struct pool *P, struct qjob *qj, const struct target *t,
     return 0;
 }
 
-int fanfs_pool_push_file(const struct fanfs_job *j, int devfd) {
-    struct pool *P = pool_live();
-    struct fanfs_dicts *dicts;
-    struct got g = {NULL, -1, NULL, 0, 0};
+/* fanfs_pool_push_file's first step: 0 when job j may be pushed, -1 when the kernel does not
+ * know its inode, else an errno. */
+static int push_probe(const struct fanfs_job *j, int devfd) {
     int err;
     if (j->npieces != 1 || j->ino == 0 || j->fd == -1 || devfd < 0 || fanfs_job_check(j) != 0)
         return EINVAL;
-    /* An empty store first: the kernel answers ENOENT for an inode it does not know, having
-     * copied nothing, and the file is then not read for nothing. */
+    /* An empty store: the kernel answers ENOENT for an inode it does not know, having copied
+     * nothing, and the file is then not read for nothing. */
     if ((err = -fanfs_raw_notify_store(devfd, j->ino, 0, NULL, 0)) != 0)
         return err == ENOENT ? -1 : err;
+    return 0;
+}
+
+/* ... and the rest, once probed. */
+static int push_probed(struct pool *P, const struct fanfs_job *j, int devfd) {
+    struct fanfs_dicts *dicts;
+    struct got g = {NULL, -1, NULL, 0, 0};
+    int err;
     if (j->fd <= FANFS_REMOTE_FD(0)) { /* a peer's: fetched into the cache as for a READ */
         err = remote_piece(P, j, &j->pieces[0], &g, 0);
     } else {
@@ -305,6 +312,43 @@ int fanfs_pool_push_file(const struct fanfs_job *j, int devfd) {
     piece_done(&P->pieces, &g);
     job_buffers_trim();
     return err == ENOENT ? -1 : err;
+}
+
+int fanfs_pool_push_file(const struct fanfs_job *j, int devfd) {
+    int err = push_probe(j, devfd);
+    return err != 0 ? err : push_probed(pool_live(), j, devfd);
+}
+
+/* A peer's file's fetch asked now, its piece reserved (pending) for its push to find: 0, or
+ * push_probe's answer. One the cache has, or cannot reserve now, its push fetches itself. */
+static int push_ask(struct pool *P, const struct fanfs_job *j, int devfd) {
+    struct pieces *c = &P->pieces;
+    int err = push_probe(j, devfd);
+    if (err != 0 || j->fd > FANFS_REMOTE_FD(0))
+        return err;
+    pthread_mutex_lock(&c->lock);
+    if (pieces_find_locked(c, j->fd, &j->pieces[0]) < 0) {
+        c->misses++;
+        remote_reserve_locked(P, j, &j->pieces[0], 0);
+    }
+    pthread_mutex_unlock(&c->lock);
+    return 0;
+}
+
+int fanfs_pool_push_files(const struct fanfs_job *jobs, int n, int devfd, int *out) {
+    struct pool *P = pool_live();
+    int k, next = 0;
+    if (n < 0 || (n > 0 && (jobs == NULL || out == NULL)))
+        return EINVAL;
+    for (k = 0; k < n; k++) {
+        /* (Each piece is held only from its push's HIT to its store: asked ahead, a pending or
+         * filled piece nobody holds, at most FANFS_PUSH_TOGETHER of the cache's slots.) */
+        for (; next < n && next <= k + FANFS_PUSH_TOGETHER - 1; next++)
+            out[next] = push_ask(P, &jobs[next], devfd);
+        if (out[k] == 0)
+            out[k] = push_probed(P, &jobs[k], devfd);
+    }
+    return 0;
 }
 
 /* A read-ahead: decode each piece nobody holds into the cache (and push it, if asked). */

@@ -199,6 +199,7 @@ def report(node: Node, *, image: str, mountpoint: str, rank: int, size: int, rep
             pool_lost,
             r.in_c,
             r.from_peers,
+            r.together,
         ),
         plan_socket=plan_socket,
         budget={

@@ -39,7 +39,7 @@ from fanfs.errors import FanfsError
 from fanfs.image.catalog import Catalog
 from fanfs.lifecycle import Lifecycle, check_mountpoint, expand, node_name, verdict
 from fanfs.node import assemble, fuse_ops
-from fanfs.node.pool import THREADS
+from fanfs.node.pool import FRONT_THREADS
 from fanfs.node.staging import default_parent
 from fanfs.node.store import PartitionStore, check_partitions
 from fanfs.status import Status
@@ -56,7 +56,7 @@ READ_AHEAD_KB = 1024
 # 12 would throttle many readers before the front's threads are busy. Four per front thread (a
 # reader's READ and its readahead, as many readers as cores); a user's mount gets at most the
 # fuse module's max_user_bgreq (thousands: sized from the node's memory).
-BACKGROUND = 4 * THREADS
+BACKGROUND = 4 * FRONT_THREADS
 
 
 @dataclass(frozen=True, slots=True)

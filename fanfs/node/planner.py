@@ -21,10 +21,10 @@ A peer's small file is not fetched alone: it waits in its peer's queue, and the 
 turn comes takes everything waiting for that peer (up to BATCH_MAX files) in one round trip
 (`Sources.batch_blocking`, as AIStore's GetBatch does). While the pushers are busy the queues
 fill and the batches grow; when they are idle a batch is one file and nothing waits. Where the
-data plane runs (fanfs/csrc/plane.c), a file alone in its turn is fetched by it and stored by
-the C (`_in_c`): no Python on either side. A batch stays Python's on both sides: one round
-trip for up to BATCH_MAX files cost less CPU per file here than the plane's one each
-(docs/performance.md, "Planned epochs through the data plane").
+data plane runs (fanfs/csrc/plane.c), a turn's files go to `_together` instead: the plane
+asks their holders together and the C stores each (fanfs_pool_push_files), no Python on either
+side and about one round trip a turn. Batches through the MPI threads (Python on both sides)
+are left for the files the plane does not take.
 
 It degrades to reading without a plan: a read-ahead that fails (a dead peer, a corrupt file)
 is counted and left to the job's READ, which tries every source and reports it; the engine
@@ -82,6 +82,15 @@ Job = tuple[int, Share, int, int, int]
 Push = Callable[[int, int, bytes], bool]  # (entry, offset, data) -> stored in the page cache
 
 
+def _stored_in_c(done: int) -> bool | None:
+    """fanfs_pool_push_file's answer `done` as `ReadAhead._in_c` returns it."""
+    if done == lib.EREMOTE:
+        return None
+    if done > 0:
+        raise OSError(done, os.strerror(done))
+    return done == 0
+
+
 @dataclass(frozen=True, slots=True)
 class _PeerTurn:
     """A pusher's turn to fetch, in one batch, what waits for `peer`."""
@@ -122,6 +131,7 @@ class ReadAhead:
         self.failed = 0
         self.in_c = 0  # of the pushed, files read, checked, decoded and stored by the C alone
         self.from_peers = 0  # ... of them peers' files (fetched as the front's: the data plane)
+        self.together = 0  # ... of those, fetched in a turn of several (`_together`)
         self.followed = 0  # files the front answered and told of
 
     async def run(self) -> None:
@@ -229,12 +239,15 @@ class ReadAhead:
             else:
                 self._whole(job, stored)
         except Exception as e:  # the READ fetches it itself (and reports a corrupt file)
-            with self._count:
-                self.failed += 1
-            log.info("read-ahead of %s failed (its READ will fetch it): %s",
-                     os.fsdecode(b"/" + self.catalog.path(entry)), e)  # fmt: skip
+            self._failed(entry, e)
         finally:
             self.pool.ahead(entry, False)
+
+    def _failed(self, entry: int, e: Exception) -> None:
+        with self._count:
+            self.failed += 1
+        log.info("read-ahead of %s failed (its READ will fetch it): %s",
+                 os.fsdecode(b"/" + self.catalog.path(entry)), e)  # fmt: skip
 
     def _batch(self, peer: int) -> None:
         """Fetch what waits for `peer` (up to BATCH_MAX files, BATCH_BYTES) in one round trip,
@@ -259,8 +272,8 @@ class ReadAhead:
             nbytes += size
         if not jobs:
             return  # an earlier turn took them
-        if len(jobs) == 1 and self._by_plane(jobs[0][3]):
-            self._one(jobs[0])  # one round trip either way: the data plane's runs no Python
+        if all(self._by_plane(job[3]) for job in jobs):  # no Python on either side
+            self._together(jobs)
             return
         try:
             got = self.sources.batch_blocking(peer, [job[3] for job in jobs])
@@ -269,6 +282,22 @@ class ReadAhead:
             got = [None] * len(jobs)
         for job, stored in zip(jobs, got, strict=True):
             self._one(job, stored)
+
+    def _together(self, jobs: list[Job]) -> None:
+        """Peers' files the data plane fetches (`_by_plane`), stored as `_in_c` stores each,
+        their fetches asked together; one the C did not store goes `_one`'s way."""
+        native = [self._c_job(job[3]) for job in jobs]
+        done = iter(lib.pool_push_files([j for j in native if j is not None], self._device))
+        for job, one in zip(jobs, native, strict=True):
+            entry = job[3]
+            try:
+                if one is None or not _stored_in_c(next(done)):
+                    self._one(job)  # not had in time, or the kernel does not know it yet
+                    continue
+                self._done(int(self.catalog.size[entry]), True, True, True, len(jobs) > 1)
+            except OSError as e:  # its READ fetches it itself (and reports a corrupt file)
+                self._failed(entry, e)
+            self.pool.ahead(entry, False)
 
     def _stored(self, entry: int, offset: int, length: int, crc: int | None) -> tuple[bytes, bool]:
         assert self._token is not None
@@ -281,9 +310,8 @@ class ReadAhead:
         return self._device >= 0 and kinds is not None and kinds[entry] != lib.FAST_NO
 
     def _by_plane(self, entry: int) -> bool:
-        """Whether the data plane fetches a peer's file for `_in_c` (no Python on either
-        side): a file alone in its turn (not a batch of one), one too large for a batch, one a
-        batch did not bring."""
+        """Whether the data plane fetches a peer's file for `_in_c` or `_together` (no
+        Python on either side)."""
         return self._c_reads(entry) and not self.sources.mine(entry) and self._plane_takes(entry)
 
     def _plane_takes(self, entry: int) -> bool:
@@ -296,6 +324,11 @@ class ReadAhead:
         yet (nothing read), None where the C does not read it (no front, not staged yet, a
         file the front's pool leaves to Python, a peer's file no holder gave in time).
         OSError if the read, check, decode or store failed."""
+        one = self._c_job(entry)
+        return None if one is None else _stored_in_c(lib.pool_push_file(one, self._device))
+
+    def _c_job(self, entry: int) -> tuple[int, ...] | None:
+        """`_in_c`'s native job for `entry`, or None where the C does not read it."""
         c, local = self.catalog, self.sources.local
         if not self._c_reads(entry):
             return None
@@ -310,14 +343,8 @@ class ReadAhead:
             fd = lib.remote_fd(part)  # fetched into the pool's cache as the front's READ is
         else:
             return None
-        one = native_job(fd, -1, entry, 0, 0, int(c.size[entry]), 0,
-                         [whole_piece(c, entry, int(fd < 0))])  # fmt: skip
-        done = lib.pool_push_file(one, self._device)
-        if done == lib.EREMOTE:
-            return None  # fetched the usual way (every holder, then the image)
-        if done > 0:
-            raise OSError(done, os.strerror(done))
-        return done == 0
+        return native_job(fd, -1, entry, 0, 0, int(c.size[entry]), 0,
+                          [whole_piece(c, entry, int(fd < 0))])  # fmt: skip
 
     def _whole(self, job: Job, stored: bytes | None = None) -> None:
         share, s, pos, entry, _ = job
@@ -360,10 +387,12 @@ class ReadAhead:
             done += len(data)
         self._done(done, pushed)
 
-    def _done(self, nbytes: int, pushed: bool, in_c: bool = False, peer: bool = False) -> None:
+    def _done(self, nbytes: int, pushed: bool, in_c: bool = False, peer: bool = False,
+              together: bool = False) -> None:  # fmt: skip
         with self._count:
             self.prefetched += 1
             self.prefetched_bytes += nbytes
             self.pushed += pushed
             self.in_c += in_c
             self.from_peers += peer
+            self.together += together

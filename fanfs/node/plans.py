@@ -373,7 +373,8 @@ class Plans:
 
     def statistics(self, prefetched: int, pushed: int, prefetched_bytes: int, failed: int,
                    followed: int = 0, followed_lost: int = 0,
-                   in_c: int = 0, from_peers: int = 0) -> PlanStatus:  # fmt: skip
+                   in_c: int = 0, from_peers: int = 0, together: int = 0,
+                   ) -> PlanStatus:  # fmt: skip
         shares = list(self.shares.values())
         return PlanStatus(
             shares=len(shares),
@@ -384,6 +385,7 @@ class Plans:
             pushed_to_kernel=pushed,
             pushed_in_c=in_c,
             pushed_from_peers=from_peers,
+            pushed_together=together,
             prefetched_bytes=prefetched_bytes,
             held_bytes=self.held_bytes,
             hits=self.hits,

@@ -62,6 +62,11 @@ log = logging.getLogger(__name__)
 # Pool threads: at least 4 (concurrent disk reads of small files, even on a 2-core node), and
 # one per core up to 32 on bigger nodes, where decoding compressed files is what they do most.
 THREADS = max(4, min(32, os.cpu_count() or 4))
+# The front's threads: twice the cores, 8 to 32 (csrc/front.h). A front thread waits out a
+# peer's piece and one is kept for local files: with one per core, 4 readers of peers' files
+# here sent a READ in seven to Python (and the MPI thread spun for it): 0.34 of native against
+# 0.43 with 8 threads (docs/performance.md, "The daemons' CPU by thread").
+FRONT_THREADS = max(8, min(32, 2 * (os.cpu_count() or 4)))
 # Files stored whole up to this size are answered by the pool also when a READ asks for a part
 # (it keeps the decoded file in its cache of pieces, 64 MiB in all, for the other parts, and
 # pushes them into the kernel's page cache).
@@ -121,7 +126,7 @@ class Front:
         try:
             self.native = lib.Front(self.give_catalog(catalog))
             self.native.pretend(self.pretend)
-            ready = self.native.start(self.session_fd(), THREADS, self.spin_us)
+            ready = self.native.start(self.session_fd(), FRONT_THREADS, self.spin_us)
         except (OSError, ValueError) as e:
             log.warning("front threads unavailable, requests go through the event loop: %s", e)
             self.off = f"its threads could not start ({e})"
