@@ -504,9 +504,9 @@ def pool_push_files(list jobs, int devfd):
     try:
         if js == NULL or out == NULL:
             raise MemoryError()
-        for k in range(n):
-            if _job_from(jobs[k], &js[k]) != 0:
-                raise ValueError(f"pool_push_files: job {k} is malformed")
+        for k in range(n):  # (a malformed one has no pieces: answered EINVAL)
+            if not isinstance(jobs[k], tuple) or _job_from(jobs[k], &js[k]) != 0:
+                js[k].npieces = 0
         with nogil:
             fanfs_pool_push_files(js, n, devfd, out)
         return [out[k] for k in range(n)]

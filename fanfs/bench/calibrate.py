@@ -81,12 +81,11 @@ def _loop_per_file(paths: Sequence[str], pids: Sequence[int]) -> float:
     spent = 0.0
     for _ in range(REPEAT):
         _evict(paths)
-        before = global_epoch.daemon_thread_seconds(pids)
+        before = global_epoch.threads_now(pids)
         read_all(list(paths), SATURATE[-1])
-        after = global_epoch.daemon_thread_seconds(pids)
+        took = global_epoch.spent(before, global_epoch.threads_now(pids))
         for pid in pids:
-            spent += max(after.get((pid, t), 0.0) - before.get((pid, t), 0.0)
-                         for t in SERIAL_THREADS)  # fmt: skip
+            spent += max(took.get((pid, t), 0.0) for t in SERIAL_THREADS)
     return spent / (REPEAT * len(paths))
 
 

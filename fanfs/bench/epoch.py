@@ -86,62 +86,71 @@ def read_groups(
 # Each daemon thread's kind and CPU time when last seen (ns, by (pid, thread id)): a thread
 # that ended keeps counting what it had used, so no total ever goes down.
 _THREAD_NS: dict[tuple[int, str], tuple[str, int]] = {}
+Threads = dict[tuple[int, str], tuple[str, int]]  # a reading of them (threads_now)
 
 
-def thread_kind(comm: str, main: bool) -> str:
+def thread_kind(comm: str, main: bool, process: str = "fanfs") -> str:
     """What a daemon's thread is, from its name (fanfs/threads.py, docs/threads.md): "loop"
     (the main thread, trio's), "front", "pool", "mpi", "plane", "plan", "serve", "trio"
-    (trio's workers), ...; "other" for a thread no one named."""
+    (trio's workers, which trio renames for each job), ...; "other" for a thread no one named
+    (it has the name of its `process`)."""
     if main:
         return "loop"
-    kind = re.sub(r"[- ]\d+$", "", comm)
-    kind = kind.removeprefix("fanfs-")
-    return {"Trio thread": "trio", "fanfs": "other"}.get(kind, kind)
+    if comm.startswith("Trio thread") or " from " in comm:
+        return "trio"
+    if comm == process:
+        return "other"
+    return re.sub(r"[- ]\d+$", "", comm).removeprefix("fanfs-")
 
 
-def daemon_thread_seconds(pids: Sequence[int]) -> dict[tuple[int, str], float]:
-    """CPU time the processes' threads have used so far, by process and kind (thread_kind):
-    each thread's time on a CPU in nanoseconds (schedstat), since /proc/PID/stat counts in 10
-    ms ticks, coarser than a pass over a few small files; that (as kind "all") where schedstat
-    is missing. A thread's time since it was last seen is lost when it ends (a daemon's own
-    threads live as long as it does)."""
-    out: dict[tuple[int, str], float] = {}
+def threads_now(pids: Sequence[int]) -> Threads:
+    """Each thread of the processes: its kind (thread_kind) and its time on a CPU so far, in
+    nanoseconds (schedstat: /proc/PID/stat counts in 10 ms ticks, coarser than a pass over a
+    few small files; where schedstat is missing, that, as the process's thread "all"). A
+    thread's time since it was last seen is lost when it ends (a daemon's own threads live as
+    long as it does)."""
     for pid in pids:
         if not os.path.exists(f"/proc/{pid}/schedstat"):
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
             ticks = int(fields[11]) + int(fields[12])
-            out[pid, "all"] = ticks / os.sysconf("SC_CLK_TCK")
+            _THREAD_NS[pid, "all"] = ("all", ticks * 10**9 // os.sysconf("SC_CLK_TCK"))
             continue
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/comm") as f:
+            process = f.read().strip()
         for task in os.listdir(f"/proc/{pid}/task"):
             with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # ended: gone
                 with open(f"/proc/{pid}/task/{task}/schedstat") as f:
                     ns = int(f.read().split()[0])
                 with open(f"/proc/{pid}/task/{task}/comm") as f:
-                    kind = thread_kind(f.read().strip(), int(task) == pid)
+                    kind = thread_kind(f.read().strip(), int(task) == pid, process)
                 _THREAD_NS[pid, task] = (kind, ns)
-        for (p, _), (kind, ns) in _THREAD_NS.items():
-            if p == pid:
-                out[pid, kind] = out.get((pid, kind), 0.0) + ns / 1e9
+    return {k: v for k, v in _THREAD_NS.items() if k[0] in pids}
+
+
+def spent(before: Threads, after: Threads) -> dict[tuple[int, str], float]:
+    """CPU seconds each process's threads spent between two readings, by (pid, kind): each
+    thread's own time, counted as the kind it has at the later reading (a renamed thread's
+    past is not counted again)."""
+    out: dict[tuple[int, str], float] = {}
+    for key, (kind, ns) in after.items():
+        took = ns - before.get(key, (kind, 0))[1]
+        if took > 0:
+            out[key[0], kind] = out.get((key[0], kind), 0.0) + took / 1e9
     return out
 
 
-def thread_seconds(pids: Sequence[int]) -> dict[str, float]:
-    """daemon_thread_seconds summed over the processes, by kind."""
+def by_kind(seconds: dict[tuple[int, str], float]) -> dict[str, float]:
+    """`spent`'s seconds summed over the processes, by kind of thread."""
     out: dict[str, float] = {}
-    for (_, kind), seconds in daemon_thread_seconds(pids).items():
-        out[kind] = out.get(kind, 0.0) + seconds
+    for (_, kind), took in seconds.items():
+        out[kind] = out.get(kind, 0.0) + took
     return out
 
 
 def cpu_seconds(pids: Sequence[int]) -> float:
-    """CPU time the processes' threads have used so far (thread_seconds, all kinds)."""
-    return sum(thread_seconds(pids).values())
-
-
-def spent_by_thread(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """CPU seconds each kind of thread spent between two thread_seconds readings."""
-    return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0) > 0}
+    """CPU time the processes' threads have used so far."""
+    return sum(ns for _, ns in threads_now(pids).values()) / 1e9
 
 
 def idle_cpu_percent(pids: Sequence[int], seconds: float = IDLE_S) -> float:

@@ -220,7 +220,7 @@ def make_dataset(root: Path, size: int, count: int, seed: int) -> list[str]:
 def measure(case: Case, side: Side, rels: list[str], seed: int) -> Result:
     """One pass of `side`'s files. Case "planned": cold, the directories listed after the
     caches were dropped (both sides), and fanfs's readers publish their order before reading."""
-    from fanfs.bench.epoch import spent_by_thread, thread_seconds
+    from fanfs.bench.epoch import by_kind, spent, threads_now
 
     order = rels[:]
     random.Random(seed).shuffle(order)
@@ -241,9 +241,9 @@ def measure(case: Case, side: Side, rels: list[str], seed: int) -> Result:
         wall = _pass(paths, case, None)[0]  # warm up what is measured
         rounds = max(1, min(WARM_MAX_ROUNDS, round(WARM_MIN_S / max(wall, 1e-3))))
     plan = side.root if planned and side.name == "fanfs" else None
-    before = thread_seconds(side.pids) if side.pids else {}
+    before = threads_now(side.pids)
     wall, nbytes, lat, samples = _pass(paths * rounds, case, plan)
-    by_thread = spent_by_thread(before, thread_seconds(side.pids)) if side.pids else {}
+    by_thread = by_kind(spent(before, threads_now(side.pids)))
     if timed is not None:
         budget = {k: v - budget.get(k, 0) for k, v in timed().items()}
     if samples is not None:  # in the order of the files' names, so that sides compare

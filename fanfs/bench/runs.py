@@ -318,13 +318,13 @@ def _epoch_cases(
                         walls = global_epoch.read_groups(groups, n, client, _read_files)
                         wall = max(w for w, _, _ in walls)
                         rounds = max(1, min(WARM_MAX_ROUNDS, round(WARM_MIN_S / max(wall, 1e-3))))
-                    before = global_epoch.thread_seconds(pids)
+                    before = global_epoch.threads_now(pids)
                     plans = d.mnts if planned and reader == "fanfs" else None
                     got = global_epoch.read_groups(
                         [g * rounds for g in groups], n, client, _read_files, plans
                     )
-                    by_thread = global_epoch.spent_by_thread(
-                        before, global_epoch.thread_seconds(pids)
+                    by_thread = global_epoch.by_kind(
+                        global_epoch.spent(before, global_epoch.threads_now(pids))
                     )
                     spent = sum(by_thread.values())
                     files = [len(g) * rounds for g in groups]

@@ -231,7 +231,8 @@ int fanfs_pool_push_file(const struct fanfs_job *job, int devfd);
 /* `n` peers' files as fanfs_pool_push_file pushes each (out[k]: its answer), their fetches
  * asked FANFS_PUSH_TOGETHER at a time ahead of the one being stored, so that the data plane
  * asks their holders together: a planned epoch's turn of several files costs about one round
- * trip, not one each, and no Python on either side. 0, or EINVAL. */
+ * trip, not one each, and no Python on either side. After one FANFS_EREMOTE the rest are
+ * FANFS_EREMOTE too, unwaited (a turn's files have one holder). 0, or EINVAL. */
 #define FANFS_PUSH_TOGETHER 8
 int fanfs_pool_push_files(const struct fanfs_job *jobs, int n, int devfd, int *out);
 /* Empty the cache of decoded pieces (cold measurements). */

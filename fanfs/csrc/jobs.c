@@ -320,16 +320,18 @@ int fanfs_pool_push_file(const struct fanfs_job *j, int devfd) {
 }
 
 /* A peer's file's fetch asked now, its piece reserved (pending) for its push to find: 0, or
- * push_probe's answer. One the cache has, or cannot reserve now, its push fetches itself. */
+ * push_probe's answer. One the cache has, or cannot reserve now, its push fetches itself.
+ * Reserved as a LOOKUP's fetch is, and counted with them: LA_REMOTE_MAX pending at once in
+ * all, so that the pushers (eight, each asking ahead) never hold the cache's slots. */
 static int push_ask(struct pool *P, const struct fanfs_job *j, int devfd) {
     struct pieces *c = &P->pieces;
     int err = push_probe(j, devfd);
     if (err != 0 || j->fd > FANFS_REMOTE_FD(0))
         return err;
     pthread_mutex_lock(&c->lock);
-    if (pieces_find_locked(c, j->fd, &j->pieces[0]) < 0) {
+    if (pieces_find_locked(c, j->fd, &j->pieces[0]) < 0 && c->ahead < LA_REMOTE_MAX) {
         c->misses++;
-        remote_reserve_locked(P, j, &j->pieces[0], 0);
+        remote_reserve_locked(P, j, &j->pieces[0], 1);
     }
     pthread_mutex_unlock(&c->lock);
     return 0;
@@ -337,16 +339,22 @@ static int push_ask(struct pool *P, const struct fanfs_job *j, int devfd) {
 
 int fanfs_pool_push_files(const struct fanfs_job *jobs, int n, int devfd, int *out) {
     struct pool *P = pool_live();
-    int k, next = 0;
+    int k, next = 0, gave_up = 0;
     if (n < 0 || (n > 0 && (jobs == NULL || out == NULL)))
         return EINVAL;
     for (k = 0; k < n; k++) {
-        /* (Each piece is held only from its push's HIT to its store: asked ahead, a pending or
-         * filled piece nobody holds, at most FANFS_PUSH_TOGETHER of the cache's slots.) */
-        for (; next < n && next <= k + FANFS_PUSH_TOGETHER - 1; next++)
+        /* (A piece is held only from its push's HIT to its store: asked ahead, it is a pending
+         * or filled piece nobody holds.) */
+        for (; !gave_up && next < n && next < k + FANFS_PUSH_TOGETHER; next++)
             out[next] = push_ask(P, &jobs[next], devfd);
-        if (out[k] == 0)
+        /* Once a file was not had in time (its holder silent, the pool stopping), neither
+         * are the rest, asked of the same peer: each would wait as long again, and the turn
+         * would outlast the planner's stop. They go back, FANFS_EREMOTE, unwaited. */
+        if (k >= next || (gave_up && out[k] == 0))
+            out[k] = FANFS_EREMOTE;
+        else if (out[k] == 0)
             out[k] = push_probed(P, &jobs[k], devfd);
+        gave_up |= out[k] == FANFS_EREMOTE;
     }
     return 0;
 }

@@ -20,11 +20,9 @@ that its LOOKUP starts no second read of it (`NativePool.ahead`).
 A peer's small file is not fetched alone: it waits in its peer's queue, and the pusher whose
 turn comes takes everything waiting for that peer (up to BATCH_MAX files) in one round trip
 (`Sources.batch_blocking`, as AIStore's GetBatch does). While the pushers are busy the queues
-fill and the batches grow; when they are idle a batch is one file and nothing waits. Where the
-data plane runs (fanfs/csrc/plane.c), a turn's files go to `_together` instead: the plane
-asks their holders together and the C stores each (fanfs_pool_push_files), no Python on either
-side and about one round trip a turn. Batches through the MPI threads (Python on both sides)
-are left for the files the plane does not take.
+fill and the batches grow; when idle a batch is one file. Where the data plane
+(fanfs/csrc/plane.c) takes a turn's files, `_together` asks their holders together through it
+and the C stores each (fanfs_pool_push_files): no Python on either side.
 
 It degrades to reading without a plan: a read-ahead that fails (a dead peer, a corrupt file)
 is counted and left to the job's READ, which tries every source and reports it; the engine
@@ -228,8 +226,8 @@ class ReadAhead:
             else:
                 self._one(job)
 
-    def _one(self, job: Job, stored: bytes | None = None) -> None:
-        """Read one file ahead (`stored`: its checked stored bytes, fetched in a batch)."""
+    def _one(self, job: Job, stored: bytes | None = None, c: bool = True) -> None:
+        """Read one file ahead (`stored`: its checked bytes, from a batch; `c`: the C may)."""
         share, s, pos, entry, nbytes = job
         try:
             if not self.plans.current(share, s, pos):
@@ -237,7 +235,7 @@ class ReadAhead:
             if int(self.catalog.codec[entry]) == cat.CODEC_FRAMED:
                 self._framed(entry, nbytes)
             else:
-                self._whole(job, stored)
+                self._whole(job, stored, c)
         except Exception as e:  # the READ fetches it itself (and reports a corrupt file)
             self._failed(entry, e)
         finally:
@@ -285,14 +283,18 @@ class ReadAhead:
 
     def _together(self, jobs: list[Job]) -> None:
         """Peers' files the data plane fetches (`_by_plane`), stored as `_in_c` stores each,
-        their fetches asked together; one the C did not store goes `_one`'s way."""
-        native = [self._c_job(job[3]) for job in jobs]
-        done = iter(lib.pool_push_files([j for j in native if j is not None], self._device))
+        their fetches asked together; one the C did not store goes `_one`'s Python way."""
+        try:
+            native = [self._c_job(job[3]) for job in jobs]
+            done = iter(lib.pool_push_files([j for j in native if j is not None], self._device))
+        except Exception as e:  # not expected: each file is then read the usual way
+            log.warning("a turn of %d files could not be asked: %s", len(jobs), e)
+            native, done = [None] * len(jobs), iter(())
         for job, one in zip(jobs, native, strict=True):
             entry = job[3]
             try:
                 if one is None or not _stored_in_c(next(done)):
-                    self._one(job)  # not had in time, or the kernel does not know it yet
+                    self._one(job, c=False)  # not had in time, or not known to the kernel
                     continue
                 self._done(int(self.catalog.size[entry]), True, True, True, len(jobs) > 1)
             except OSError as e:  # its READ fetches it itself (and reports a corrupt file)
@@ -346,10 +348,10 @@ class ReadAhead:
         return native_job(fd, -1, entry, 0, 0, int(c.size[entry]), 0,
                           [whole_piece(c, entry, int(fd < 0))])  # fmt: skip
 
-    def _whole(self, job: Job, stored: bytes | None = None) -> None:
+    def _whole(self, job: Job, stored: bytes | None = None, c_reads: bool = True) -> None:
         share, s, pos, entry, _ = job
         c = self.catalog
-        if stored is None and self._in_c(entry):
+        if stored is None and c_reads and self._in_c(entry):
             self._done(int(c.size[entry]), True, in_c=True, peer=not self.sources.mine(entry))
             return
         crc = int(c.crc[entry])

@@ -342,7 +342,8 @@ def test_every_daemon_thread_is_named(tree: Path, image: Path, tmp_path: Path) -
         for task in Path(f"/proc/{pid}/task").iterdir():
             with contextlib.suppress(OSError):
                 names[int(task.name)] = (task / "comm").read_text().strip()
-        kinds = [global_epoch.thread_kind(name, tid == pid) for tid, name in names.items()]
+        kinds = [global_epoch.thread_kind(name, tid == pid, names[pid])
+                 for tid, name in names.items()]  # fmt: skip
         assert "other" not in kinds, names
         want = {"loop", "front", "pool", "push", "mpi", "serve", "plan"}
         if lib.plane_built():

@@ -1,0 +1,56 @@
+"""Unit tier: fanfs.bench.epoch's CPU by thread (what `fanfs bench`'s "cpu" lines report):
+what kind a thread is from its name, and the time each kind spent between two readings,
+read from a real process's threads."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from fanfs.bench import epoch
+from fanfs.threads import name_os_thread
+
+
+def test_thread_kinds_from_their_names() -> None:
+    kind = epoch.thread_kind
+    assert kind("anything", True) == "loop"  # the main thread
+    assert kind("fanfs-serve-3", False) == "serve" and kind("fanfs-plan-12", False) == "plan"
+    assert kind("fanfs-front", False) == "front" and kind("mpi-progress", False) == "mpi-progress"
+    assert kind("Trio thread 4", False) == "trio"
+    assert kind("_read from <tas", False) == "trio"  # trio names a worker for its job
+    assert kind("python3.11", False, "python3.11") == "other"  # never named
+
+
+def _burn(steps: list[threading.Event]) -> None:
+    burnt, rename, renamed, stop = steps
+    name_os_thread("fanfs-plan-0")
+    end = time.thread_time() + 0.3
+    while time.thread_time() < end:
+        pass
+    burnt.set()
+    rename.wait()
+    name_os_thread("fanfs-serve-1")  # as trio renames its workers for each job
+    renamed.set()
+    stop.wait()
+
+
+def test_a_renamed_threads_past_is_not_counted_again() -> None:
+    """A thread that spent 0.3 s as "fanfs-plan-0", then renamed, spends nothing more: between
+    a reading before the rename and one after, no kind is given its past."""
+    steps = [threading.Event() for _ in range(4)]
+    t = threading.Thread(target=_burn, args=(steps,))
+    t.start()
+    try:
+        assert steps[0].wait(10)
+        before = epoch.threads_now([os.getpid()])
+        assert epoch.by_kind(epoch.spent({}, before))["plan"] >= 0.29
+        steps[1].set()
+        assert steps[2].wait(10)
+        took = epoch.by_kind(epoch.spent(before, epoch.threads_now([os.getpid()])))
+        assert took.get("serve", 0) < 0.1 and "plan" not in took, took
+        assert sum(took.values()) < 0.2, took
+    finally:
+        for step in steps:
+            step.set()
+        t.join()
