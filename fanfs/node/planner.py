@@ -226,8 +226,8 @@ class ReadAhead:
             else:
                 self._one(job)
 
-    def _one(self, job: Job, stored: bytes | None = None, c: bool = True) -> None:
-        """Read one file ahead (`stored`: its checked bytes, from a batch; `c`: the C may)."""
+    def _one(self, job: Job, stored: bytes | None = None, c_reads: bool = True) -> None:
+        """Read one file ahead (`stored`: its checked bytes, from a batch; `c_reads`: by C)."""
         share, s, pos, entry, nbytes = job
         try:
             if not self.plans.current(share, s, pos):
@@ -235,7 +235,7 @@ class ReadAhead:
             if int(self.catalog.codec[entry]) == cat.CODEC_FRAMED:
                 self._framed(entry, nbytes)
             else:
-                self._whole(job, stored, c)
+                self._whole(job, stored, c_reads)
         except Exception as e:  # the READ fetches it itself (and reports a corrupt file)
             self._failed(entry, e)
         finally:
@@ -294,7 +294,7 @@ class ReadAhead:
             entry = job[3]
             try:
                 if one is None or not _stored_in_c(next(done)):
-                    self._one(job, c=False)  # not had in time, or not known to the kernel
+                    self._one(job, c_reads=False)  # not had in time, or not known to the kernel
                     continue
                 self._done(int(self.catalog.size[entry]), True, True, True, len(jobs) > 1)
             except OSError as e:  # its READ fetches it itself (and reports a corrupt file)
