@@ -193,6 +193,7 @@ cdef extern from "fanfs_native.h" nogil:
     size_t fanfs_front_bufsize(const fanfs_front *f)
     void fanfs_front_kernel(const fanfs_front *f, uint64_t *out)
     int fanfs_front_pretend(fanfs_front *f, int minor, long page)
+    int fanfs_front_keep_writes(fanfs_front *f, int fd)
     enum: FANFS_FRONT_SERVES
     enum: FANFS_FRONT_WHY_PROTOCOL
     enum: FANFS_FRONT_WHY_BUFFER
@@ -720,6 +721,14 @@ cdef class Front:
         cdef int ret = fanfs_front_pretend(self.f, minor, page)
         if ret < 0:
             raise OSError(-ret, "front pretend: " + os.strerror(-ret))
+
+    def keep_writes(self, int fd):
+        """Before start, in writes mode: the WRITEs answered and not yet written live in the
+        file open at `fd` (mapped at start; the fd may be closed then), for a SIGKILL's
+        recovery."""
+        cdef int ret = fanfs_front_keep_writes(self.f, fd)
+        if ret < 0:
+            raise OSError(-ret, "front keep_writes: " + os.strerror(-ret))
 
     def start(self, int fd, int threads, int spin_us):
         """Start the threads on the FUSE session's fd (the leader polls the device for

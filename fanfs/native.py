@@ -12,7 +12,7 @@ import logging
 
 log = logging.getLogger(__name__)
 
-API_VERSION = 17  # fanfs/csrc/fanfs_native.h's FANFS_NATIVE_API that this Python expects
+API_VERSION = 18  # fanfs/csrc/fanfs_native.h's FANFS_NATIVE_API that this Python expects
 
 try:
     from fanfs import _native as lib

@@ -26,7 +26,7 @@
 #include <string.h>
 #include <sys/uio.h>
 
-#define FANFS_NATIVE_API 17
+#define FANFS_NATIVE_API 18
 
 /* What a piece's stored bytes are (fanfs/node/pool.py names the same numbers). */
 enum {
@@ -484,6 +484,11 @@ void fanfs_front_kernel(const struct fanfs_front *f, uint64_t out[5]);
  * offers (no max_pages before 7.28, ...), though it keeps its own protocol otherwise
  * (FANFS_PRETEND_PROTOCOL; tests/adapter/test_kernels.py). */
 int fanfs_front_pretend(struct fanfs_front *f, int minor, long page);
+/* Writes mode, before fanfs_front_start (-EBUSY while it runs): the WRITEs it answered and
+ * has not yet written live in the file open at `fd` (read-write, private; start maps it and
+ * the fd may then be closed), so a SIGKILL loses none of them (fanfs/output/recover.py writes
+ * them). Without it they live in memory. */
+int fanfs_front_keep_writes(struct fanfs_front *f, int fd);
 
 /* Start `nthreads` front threads on the FUSE session's fd (non-blocking), whose leader polls
  * the device for `spin_us` after a request before it sleeps: the fd pyfuse3's receiver must

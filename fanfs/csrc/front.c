@@ -108,7 +108,8 @@ static void hand_lead_locked(struct fanfs_front *f, int all) {
 
 static void *front_main(void *arg) {
     struct fanfs_front *f = arg;
-    char *buf = malloc(f->bufsize);
+    /* Writes mode: a buffer of the writes' arena, which a WRITE swaps for a spare. */
+    char *buf = f->writes ? fanfs_writes_buffer(&f->wb) : malloc(f->bufsize);
     int leading = 0, traced;
     prctl(PR_SET_NAME, "fanfs-front", 0, 0, 0);
     if (buf == NULL)
@@ -148,7 +149,8 @@ static void *front_main(void *arg) {
         if (traced) /* answered, it was added and ended; forwarded, its trace is dropped */
             fanfs_budget_end(&f->budget, 0);
     }
-    free(buf);
+    if (!f->writes)
+        free(buf);
     return NULL;
 }
 
@@ -197,7 +199,7 @@ static int front_start(struct fanfs_front *f, int fd, int nthreads, int spin_us)
     }
     if ((err = watch(f, fd)) != 0 || (err = watch(f, f->stopfd)) != 0)
         goto fail;
-    if (f->writes && (err = fanfs_writes_start(&f->wb, f->bufsize)) != 0)
+    if (f->writes && (err = fanfs_writes_start(&f->wb, f->bufsize, nthreads, f->keepfd)) != 0)
         goto fail;
     sigfillset(&all); /* signals stay with the interpreter's thread */
     pthread_sigmask(SIG_BLOCK, &all, &old);
@@ -271,7 +273,7 @@ struct fanfs_front *fanfs_front_new(const struct fanfs_meta *m, int writes) {
     if (m != NULL)
         f->m = *m;
     f->writes = writes != 0;
-    f->fd = f->stopfd = f->readyfd = f->ep = -1;
+    f->fd = f->stopfd = f->readyfd = f->ep = f->keepfd = -1;
     pthread_mutex_init(&f->lock, NULL);
     pthread_cond_init(&f->turn, NULL);
     fanfs_follow_init(&f->follow);
@@ -317,6 +319,15 @@ int fanfs_front_pretend(struct fanfs_front *f, int minor, long page) {
         return -EINVAL;
     f->wire.pretend = minor;
     f->wire.page = page;
+    return 0;
+}
+
+int fanfs_front_keep_writes(struct fanfs_front *f, int fd) {
+    if (f->running)
+        return -EBUSY;
+    if (!f->writes || fd < 0)
+        return -EINVAL;
+    f->keepfd = fd;
     return 0;
 }
 

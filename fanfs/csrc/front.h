@@ -120,6 +120,29 @@ int fanfs_latency_take(const struct fanfs_latencies *lat, uint32_t out[FANFS_FRO
 
 #define FANFS_WB_SLOTS 8
 
+/* The buffers' file (writes.c, "Kept"): a header, a record per buffer, then the buffers.
+ * recover.py reads it after a SIGKILL; its layout changes with FANFS_WB_MAGIC. */
+#define FANFS_WB_MAGIC "fanfs-writes-1"
+#define FANFS_WB_HEAD 4096
+
+struct fanfs_wb_head {
+    char magic[16];
+    uint32_t nbufs;  /* buffers (and records) */
+    uint32_t at;     /* where the first buffer begins: FANFS_WB_HEAD */
+    uint64_t stride; /* bytes from one buffer to the next */
+    char pad[32];
+};
+
+/* A buffer's record: the WRITE it holds, answered and not yet in its file while `seq` is not
+ * 0 (stored last when it is queued, cleared once its pwrite is done). */
+struct fanfs_wb_rec {
+    uint64_t seq; /* atomic: 1, 2, ... in the order the WRITEs were answered; 0: none */
+    uint64_t dev, ino; /* the file the WRITE's fd is open on */
+    uint64_t off;
+    uint32_t len, at; /* the bytes: `at` bytes into the buffer */
+    char pad[24];
+};
+
 struct fanfs_wb_job {
     char *buf;        /* the request's buffer, the writer's until the job is done */
     const char *data; /* its bytes, in `buf` */
@@ -136,6 +159,12 @@ struct fanfs_writes {
     pthread_cond_t cond;  /* a job queued, a job done, a buffer free */
     int stop;             /* `lock` */
     int busy;             /* `lock`: the writer holds a job */
+    char *arena;          /* the owner's: the buffers' mapping (of the kept file, if any) */
+    size_t arena_len, stride;
+    struct fanfs_wb_rec *rec; /* in the arena: one per buffer */
+    int nbufs;            /* FANFS_WB_SLOTS spares and one per front thread */
+    int lent;             /* atomic: buffers handed out (the spares first) */
+    uint64_t seq;         /* `lock`: the last WRITE queued */
     char *spare[FANFS_WB_SLOTS];           /* `lock` */
     int nspare;                            /* `lock` */
     struct fanfs_wb_job q[FANFS_WB_SLOTS]; /* `lock` */
@@ -149,10 +178,13 @@ struct fanfs_writes {
 
 void fanfs_writes_init(struct fanfs_writes *wb);
 void fanfs_writes_destroy(struct fanfs_writes *wb);
-/* Start and stop (after writing what is queued) the writer thread, with buffers of `bufsize`;
- * wait until the queue is written (any thread); take a WRITE request in *bufp (0), swapping in
- * a free buffer, or -1 if it is not one to take. */
-int fanfs_writes_start(struct fanfs_writes *wb, size_t bufsize);
+/* Start and stop (after writing what is queued) the writer thread, with buffers of `bufsize`
+ * for the spares and `nfront` front threads, in the file open at `keepfd` (-1: in memory);
+ * a front thread's own buffer (NULL: none left); wait until the queue is written (any thread);
+ * take a WRITE request in *bufp (0), swapping in a free buffer, or -1 if it is not one to
+ * take. */
+int fanfs_writes_start(struct fanfs_writes *wb, size_t bufsize, int nfront, int keepfd);
+char *fanfs_writes_buffer(struct fanfs_writes *wb);
 void fanfs_writes_stop(struct fanfs_writes *wb);
 void fanfs_writes_settle(struct fanfs_writes *wb);
 int fanfs_writes_take(struct fanfs_writes *wb, int ffd, char **bufp, uint32_t n);
@@ -177,6 +209,7 @@ struct fanfs_front {
     /* Immutable: set by new. */
     struct fanfs_meta m;  /* the catalog (node wing) */
     int writes;           /* writes mode (output wing): WRITE answered, the rest forwarded */
+    int keepfd;           /* writes mode: the file its buffers live in, until start (-1) */
 
     /* Immutable while running: set by the owner before the threads start. */
     int fd;               /* the FUSE session's fd (non-blocking) */

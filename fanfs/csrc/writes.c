@@ -31,8 +31,21 @@
  * with fanfs_front_take_error and keeps it on the file), as the kernel reports a page cache's
  * write-back errors. Nothing is dropped silently.
  *
- * Memory: FANFS_WB_SLOTS buffers of fanfs_front_bufsize() besides the front's own: the front waits
- * for a free one when the disk is slower than the writer.
+ * Kept: an answered WRITE is the writer's to lose until its pwrite, so the buffers live in a
+ * file (fanfs_front_keep_writes; the output daemon's is in /dev/shm: fanfs/output/front.py,
+ * `kept_places`), mapped shared: the kernel's page cache holds what the front read into them.
+ * Before its answer a WRITE's record (struct fanfs_wb_rec, front.h) says which file (device
+ * and inode of its fd), where, how many bytes, and in which order; the writer clears it after
+ * the pwrite. A daemon killed with SIGKILL leaves the file, and its recovery
+ * (fanfs/output/recover.py) writes the recorded WRITEs into their files, in order, before it
+ * names what was open. On a tmpfs the mapping costs a 1 GiB dd nothing measurable; on a disk
+ * a fifth of its rate (docs/performance.md; likely the disk's writeback of the mapped pages,
+ * each write into a cleaned page then faulting: not profiled). The file is allocated whole at start: no page fault can then
+ * find it full (SIGBUS). It is not kept against the node's crash: the page cache is not either.
+ *
+ * Memory: FANFS_WB_SLOTS buffers of fanfs_front_bufsize() besides the front threads' own (one
+ * each), all in the arena: the front waits for a free one when the disk is slower than the
+ * writer.
  *
  * Concurrency: one lock (a leaf) and one condition variable for the queue, the spare buffers
  * and the writer's state; per-fd marks and counters are atomics (struct fanfs_writes in
@@ -40,13 +53,16 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <linux/fuse.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -90,6 +106,14 @@ static void put(struct fanfs_writes *wb, const struct fanfs_wb_job *j) {
     __atomic_add_fetch(&wb->written, done, __ATOMIC_RELAXED);
 }
 
+/* The buffer `buf` is in the arena: its index (-1: it is not one of the arena's). */
+static int index_of(const struct fanfs_writes *wb, const char *buf) {
+    size_t at = (size_t)(buf - wb->arena) - FANFS_WB_HEAD, i = at / wb->stride;
+    return buf >= wb->arena + FANFS_WB_HEAD && i < (size_t)wb->nbufs && at % wb->stride == 0
+               ? (int)i
+               : -1;
+}
+
 static void *writer_main(void *arg) {
     struct fanfs_writes *wb = arg;
     prctl(PR_SET_NAME, "fanfs-write", 0, 0, 0);
@@ -106,6 +130,7 @@ static void *writer_main(void *arg) {
         wb->busy = 1;
         pthread_mutex_unlock(&wb->lock);
         put(wb, &j);
+        __atomic_store_n(&wb->rec[index_of(wb, j.buf)].seq, 0, __ATOMIC_RELEASE);
         pthread_mutex_lock(&wb->lock);
         wb->spare[wb->nspare++] = j.buf;
         wb->busy = 0;
@@ -115,36 +140,80 @@ static void *writer_main(void *arg) {
     return NULL;
 }
 
-int fanfs_writes_start(struct fanfs_writes *wb, size_t bufsize) {
+/* The arena: FANFS_WB_HEAD bytes (the header, then a record per buffer), then the buffers,
+ * each `stride` bytes, in the kept file or in memory. */
+static int map_arena(struct fanfs_writes *wb, size_t bufsize, int nbufs, int keepfd) {
+    struct fanfs_wb_head *h;
+    size_t len;
+    wb->stride = (bufsize + 4095) & ~(size_t)4095;
+    len = FANFS_WB_HEAD + (size_t)nbufs * wb->stride;
+    if (keepfd < 0) {
+        wb->arena = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    } else {
+        int e;
+        if (ftruncate(keepfd, 0) != 0 || ftruncate(keepfd, (off_t)len) != 0)
+            return -errno;
+        if ((e = posix_fallocate(keepfd, 0, (off_t)len)) != 0)
+            return -e; /* a full disk: a page fault must never find it so (SIGBUS) */
+        wb->arena = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, keepfd, 0);
+    }
+    if (wb->arena == MAP_FAILED) {
+        wb->arena = NULL;
+        return -errno;
+    }
+    wb->arena_len = len;
+    wb->nbufs = nbufs;
+    wb->rec = (struct fanfs_wb_rec *)(wb->arena + sizeof *h);
+    h = (struct fanfs_wb_head *)wb->arena;
+    h->nbufs = (uint32_t)nbufs;
+    h->at = FANFS_WB_HEAD;
+    h->stride = wb->stride;
+    memcpy(h->magic, FANFS_WB_MAGIC, sizeof FANFS_WB_MAGIC); /* last: the file is one now */
+    return 0;
+}
+
+static void unmap_arena(struct fanfs_writes *wb) {
+    if (wb->arena != NULL)
+        munmap(wb->arena, wb->arena_len);
+    wb->arena = NULL;
+    wb->rec = NULL;
+    wb->nbufs = wb->nspare = 0;
+}
+
+int fanfs_writes_start(struct fanfs_writes *wb, size_t bufsize, int nfront, int keepfd) {
     sigset_t all, old;
-    int i;
+    int i, nbufs = FANFS_WB_SLOTS + nfront;
     if (wb->running)
         return -EBUSY;
-    wb->stop = wb->busy = wb->head = wb->count = wb->nspare = 0;
-    for (i = 0; i < FANFS_WB_SLOTS; i++) {
-        if ((wb->spare[i] = malloc(bufsize)) == NULL) {
-            while (i-- > 0)
-                free(wb->spare[i]);
-            return -ENOMEM;
-        }
-    }
-    wb->nspare = FANFS_WB_SLOTS;
+    if (nfront < 1 || sizeof(struct fanfs_wb_head) + (size_t)nbufs * sizeof *wb->rec >
+                          FANFS_WB_HEAD)
+        return -EINVAL;
+    wb->stop = wb->busy = wb->head = wb->count = 0;
+    wb->seq = 0;
+    if ((i = map_arena(wb, bufsize, nbufs, keepfd)) != 0)
+        return i;
+    for (i = 0; i < FANFS_WB_SLOTS; i++)
+        wb->spare[i] = wb->arena + FANFS_WB_HEAD + (size_t)i * wb->stride;
+    wb->nspare = wb->lent = FANFS_WB_SLOTS;
     sigfillset(&all); /* signals stay with the interpreter's thread */
     pthread_sigmask(SIG_BLOCK, &all, &old);
     i = pthread_create(&wb->thread, NULL, writer_main, wb);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     if (i != 0) {
-        for (i = 0; i < FANFS_WB_SLOTS; i++)
-            free(wb->spare[i]);
-        wb->nspare = 0;
+        unmap_arena(wb);
         return -i;
     }
     wb->running = 1;
     return 0;
 }
 
+char *fanfs_writes_buffer(struct fanfs_writes *wb) {
+    int i = __atomic_fetch_add(&wb->lent, 1, __ATOMIC_ACQ_REL);
+    return wb->arena != NULL && i < wb->nbufs ? wb->arena + FANFS_WB_HEAD + (size_t)i * wb->stride
+                                               : NULL;
+}
+
 void fanfs_writes_stop(struct fanfs_writes *wb) {
-    int i;
     if (!wb->running)
         return;
     pthread_mutex_lock(&wb->lock);
@@ -152,9 +221,7 @@ void fanfs_writes_stop(struct fanfs_writes *wb) {
     pthread_cond_broadcast(&wb->cond);
     pthread_mutex_unlock(&wb->lock);
     pthread_join(wb->thread, NULL); /* after it wrote everything queued */
-    for (i = 0; i < wb->nspare; i++)
-        free(wb->spare[i]);
-    wb->nspare = 0;
+    unmap_arena(wb);                /* the front's threads have ended: theirs go too */
     wb->running = 0;
 }
 
@@ -173,9 +240,11 @@ int fanfs_writes_take(struct fanfs_writes *wb, int ffd, char **bufp, uint32_t n)
     const struct fuse_write_in *w = (const void *)(msg + sizeof *in);
     struct fuse_write_out out = {0};
     struct iovec iov = {&out, sizeof out};
+    struct fanfs_wb_rec *rec;
+    struct stat st;
     uint64_t unique;
     uint8_t e;
-    int slot;
+    int slot, idx;
     if (!wb->running || n < sizeof *in + sizeof *w || w->size > n - sizeof *in - sizeof *w ||
         w->fh >= FANFS_FRONT_MAX_FD ||
         w->offset < __atomic_load_n(&wb->hold[w->fh], __ATOMIC_ACQUIRE))
@@ -186,8 +255,11 @@ int fanfs_writes_take(struct fanfs_writes *wb, int ffd, char **bufp, uint32_t n)
         fanfs_raw_reply(ffd, in->unique, e, NULL, 0);
         return 0;
     }
+    if ((idx = index_of(wb, msg)) < 0 || fstat((int)w->fh, &st) != 0)
+        return -1; /* pyfuse3 answers it (a bad fd with the error) */
     unique = in->unique; /* `msg` is the writer thread's once queued */
     out.size = w->size;
+    rec = &wb->rec[idx];
     pthread_mutex_lock(&wb->lock);
     while (wb->nspare == 0)
         pthread_cond_wait(&wb->cond, &wb->lock);
@@ -198,6 +270,12 @@ int fanfs_writes_take(struct fanfs_writes *wb, int ffd, char **bufp, uint32_t n)
         return -1;
     }
     fresh = wb->spare[--wb->nspare];
+    rec->dev = (uint64_t)st.st_dev;
+    rec->ino = (uint64_t)st.st_ino;
+    rec->off = w->offset;
+    rec->len = w->size;
+    rec->at = (uint32_t)(sizeof *in + sizeof *w);
+    __atomic_store_n(&rec->seq, ++wb->seq, __ATOMIC_RELEASE); /* kept from here on */
     slot = (wb->head + wb->count) % FANFS_WB_SLOTS;
     wb->q[slot] =
         (struct fanfs_wb_job){msg, msg + sizeof *in + sizeof *w, (int)w->fh, w->offset, w->size};

@@ -32,7 +32,7 @@ from fanfs.node import fuse_ops
 from fanfs.node.staging import StagingDir
 from fanfs.output import fs
 from fanfs.output.dest import Dest, Result
-from fanfs.output.front import FrontInfo, WriteFront
+from fanfs.output.front import FrontInfo, WriteFront, kept_places
 from fanfs.output.held import MAX_HELD
 from fanfs.output.journal import Journal, Log, Op
 from fanfs.output.lander import Lander, Source
@@ -147,7 +147,7 @@ def build(stack: contextlib.ExitStack, place: Place, dest: Dest, staging: Stagin
     lander = Lander(dest, journal, own, recovering=dead, marker=partner is not None,
                     on_landed=landed, on_dropped=dropped, on_skipped=skipped,
                     dir_time=dir_time)  # fmt: skip
-    front = WriteFront(fuse_ops.RECEIVER, pretend)
+    front = WriteFront(fuse_ops.RECEIVER, kept_places(staging.fd, staging.path), pretend)
     view = View(tree, journal, lander, dest, front=front,
                 replicate=partner.replicate if partner is not None else None)  # fmt: skip
     ops = fs.OutputOperations(view, status)

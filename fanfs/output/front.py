@@ -2,10 +2,11 @@
 started after the mount and stopped before the unmount, in one place.
 
 One thread takes requests (a WRITE costs it a buffer swap and an answer); its writer thread
-does the pwrites into the file's local data through the handle (view.py). Every other request
-is handed to pyfuse3's session loop through its receiver hook. Without fanfs's patched
-pyfuse3 (no receiver) or when the threads cannot start, pyfuse3 reads every request itself:
-slower writes, the same file system.
+does the pwrites into the file's local data through the handle (view.py). A WRITE answered
+and not yet written lives in a file (writes.c, "Kept"; `kept_places`): a SIGKILL loses none
+(recover.py writes them). Every other request is handed to pyfuse3's session loop through its
+receiver hook. Without fanfs's patched pyfuse3 (no receiver) or when the threads cannot start,
+pyfuse3 reads every request itself: slower writes, the same file system.
 
 Concurrency: start, stop and statistics run in the main thread (start and stop outside trio,
 stop also from trio at the unmount); the C threads keep their own state (front.c).
@@ -15,8 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fanfs import native
@@ -29,6 +32,22 @@ log = logging.getLogger(__name__)
 THREADS = 1
 SPIN_US = 0
 
+KEPT_WRITES = "writes"  # the buffers' file while the threads run (writes.c, "Kept")
+SHM = "/dev/shm"
+
+
+def kept_places(staging_fd: int, staging: Path) -> list[tuple[str, int | None]]:
+    """Where the buffers' file of the daemon whose staging directory is `staging` (open at
+    `staging_fd`) goes, in the order tried, each as a name and the directory fd it is relative
+    to: /dev/shm, a tmpfs on Linux, then the staging directory. Mapped from a file on a disk,
+    the buffers cost a 1 GiB dd a fifth of its rate, from a tmpfs nothing measurable
+    (docs/performance.md; likely the disk's writeback of the mapped pages, which a tmpfs does
+    not have). Its name is the staging directory's, so the recovery finds it; only a file of
+    this user's with mode 0600 is read back (recover.py)."""
+    shm = os.path.join(SHM, f"fanfs-{os.geteuid()}-{staging.name}-{KEPT_WRITES}")
+    return [(shm, None), (KEPT_WRITES, staging_fd)]
+
+
 # pyfuse3's receiver hook (node/fuse_ops.RECEIVER): install(receiver, fd) hands it the front's
 # receiver (None: removes it), session_fd() is the FUSE session's fd.
 Receiver = tuple[Callable[[Any, int], None], Callable[[], int]]
@@ -36,24 +55,29 @@ Receiver = tuple[Callable[[Any, int], None], Callable[[], int]]
 
 @dataclass(frozen=True, slots=True)
 class FrontInfo:
-    """Whether the front answers WRITEs in C, the kernel's FUSE protocol, why not (""), and
-    the bytes it wrote."""
+    """Whether the front answers WRITEs in C, the kernel's FUSE protocol, why not (""), the
+    bytes it wrote, and where its buffers' file is (a path, `writes` in the staging directory,
+    or "")."""
 
     running: bool
     protocol: str  # the kernel's FUSE protocol, "7.N" ("" before its INIT)
     off: str
     written: int
+    kept: str
 
     def to_json(self) -> dict[str, Any]:
         return {"running": self.running, "protocol": self.protocol, "off": self.off,
-                "written": self.written}  # fmt: skip
+                "written": self.written, "kept": self.kept}  # fmt: skip
 
 
 class WriteFront:
     """The front of one output mount; `receiver`: pyfuse3's hook, None without it."""
 
-    def __init__(self, receiver: Receiver | None, pretend: int = 0):
+    def __init__(self, receiver: Receiver | None, places: list[tuple[str, int | None]],
+                 pretend: int = 0):  # fmt: skip
         self.receiver = receiver
+        self.places = places  # where the buffers' file may go (kept_places)
+        self.kept: tuple[str, int | None] | None = None  # where it went
         self.pretend = pretend  # the protocol minor to rewrite INIT to (Switches; 0: none)
         self.running = False  # its threads answer WRITEs now
         self.started = False  # they did since the mount: what they wrote is collected (view.py)
@@ -66,13 +90,19 @@ class WriteFront:
             return False
         install, session_fd = self.receiver
         front = lib.Front(writes=True)
-        try:
-            front.pretend(self.pretend)
-            ready = front.start(session_fd(), THREADS, SPIN_US)
-        except OSError as e:
-            log.warning("front threads unavailable, writes go through the event loop: %s", e)
+        why: OSError | None = None
+        for place in self.places:
+            try:
+                front.pretend(self.pretend)
+                ready = self._start_kept(front, place, session_fd())
+                break
+            except OSError as e:  # no such place, or no room there for the buffers
+                why = e
+        else:
+            log.warning("front threads unavailable, writes go through the event loop: %s", why)
             return False
         self.native = front
+        stack.callback(self._unlink)  # after the close, which writes what is queued
         stack.callback(front.close)  # after trio is done with the receiver's fd
         install(front.receiver(), ready)
         self.running = self.started = True
@@ -83,7 +113,28 @@ class WriteFront:
         if self.running and self.receiver is not None:
             self.running = False
             self.receiver[0](None, -1)
-            self._c().stop()
+            self._c().stop()  # every WRITE it answered is in its file now
+            self._unlink()
+
+    def _start_kept(self, front: lib.Front, place: tuple[str, int | None], fd: int) -> int:
+        name, at = place
+        kept = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                       0o600, dir_fd=at)  # fmt: skip
+        self.kept = place
+        try:
+            front.keep_writes(kept)
+            return front.start(fd, THREADS, SPIN_US)
+        except OSError:
+            self._unlink()
+            raise
+        finally:
+            os.close(kept)  # mapped by now, or not needed
+
+    def _unlink(self) -> None:
+        if self.kept is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.kept[0], dir_fd=self.kept[1])
+            self.kept = None
 
     def statistics(self) -> FrontInfo:
         protocol, why = native.front_kernel(self.native)
@@ -91,7 +142,8 @@ class WriteFront:
             why = "pyfuse3 is not fanfs's patched build (run `make setup`)"
         elif not self.running and not why:
             why = "its threads could not start"
-        return FrontInfo(self.running, protocol, why, self.written())
+        kept = self.kept[0] if self.kept is not None else ""
+        return FrontInfo(self.running, protocol, why, self.written(), kept)
 
     def written(self) -> int:
         """Bytes the front wrote (the C counts them)."""

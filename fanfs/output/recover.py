@@ -13,6 +13,10 @@ With `--replicas 2`, the dead daemon's partner may have landed some of it alread
 to the partner-visible marker at DEST are skipped; without a marker all are replayed, which
 is safe because renames and removals touch only what fanfs landed (dest.py).
 
+Before that, the WRITEs its front had answered and not yet written (output/front.py,
+`kept_places`) are written into their local files, in the order they were answered: a log's
+last line written before the kill is in what stays.
+
 What is then left is only what was never closed: files being written when the daemon died,
 and puts the user skipped. They stay in the directory, named in `kept.json` ({DEST path:
 local file}); everything else there goes, and the directory with it when it is empty.
@@ -31,6 +35,7 @@ import json
 import logging
 import os
 import stat
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,12 +44,73 @@ from fanfs.node.staging import PREFIX
 from fanfs.output import dest as dst
 from fanfs.output.apply import remove_partial
 from fanfs.output.dest import Dest, Ident
+from fanfs.output.front import kept_places
 from fanfs.output.journal import NAME, PUT, RENAME, UNLINK, Op, read
 from fanfs.output.lander import Source, track
 
 log = logging.getLogger(__name__)
 
 KEPT = "kept.json"
+
+# The buffers' file's layout: struct fanfs_wb_head and struct fanfs_wb_rec (fanfs/csrc/front.h).
+_MAGIC = b"fanfs-writes-1"
+_HEAD = struct.Struct("=16sIIQ32x")  # magic, buffers, where the first begins, stride
+_REC = struct.Struct("=QQQQII24x")  # seq (0: none), dev, ino, off, len, at
+_AT = 4096  # FANFS_WB_HEAD: the records fit below it
+
+
+def write_kept(dir_fd: int, name: str, at: int | None) -> int:
+    """The WRITEs a killed daemon's front answered and had not written (in `name`, relative
+    to `at`), written into its local files (`o<data>` in `dir_fd`, found by device and inode)
+    in the order they were answered: how many. A file that is not one, or not this user's
+    alone, is left, said in the log."""
+    fd = -1
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=at)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            raise ValueError("not a private file of this user")
+        magic, nbufs, at, stride = _HEAD.unpack(os.pread(fd, _HEAD.size, 0))
+        if magic.rstrip(b"\0") != _MAGIC or at != _AT or _HEAD.size + nbufs * _REC.size > at:
+            raise ValueError("not one (or of another version)")
+        recs = os.pread(fd, nbufs * _REC.size, _HEAD.size)
+        pending = sorted((r, i) for i, r in enumerate(_REC.iter_unpack(recs)) if r[0] != 0)
+        files = {(st.st_dev, st.st_ino): name for name, st in _locals(dir_fd)}
+        for (_seq, dev, ino, off, n, skip), i in pending:
+            target = files.get((dev, ino))
+            if skip + n > stride:
+                raise ValueError(f"a record past its buffer: {skip} + {n} > {stride}")
+            data = os.pread(fd, n, at + i * stride + skip)
+            if target is None or len(data) != n:
+                continue  # its file is gone (or the buffer is short): nothing to keep it in
+            try:
+                out = os.open(target, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            except FileNotFoundError:
+                continue
+            try:
+                os.pwrite(out, data, off)
+            finally:
+                os.close(out)
+        return len(pending)
+    except FileNotFoundError:
+        return 0  # none: its front never ran
+    except (OSError, ValueError, OverflowError, struct.error) as e:
+        log.warning("%s: the writes it answered cannot be read back (%s): left as they are",
+                    name, e)  # fmt: skip
+        return 0
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def _locals(dir_fd: int) -> list[tuple[str, os.stat_result]]:
+    out = []
+    for name in os.listdir(dir_fd):
+        with contextlib.suppress(OSError):
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            if name.startswith("o") and stat.S_ISREG(st.st_mode):
+                out.append((name, st))
+    return out
 
 
 @dataclass(slots=True)
@@ -143,6 +209,14 @@ class Dead:
         self.skipped = [op for op in rep.skipped if op.kind == PUT]
         self.dropped = rep.dropped
         self.replicas = bool(rep.header.get("replicas"))
+        wrote = 0
+        for name, at in kept_places(dir_fd, path):
+            wrote += write_kept(dir_fd, name, at)
+            with contextlib.suppress(OSError):  # written: its buffers are not needed any more
+                os.unlink(name, dir_fd=at)
+        if wrote:
+            log.info("%s: wrote the %d WRITEs its daemon had answered into their files", path,
+                     wrote)  # fmt: skip
         # What was being written when the daemon died: kept as it is, named.
         self.unclosed = {path: data for node, (path, data) in rep.names.items()
                          if node in rep.writing and data}  # fmt: skip

@@ -186,6 +186,7 @@ def test_checkpoints_renamed_and_rotated_land_exactly(user: User, work: Path) ->
     assert not [p for p in out.dest.rglob("*") if p.name.startswith(".")]
     assert (out.dest / "run" / "train.log").read_text().count("\n") == 5
     assert not list(work.glob("local/fanfs-stage-*")) and not mounts.find(out.mnt)
+    assert not list(Path("/dev/shm").glob(f"fanfs-{user.uid}-*"))  # the front's buffers' file
 
 
 POSIX = r"""
@@ -238,6 +239,7 @@ def test_an_old_kernels_init_still_gets_the_writes_front(user: User, work: Path)
         dd = user.run("dd", f"if={src}", f"of={out.mnt / 'ckpt.bin'}", "bs=1M", "status=none")
         assert dd.returncode == 0, dd.stderr
         front = out.status()["front"]
+        assert front.pop("kept").startswith("/dev/shm/")
         assert front == {"running": True, "protocol": "7.27", "off": "", "written": len(data)}
         assert out.fanfs("sync", out.mnt).returncode == 0
     finally:
@@ -853,6 +855,8 @@ for name in ("a.pt", "b.pt"):
         f.write(name.encode() * 1000)
 os.rename(os.path.join(mnt, "b.pt"), os.path.join(mnt, "c.pt"))
 log = open(os.path.join(mnt, "open.log"), "w")
+print("open", flush=True)
+sys.stdin.readline()
 log.write("never closed\n")
 log.flush()
 print("ready", flush=True)
@@ -860,21 +864,50 @@ sys.stdin.readline()
 """
 
 
+@contextlib.contextmanager
+def writer_thread_stopped(pid: int) -> Iterator[int]:
+    """The daemon's thread that writes answered WRITEs into their files (fanfs-write,
+    csrc/writes.c), stopped with ptrace (as root; the others run on), until the daemon is
+    killed: what the front answers from now on is answered and never written by it."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+    (tid,) = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()
+              if (t / "comm").read_text().strip() == "fanfs-write"]  # fmt: skip
+    for request in (0x4206, 0x4207):  # PTRACE_SEIZE, PTRACE_INTERRUPT
+        assert libc.ptrace(request, tid, None, None) == 0, os.strerror(ctypes.get_errno())
+    wall = 0x40000000  # __WALL: a thread, not a child
+    os.waitpid(tid, wall)  # stopped
+    try:
+        yield tid
+    finally:  # killed by now: the traced thread is its tracer's to reap
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(tid, wall)
+
+
 def test_after_a_sigkill_umount_lands_what_was_closed_and_no_partial_stays(
     user: User, work: Path
 ) -> None:
     out = Output(user, work)
     try:
-        pid = out.status()["pid"]
+        status = out.status()
+        pid, kept_buffers = status["pid"], Path(status["front"]["kept"])
+        assert kept_buffers.match(f"/dev/shm/fanfs-{user.uid}-fanfs-stage-{pid}-*-writes")
+        assert kept_buffers.stat().st_mode & 0o777 == 0o600
         with Talk(user, sys.executable, "-c", KILLED, out.mnt) as writer:
-            assert writer.line() == "ready\n"
-            # Killed while it copies big.pt to DEST: a .partial is there (for a tenth of a
-            # second where DEST's writes and fsync cost little: looked for every 5 ms).
-            deadline = time.monotonic() + 30
-            while not any(p.name.endswith(".partial") for p in out.dest.iterdir()):
-                assert time.monotonic() < deadline, "no .partial seen"
-                time.sleep(0.005)
-            os.kill(pid, signal.SIGKILL)
+            assert writer.line() == "open\n"
+            # The log's line is answered and never written by the daemon: kept all the same.
+            with writer_thread_stopped(pid):
+                writer.say()
+                assert writer.line() == "ready\n"
+                # Killed while it copies big.pt to DEST: a .partial is there (for a tenth of a
+                # second where DEST's writes and fsync cost little: looked for every 5 ms).
+                deadline = time.monotonic() + 30
+                while not any(p.name.endswith(".partial") for p in out.dest.iterdir()):
+                    assert time.monotonic() < deadline, "no .partial seen"
+                    time.sleep(0.005)
+                os.kill(pid, signal.SIGKILL)
             out.proc.wait(30)
         done = out.fanfs("umount", out.mnt)  # the dead mount: unmounted, what it left landed
         assert done.returncode == 0, done.stderr
@@ -887,6 +920,7 @@ def test_after_a_sigkill_umount_lands_what_was_closed_and_no_partial_stays(
     files = json.loads(kept.read_text())["files"]
     assert list(files) == ["open.log"]
     assert (kept.parent / files["open.log"]).read_text() == "never closed\n"
+    assert not kept_buffers.exists() and not (kept.parent / "writes").exists()
 
 
 def test_a_random_sequence_of_changes_matches_a_model_in_the_mount_and_at_dest(

@@ -1,0 +1,108 @@
+"""The WRITEs an output daemon's front answered and had not written when it was killed
+(fanfs/csrc/writes.c, "Kept"), read back by its recovery (fanfs/output/recover.py,
+`write_kept`): the layout the C writes, the order they are written in, and a file that is not
+one left as it is. The whole path, a real daemon killed with its writer thread stopped, is
+tests/mount/test_output.py's `test_after_a_sigkill_umount_lands_what_was_closed_and_no_
+partial_stays`."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fanfs.native import lib
+from fanfs.output.front import KEPT_WRITES
+from fanfs.output.recover import _HEAD, _MAGIC, _REC, write_kept
+
+
+@pytest.fixture
+def staging(tmp_path: Path) -> Iterator[tuple[Path, int]]:
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    yield tmp_path, fd
+    os.close(fd)
+
+
+def test_the_front_lays_its_buffers_out_as_recovery_reads_them(staging: tuple[Path, int]) -> None:
+    path, dir_fd = staging
+    kernel_end, daemon_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    fr = lib.Front(writes=True)
+    fd = os.open(path / KEPT_WRITES, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    with kernel_end, daemon_end:
+        fr.keep_writes(fd)
+        fr.start(daemon_end.fileno(), 3, 0)
+        os.close(fd)
+        try:
+            raw = (path / KEPT_WRITES).read_bytes()
+        finally:
+            fr.stop()
+            fr.close()
+    magic, nbufs, at, stride = _HEAD.unpack_from(raw)
+    assert magic.rstrip(b"\0") == _MAGIC
+    assert nbufs == 8 + 3  # the spares, and one per front thread
+    assert at == 4096 and stride >= fr.bufsize() and stride % 4096 == 0
+    assert len(raw) == at + nbufs * stride  # allocated whole
+    assert all(r[0] == 0 for r in _REC.iter_unpack(raw[_HEAD.size : _HEAD.size + nbufs * 64]))
+    assert write_kept(dir_fd, KEPT_WRITES, dir_fd) == 0
+
+
+def kept(path: Path, recs: list[tuple[int, int, int, int, bytes]], *, nbufs: int = 4,
+         stride: int = 8192, magic: bytes = _MAGIC) -> None:  # fmt: skip
+    """A KEPT_WRITES with `recs` (seq, dev, ino, off, data), one per buffer."""
+    raw = bytearray(4096 + nbufs * stride)
+    _HEAD.pack_into(raw, 0, magic, nbufs, 4096, stride)
+    for i, (seq, dev, ino, off, data) in enumerate(recs):
+        _REC.pack_into(raw, _HEAD.size + i * _REC.size, seq, dev, ino, off, len(data), 80)
+        raw[4096 + i * stride + 80 : 4096 + i * stride + 80 + len(data)] = data
+    (path / KEPT_WRITES).write_bytes(raw)
+    os.chmod(path / KEPT_WRITES, 0o600)
+
+
+def test_answered_writes_land_in_their_files_in_the_order_they_were_answered(
+    staging: tuple[Path, int],
+) -> None:
+    path, dir_fd = staging
+    (path / "o3").write_bytes(b"0123456789")
+    (path / "o4").write_bytes(b"")
+    a, b = os.stat(path / "o3"), os.stat(path / "o4")
+    kept(path, [
+        (7, a.st_dev, a.st_ino, 2, b"later"),  # answered after the next one: lands over it
+        (6, a.st_dev, a.st_ino, 0, b"ABCDEFG"),
+        (0, b.st_dev, b.st_ino, 0, b"written already"),
+        (8, b.st_dev, b.st_ino, 3, b"log line\n"),
+    ])  # fmt: skip
+    (path / "x9").write_bytes(b"")  # not a local file: never a target
+    assert write_kept(dir_fd, KEPT_WRITES, dir_fd) == 3
+    assert (path / "o3").read_bytes() == b"ABlater789"
+    assert (path / "o4").read_bytes() == b"\0\0\0log line\n"
+
+
+@pytest.mark.parametrize("bad", ["magic", "nbufs", "past its buffer", "short", "symlink", "shared"])
+def test_a_kept_file_that_is_not_one_is_left_and_nothing_raised(
+    bad: str, staging: tuple[Path, int], caplog: pytest.LogCaptureFixture
+) -> None:
+    path, dir_fd = staging
+    (path / "o1").write_bytes(b"as it was")
+    st = os.stat(path / "o1")
+    rec = (1, st.st_dev, st.st_ino, 0, b"XX")
+    if bad == "magic":
+        kept(path, [rec], magic=b"fanfs-writes-0")
+    elif bad == "nbufs":
+        kept(path, [rec], nbufs=1 << 30, stride=0)
+    elif bad == "past its buffer":
+        kept(path, [(*rec[:4], b"Y" * 8200)], stride=8192)
+    elif bad == "short":
+        (path / KEPT_WRITES).write_bytes(struct.pack("=16s", _MAGIC))
+    elif bad == "symlink":
+        (path / "elsewhere").write_bytes(b"")
+        (path / KEPT_WRITES).symlink_to(path / "elsewhere")
+    else:  # another user could have written it (in /dev/shm, a directory all users share)
+        kept(path, [rec])
+        os.chmod(path / KEPT_WRITES, 0o644)
+    assert write_kept(dir_fd, KEPT_WRITES, dir_fd) == 0
+    assert (path / "o1").read_bytes() == b"as it was"
+    assert "cannot be read back" in caplog.text
