@@ -199,7 +199,9 @@ static int front_start(struct fanfs_front *f, int fd, int nthreads, int spin_us)
     }
     if ((err = watch(f, fd)) != 0 || (err = watch(f, f->stopfd)) != 0)
         goto fail;
-    if (f->writes && (err = fanfs_writes_start(&f->wb, f->bufsize, nthreads, f->keepfd)) != 0)
+    err = f->writes ? fanfs_writes_start(&f->wb, f->bufsize, nthreads, f->keepfd) : 0;
+    f->keepfd = -1; /* mapped, or not: its owner may close it now */
+    if (err != 0)
         goto fail;
     sigfillset(&all); /* signals stay with the interpreter's thread */
     pthread_sigmask(SIG_BLOCK, &all, &old);

@@ -255,8 +255,8 @@ int fanfs_writes_take(struct fanfs_writes *wb, int ffd, char **bufp, uint32_t n)
         fanfs_raw_reply(ffd, in->unique, e, NULL, 0);
         return 0;
     }
-    if ((idx = index_of(wb, msg)) < 0 || fstat((int)w->fh, &st) != 0)
-        return -1; /* pyfuse3 answers it (a bad fd with the error) */
+    if ((idx = index_of(wb, msg)) < 0)
+        return -1;
     unique = in->unique; /* `msg` is the writer thread's once queued */
     out.size = w->size;
     rec = &wb->rec[idx];
@@ -268,6 +268,13 @@ int fanfs_writes_take(struct fanfs_writes *wb, int ffd, char **bufp, uint32_t n)
          * so a WRITE it did not see queued must now go to it. */
         pthread_mutex_unlock(&wb->lock);
         return -1;
+    }
+    if (fstat((int)w->fh, &st) != 0) {
+        /* Under the lock, after the hold's look: the daemon moves an fd to a copy (dup2) only
+         * after it settled, which waits for this lock, so the file recorded is the one the
+         * pwrite will reach. */
+        pthread_mutex_unlock(&wb->lock);
+        return -1; /* pyfuse3 answers it, with the error */
     }
     fresh = wb->spare[--wb->nspare];
     rec->dev = (uint64_t)st.st_dev;

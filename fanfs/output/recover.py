@@ -44,7 +44,7 @@ from fanfs.node.staging import PREFIX
 from fanfs.output import dest as dst
 from fanfs.output.apply import remove_partial
 from fanfs.output.dest import Dest, Ident
-from fanfs.output.front import kept_places
+from fanfs.output.front import KEPT_WRITES, kept_places
 from fanfs.output.journal import NAME, PUT, RENAME, UNLINK, Op, read
 from fanfs.output.lander import Source, track
 
@@ -59,30 +59,21 @@ _REC = struct.Struct("=QQQQII24x")  # seq (0: none), dev, ino, off, len, at
 _AT = 4096  # FANFS_WB_HEAD: the records fit below it
 
 
-def write_kept(dir_fd: int, name: str, at: int | None) -> int:
+def write_kept(dir_fd: int, name: str, at: int | None) -> int | None:
     """The WRITEs a killed daemon's front answered and had not written (in `name`, relative
     to `at`), written into its local files (`o<data>` in `dir_fd`, found by device and inode)
-    in the order they were answered: how many. A file that is not one, or not this user's
-    alone, is left, said in the log."""
+    in the order they were answered: how many; None if they could not all be (a file that is
+    not one, or not this user's alone, is left whole and nothing is written from it; a write
+    that fails leaves it too), said in the log. 0 if there is none."""
     fd = -1
     try:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=at)
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-            raise ValueError("not a private file of this user")
-        magic, nbufs, at, stride = _HEAD.unpack(os.pread(fd, _HEAD.size, 0))
-        if magic.rstrip(b"\0") != _MAGIC or at != _AT or _HEAD.size + nbufs * _REC.size > at:
-            raise ValueError("not one (or of another version)")
-        recs = os.pread(fd, nbufs * _REC.size, _HEAD.size)
-        pending = sorted((r, i) for i, r in enumerate(_REC.iter_unpack(recs)) if r[0] != 0)
-        files = {(st.st_dev, st.st_ino): name for name, st in _locals(dir_fd)}
-        for (_seq, dev, ino, off, n, skip), i in pending:
+        pending = _read_kept(fd)
+        files = {(st.st_dev, st.st_ino): local for local, st in _locals(dir_fd)}
+        for (_seq, dev, ino, off, _n, _skip), data in pending:
             target = files.get((dev, ino))
-            if skip + n > stride:
-                raise ValueError(f"a record past its buffer: {skip} + {n} > {stride}")
-            data = os.pread(fd, n, at + i * stride + skip)
-            if target is None or len(data) != n:
-                continue  # its file is gone (or the buffer is short): nothing to keep it in
+            if target is None:
+                continue  # its file is gone: nothing to keep the bytes in
             try:
                 out = os.open(target, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
             except FileNotFoundError:
@@ -95,12 +86,37 @@ def write_kept(dir_fd: int, name: str, at: int | None) -> int:
     except FileNotFoundError:
         return 0  # none: its front never ran
     except (OSError, ValueError, OverflowError, struct.error) as e:
-        log.warning("%s: the writes it answered cannot be read back (%s): left as they are",
-                    name, e)  # fmt: skip
-        return 0
+        log.warning("%s: the writes it answered cannot be read back or written (%s): the file "
+                    "is left as it is", name, e)  # fmt: skip
+        return None
     finally:
         if fd >= 0:
             os.close(fd)
+
+
+def _read_kept(fd: int) -> list[tuple[tuple[int, ...], bytes]]:
+    """The pending records of the buffers' file open at `fd`, in order, each with its bytes,
+    every one checked before any is written; ValueError if the file is not one."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise ValueError("not a private file of this user")
+    magic, nbufs, at, stride = _HEAD.unpack(os.pread(fd, _HEAD.size, 0))
+    if magic.rstrip(b"\0") != _MAGIC or at != _AT or _HEAD.size + nbufs * _REC.size > at:
+        raise ValueError("not one (or of another version)")
+    if at + nbufs * stride > st.st_size:
+        raise ValueError(f"shorter than its {nbufs} buffers of {stride} bytes")
+    recs = os.pread(fd, nbufs * _REC.size, _HEAD.size)
+    pending = sorted((r, i) for i, r in enumerate(_REC.iter_unpack(recs)) if r[0] != 0)
+    out = []
+    for r, i in pending:
+        _seq, _dev, _ino, off, n, skip = r
+        if skip + n > stride or off + n > 1 << 63:
+            raise ValueError(f"a record past its buffer or any file: {r}")
+        data = os.pread(fd, n, at + i * stride + skip)
+        if len(data) != n:
+            raise ValueError(f"a buffer cut short: {len(data)} of {n} bytes")
+        out.append((r, data))
+    return out
 
 
 def _locals(dir_fd: int) -> list[tuple[str, os.stat_result]]:
@@ -209,10 +225,14 @@ class Dead:
         self.skipped = [op for op in rep.skipped if op.kind == PUT]
         self.dropped = rep.dropped
         self.replicas = bool(rep.header.get("replicas"))
-        wrote = 0
+        wrote, self.writes_left = 0, False
         for name, at in kept_places(dir_fd, path):
-            wrote += write_kept(dir_fd, name, at)
-            with contextlib.suppress(OSError):  # written: its buffers are not needed any more
+            done = write_kept(dir_fd, name, at)
+            if done is None:  # left as it is, for whoever looks (said in the log)
+                self.writes_left = True
+                continue
+            wrote += done  # written: its buffers are not needed any more
+            with contextlib.suppress(OSError):
                 os.unlink(name, dir_fd=at)
         if wrote:
             log.info("%s: wrote the %d WRITEs its daemon had answered into their files", path,
@@ -273,8 +293,9 @@ class Dead:
                     remove_partial(dest, op.path, self.source.token, op.seq)
         kept = self.kept()
         keep = {*kept["files"].values(), *kept["skipped"].values()}
+        left = {KEPT_WRITES} if self.writes_left else set()  # its bytes could not be written
         for name in os.listdir(self.fd):
-            if name in keep or (name == KEPT and keep):
+            if name in keep or name in left or (name == KEPT and keep):
                 continue
             with contextlib.suppress(OSError):
                 if stat.S_ISREG(os.stat(name, dir_fd=self.fd, follow_symlinks=False).st_mode):

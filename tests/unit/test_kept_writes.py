@@ -1,8 +1,8 @@
-"""The WRITEs an output daemon's front answered and had not written when it was killed
-(fanfs/csrc/writes.c, "Kept"), read back by its recovery (fanfs/output/recover.py,
-`write_kept`): the layout the C writes, the order they are written in, and a file that is not
-one left as it is. The whole path, a real daemon killed with its writer thread stopped, is
-tests/mount/test_output.py's `test_after_a_sigkill_umount_lands_what_was_closed_and_no_
+"""Unit tier: the WRITEs an output daemon's front answered and had not written when it was
+killed (fanfs/csrc/writes.c, "Kept"), read back by its recovery (fanfs/output/recover.py,
+`write_kept`): the layout the C writes, the order they are written in, and a file that is
+not one left as it is. The whole path, a real daemon killed with its writer thread stopped,
+is tests/mount/test_output.py's `test_after_a_sigkill_umount_lands_what_was_closed_and_no_
 partial_stays`."""
 
 from __future__ import annotations
@@ -81,7 +81,10 @@ def test_answered_writes_land_in_their_files_in_the_order_they_were_answered(
     assert (path / "o4").read_bytes() == b"\0\0\0log line\n"
 
 
-@pytest.mark.parametrize("bad", ["magic", "nbufs", "past its buffer", "short", "symlink", "shared"])
+BAD = ["magic", "nbufs", "stride", "past its buffer", "short", "symlink", "shared"]
+
+
+@pytest.mark.parametrize("bad", BAD)
 def test_a_kept_file_that_is_not_one_is_left_and_nothing_raised(
     bad: str, staging: tuple[Path, int], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -93,8 +96,13 @@ def test_a_kept_file_that_is_not_one_is_left_and_nothing_raised(
         kept(path, [rec], magic=b"fanfs-writes-0")
     elif bad == "nbufs":
         kept(path, [rec], nbufs=1 << 30, stride=0)
-    elif bad == "past its buffer":
-        kept(path, [(*rec[:4], b"Y" * 8200)], stride=8192)
+    elif bad == "stride":  # buffers the file does not hold (never read into memory)
+        kept(path, [rec])
+        raw = bytearray((path / KEPT_WRITES).read_bytes())
+        _HEAD.pack_into(raw, 0, _MAGIC, 4, 4096, 1 << 40)
+        (path / KEPT_WRITES).write_bytes(raw)
+    elif bad == "past its buffer":  # after a good one, which is not written either
+        kept(path, [rec, (2, *rec[1:4], b"Y" * 8200)], stride=8192)
     elif bad == "short":
         (path / KEPT_WRITES).write_bytes(struct.pack("=16s", _MAGIC))
     elif bad == "symlink":
@@ -103,6 +111,6 @@ def test_a_kept_file_that_is_not_one_is_left_and_nothing_raised(
     else:  # another user could have written it (in /dev/shm, a directory all users share)
         kept(path, [rec])
         os.chmod(path / KEPT_WRITES, 0o644)
-    assert write_kept(dir_fd, KEPT_WRITES, dir_fd) == 0
+    assert write_kept(dir_fd, KEPT_WRITES, dir_fd) is None
     assert (path / "o1").read_bytes() == b"as it was"
     assert "cannot be read back" in caplog.text
