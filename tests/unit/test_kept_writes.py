@@ -7,6 +7,7 @@ partial_stays`."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import struct
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from fanfs.native import lib
-from fanfs.output.front import KEPT_WRITES
+from fanfs.output.front import KEPT_WRITES, WriteFront
 from fanfs.output.recover import _HEAD, _MAGIC, _REC, write_kept
 
 
@@ -114,3 +115,27 @@ def test_a_kept_file_that_is_not_one_is_left_and_nothing_raised(
     assert write_kept(dir_fd, KEPT_WRITES, dir_fd) is None
     assert (path / "o1").read_bytes() == b"as it was"
     assert "cannot be read back" in caplog.text
+
+
+def test_the_buffers_go_to_the_next_place_where_one_cannot_take_them(
+    staging: tuple[Path, int],
+) -> None:
+    """/dev/shm missing or full: the staging directory; no place at all: no front (the event
+    loop answers WRITEs), and nothing left behind either way."""
+    path, dir_fd = staging
+    kernel_end, daemon_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    hook = (lambda receiver, fd: None, daemon_end.fileno)
+    with kernel_end, daemon_end:
+        front = WriteFront(hook, [(str(path / "no-shm" / "x"), None), (KEPT_WRITES, dir_fd)])
+        with contextlib.ExitStack() as stack:
+            assert front.start(stack)
+            assert front.statistics().kept == KEPT_WRITES
+            assert (path / KEPT_WRITES).stat().st_size > 8 << 20
+            front.stop()
+        assert not (path / KEPT_WRITES).exists()
+        (path / "taken").write_bytes(b"someone else's")  # O_EXCL: never opened, never removed
+        nowhere = WriteFront(hook, [(str(path / "no-shm" / "x"), None), ("taken", dir_fd)])
+        with contextlib.ExitStack() as stack:
+            assert not nowhere.start(stack)
+        assert nowhere.statistics().kept == ""
+        assert (path / "taken").read_bytes() == b"someone else's"
