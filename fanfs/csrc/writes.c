@@ -40,8 +40,9 @@
  * (fanfs/output/recover.py) writes the recorded WRITEs into their files, in order, before it
  * names what was open. On a tmpfs the mapping costs a 1 GiB dd nothing measurable; on a disk
  * a fifth of its rate (docs/performance.md; likely the disk's writeback of the mapped pages,
- * each write into a cleaned page then faulting: not profiled). The file is allocated whole at start: no page fault can then
- * find it full (SIGBUS). It is not kept against the node's crash: the page cache is not either.
+ * each write into a cleaned page then faulting: not profiled). The file is allocated whole at
+ * start: no page fault can then find it full (SIGBUS). It is not kept against the node's
+ * crash: the page cache is not either.
  *
  * Memory: FANFS_WB_SLOTS buffers of fanfs_front_bufsize() besides the front threads' own (one
  * each), all in the arena: the front waits for a free one when the disk is slower than the
@@ -269,10 +270,10 @@ int fanfs_writes_take(struct fanfs_writes *wb, int ffd, char **bufp, uint32_t n)
         pthread_mutex_unlock(&wb->lock);
         return -1;
     }
+    /* Under the lock, after the hold's look: the daemon moves an fd to a copy (dup2) only
+     * after it settled, which waits for this lock, so the file recorded is the one the pwrite
+     * will reach. */
     if (fstat((int)w->fh, &st) != 0) {
-        /* Under the lock, after the hold's look: the daemon moves an fd to a copy (dup2) only
-         * after it settled, which waits for this lock, so the file recorded is the one the
-         * pwrite will reach. */
         pthread_mutex_unlock(&wb->lock);
         return -1; /* pyfuse3 answers it, with the error */
     }
