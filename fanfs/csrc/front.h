@@ -124,6 +124,8 @@ int fanfs_latency_take(const struct fanfs_latencies *lat, uint32_t out[FANFS_FRO
  * recover.py reads it after a SIGKILL; its layout changes with FANFS_WB_MAGIC. */
 #define FANFS_WB_MAGIC "fanfs-writes-1"
 #define FANFS_WB_HEAD 4096
+#define FANFS_WB_OWNER 3072 /* the records end below it; the rest of the header is its
+                               owner's (the output daemon writes its staging path there) */
 
 struct fanfs_wb_head {
     char magic[16];

@@ -187,7 +187,7 @@ int fanfs_writes_start(struct fanfs_writes *wb, size_t bufsize, int nfront, int 
     if (wb->running)
         return -EBUSY;
     if (nfront < 1 || sizeof(struct fanfs_wb_head) + (size_t)nbufs * sizeof *wb->rec >
-                          FANFS_WB_HEAD)
+                          FANFS_WB_OWNER)
         return -EINVAL;
     wb->stop = wb->busy = wb->head = wb->count = 0;
     wb->seq = 0;

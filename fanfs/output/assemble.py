@@ -147,7 +147,8 @@ def build(stack: contextlib.ExitStack, place: Place, dest: Dest, staging: Stagin
     lander = Lander(dest, journal, own, recovering=dead, marker=partner is not None,
                     on_landed=landed, on_dropped=dropped, on_skipped=skipped,
                     dir_time=dir_time)  # fmt: skip
-    front = WriteFront(fuse_ops.RECEIVER, kept_places(staging.fd, staging.path), pretend)
+    front = WriteFront(fuse_ops.RECEIVER, kept_places(staging.fd, staging.path), staging.path,
+                       pretend)  # fmt: skip
     view = View(tree, journal, lander, dest, front=front,
                 replicate=partner.replicate if partner is not None else None)  # fmt: skip
     ops = fs.OutputOperations(view, status)

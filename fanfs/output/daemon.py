@@ -48,6 +48,7 @@ from fanfs.node import fuse_ops
 from fanfs.node.staging import StagingDir, default_parent
 from fanfs.output import assemble, fs, recover
 from fanfs.output.dest import Dest
+from fanfs.output.front import sweep as sweep_kept
 from fanfs.output.salvage import cancel_on, land_dead
 from fanfs.stopsignals import Early
 from fanfs.switches import Switches
@@ -174,6 +175,7 @@ class OutputDaemon:
             error = MountpointError(f"{self.dest}: output destination: {e.strerror or e}")
         self.life.agree(error)
         dead = recover.find(local, str(self.dest))
+        sweep_kept()  # (after the recovery of what this --local holds)
         for d in dead:
             stack.callback(d.close)
         # This daemon's name in DEST (temporary names, the replicas' marker): pids repeat

@@ -24,6 +24,7 @@ from typing import Any
 
 from fanfs import native
 from fanfs.native import lib
+from fanfs.node.staging import PREFIX, pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,9 @@ SPIN_US = 0
 
 KEPT_WRITES = "writes"  # the buffers' file while the threads run (writes.c, "Kept")
 SHM = "/dev/shm"
+# Where in that file the staging directory's path goes (FANFS_WB_OWNER: the C's header leaves
+# it), so that `sweep` can tell a file no recovery can use any more; at most this long:
+PATH_AT, PATH_MAX = 3072, 1024
 
 
 def kept_places(staging_fd: int, staging: Path) -> list[tuple[str, int | None]]:
@@ -46,6 +50,33 @@ def kept_places(staging_fd: int, staging: Path) -> list[tuple[str, int | None]]:
     this user's with mode 0600 is read back (recover.py)."""
     shm = os.path.join(SHM, f"fanfs-{os.geteuid()}-{staging.name}-{KEPT_WRITES}")
     return [(shm, None), (KEPT_WRITES, staging_fd)]
+
+
+def sweep(shm: str = SHM) -> None:
+    """Remove this user's buffers' files in `shm` whose daemon is gone (the pid in the name)
+    and whose staging directory is gone too (the path in the file): no recovery can use them,
+    and each holds 9 MiB of memory (a job's end that wiped the node's disk after a SIGKILL)."""
+    prefix = f"fanfs-{os.geteuid()}-{PREFIX}"
+    try:
+        names = [n for n in os.listdir(shm) if n.startswith(prefix) and n.endswith(KEPT_WRITES)]
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(prefix) :].split("-", 1)[0]
+        if not pid.isdigit() or pid_alive(int(pid)):
+            continue
+        with contextlib.suppress(OSError):
+            fd = os.open(os.path.join(shm, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                st = os.fstat(fd)
+                where = os.pread(fd, PATH_MAX, PATH_AT).split(b"\0", 1)[0]
+            finally:
+                os.close(fd)
+            if st.st_uid != os.geteuid() or st.st_mode & 0o077 or not where.startswith(b"/"):
+                continue
+            if not os.path.lexists(where):
+                os.unlink(os.path.join(shm, name))
+                log.info("removed %s: its daemon and its staging directory are gone", name)
 
 
 # pyfuse3's receiver hook (node/fuse_ops.RECEIVER): install(receiver, fd) hands it the front's
@@ -74,9 +105,10 @@ class WriteFront:
     """The front of one output mount; `receiver`: pyfuse3's hook, None without it."""
 
     def __init__(self, receiver: Receiver | None, places: list[tuple[str, int | None]],
-                 pretend: int = 0):  # fmt: skip
+                 staging: Path, pretend: int = 0):  # fmt: skip
         self.receiver = receiver
         self.places = places  # where the buffers' file may go (kept_places)
+        self.staging = staging  # written into it, for `sweep`
         self.kept: tuple[str, int | None] | None = None  # where it went
         self.pretend = pretend  # the protocol minor to rewrite INIT to (Switches; 0: none)
         self.running = False  # its threads answer WRITEs now
@@ -123,7 +155,11 @@ class WriteFront:
         self.kept = place
         try:
             front.keep_writes(kept)
-            return front.start(fd, THREADS, SPIN_US)
+            ready = front.start(fd, THREADS, SPIN_US)
+            where = os.fsencode(os.path.abspath(self.staging))
+            if len(where) < PATH_MAX:  # (a longer one is never swept: its recovery removes it)
+                os.pwrite(kept, where, PATH_AT)
+            return ready
         except OSError:
             self._unlink()
             raise

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from fanfs.native import lib
-from fanfs.output.front import KEPT_WRITES, WriteFront
+from fanfs.node.staging import pid_alive
+from fanfs.output.front import KEPT_WRITES, PATH_AT, WriteFront, sweep
 from fanfs.output.recover import _HEAD, _MAGIC, _REC, write_kept
 
 
@@ -126,16 +127,51 @@ def test_the_buffers_go_to_the_next_place_where_one_cannot_take_them(
     kernel_end, daemon_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     hook = (lambda receiver, fd: None, daemon_end.fileno)
     with kernel_end, daemon_end:
-        front = WriteFront(hook, [(str(path / "no-shm" / "x"), None), (KEPT_WRITES, dir_fd)])
+        front = WriteFront(hook, [(str(path / "no-shm" / "x"), None), (KEPT_WRITES, dir_fd)],
+                           path)  # fmt: skip
         with contextlib.ExitStack() as stack:
             assert front.start(stack)
             assert front.statistics().kept == KEPT_WRITES
             assert (path / KEPT_WRITES).stat().st_size > 8 << 20
+            raw = (path / KEPT_WRITES).read_bytes()[PATH_AT : PATH_AT + 1024]
+            assert raw.split(b"\0", 1)[0] == os.fsencode(path)  # for `sweep`
             front.stop()
         assert not (path / KEPT_WRITES).exists()
         (path / "taken").write_bytes(b"someone else's")  # O_EXCL: never opened, never removed
-        nowhere = WriteFront(hook, [(str(path / "no-shm" / "x"), None), ("taken", dir_fd)])
+        nowhere = WriteFront(hook, [(str(path / "no-shm" / "x"), None), ("taken", dir_fd)],
+                             path)  # fmt: skip
         with contextlib.ExitStack() as stack:
             assert not nowhere.start(stack)
         assert nowhere.statistics().kept == ""
         assert (path / "taken").read_bytes() == b"someone else's"
+
+
+def test_a_dead_daemons_buffers_go_once_its_staging_directory_is_gone(tmp_path: Path) -> None:
+    """`sweep`: only this user's private files whose daemon is dead and whose staging
+    directory (the path written in the file) no longer exists; nothing else in /dev/shm."""
+    shm, me = tmp_path / "shm", os.geteuid()
+    shm.mkdir()
+    (tmp_path / "still-here").mkdir()
+    dead = 2**22 + 1  # above the kernel's pid_max default: no such process
+    assert not pid_alive(dead)
+
+    def kept_file(pid: int, where: str, mode: int = 0o600) -> Path:
+        f = shm / f"fanfs-{me}-fanfs-stage-{pid}-x{len(list(shm.iterdir()))}-writes"
+        raw = bytearray(4096)
+        raw[PATH_AT : PATH_AT + len(where)] = where.encode()
+        f.write_bytes(raw)
+        os.chmod(f, mode)
+        return f
+
+    gone = kept_file(dead, str(tmp_path / "wiped"))
+    stays = [
+        kept_file(dead, str(tmp_path / "still-here")),  # its recovery may still come
+        kept_file(os.getpid(), str(tmp_path / "wiped")),  # its daemon runs
+        kept_file(dead, str(tmp_path / "wiped"), 0o644),  # not this user's alone
+        kept_file(dead, ""),  # no path: a longer one than fits
+    ]
+    (shm / f"fanfs-{me + 1}-fanfs-stage-{dead}-y-writes").write_bytes(b"")  # another user's
+    sweep(str(shm))
+    assert not gone.exists()
+    assert all(f.exists() for f in stays)
+    assert (shm / f"fanfs-{me + 1}-fanfs-stage-{dead}-y-writes").exists()
