@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,13 +67,17 @@ def sweep(shm: str = SHM) -> None:
         if not pid.isdigit() or pid_alive(int(pid)):
             continue
         with contextlib.suppress(OSError):
-            fd = os.open(os.path.join(shm, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # (a FIFO: no wait)
+            fd = os.open(os.path.join(shm, name), flags)
             try:
                 st = os.fstat(fd)
+                mine = stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
+                if not mine or st.st_mode & 0o077:
+                    continue
                 where = os.pread(fd, PATH_MAX, PATH_AT).split(b"\0", 1)[0]
             finally:
                 os.close(fd)
-            if st.st_uid != os.geteuid() or st.st_mode & 0o077 or not where.startswith(b"/"):
+            if not where.startswith(b"/"):
                 continue
             if not os.path.lexists(where):
                 os.unlink(os.path.join(shm, name))

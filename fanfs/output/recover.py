@@ -67,7 +67,8 @@ def write_kept(dir_fd: int, name: str, at: int | None) -> int | None:
     that fails leaves it too), said in the log. 0 if there is none."""
     fd = -1
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=at)
+        # (O_NONBLOCK: a FIFO another user planted under the name in /dev/shm never blocks)
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=at)
         pending = _read_kept(fd)
         files = {(st.st_dev, st.st_ino): local for local, st in _locals(dir_fd)}
         for (_seq, dev, ino, off, _n, _skip), data in pending:

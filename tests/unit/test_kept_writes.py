@@ -83,7 +83,7 @@ def test_answered_writes_land_in_their_files_in_the_order_they_were_answered(
     assert (path / "o4").read_bytes() == b"\0\0\0log line\n"
 
 
-BAD = ["magic", "nbufs", "stride", "past its buffer", "short", "symlink", "shared"]
+BAD = ["magic", "nbufs", "stride", "past its buffer", "short", "symlink", "shared", "fifo"]
 
 
 @pytest.mark.parametrize("bad", BAD)
@@ -110,9 +110,11 @@ def test_a_kept_file_that_is_not_one_is_left_and_nothing_raised(
     elif bad == "symlink":
         (path / "elsewhere").write_bytes(b"")
         (path / KEPT_WRITES).symlink_to(path / "elsewhere")
-    else:  # another user could have written it (in /dev/shm, a directory all users share)
+    elif bad == "shared":  # another user could have written it (in /dev/shm, all users')
         kept(path, [rec])
         os.chmod(path / KEPT_WRITES, 0o644)
+    else:  # planted there by another user: never waited on
+        os.mkfifo(path / KEPT_WRITES, 0o600)
     assert write_kept(dir_fd, KEPT_WRITES, dir_fd) is None
     assert (path / "o1").read_bytes() == b"as it was"
     assert "cannot be read back" in caplog.text
@@ -171,7 +173,9 @@ def test_a_dead_daemons_buffers_go_once_its_staging_directory_is_gone(tmp_path: 
         kept_file(dead, ""),  # no path: a longer one than fits
     ]
     (shm / f"fanfs-{me + 1}-fanfs-stage-{dead}-y-writes").write_bytes(b"")  # another user's
+    os.mkfifo(shm / f"fanfs-{me}-fanfs-stage-{dead}-fifo-writes")  # planted: never waited on
     sweep(str(shm))
     assert not gone.exists()
     assert all(f.exists() for f in stays)
     assert (shm / f"fanfs-{me + 1}-fanfs-stage-{dead}-y-writes").exists()
+    assert (shm / f"fanfs-{me}-fanfs-stage-{dead}-fifo-writes").exists()
