@@ -175,7 +175,8 @@ static int watch(struct fanfs_front *f, int fd) {
 
 static int front_start(struct fanfs_front *f, int fd, int nthreads, int spin_us) {
     sigset_t all, old;
-    int i, err = 0;
+    int i, err = 0, keepfd = f->keepfd;
+    f->keepfd = -1; /* used by this start only, whatever it ends in: its owner may close it */
     if (f->running)
         return -EBUSY;
     if (nthreads < 1 || nthreads > FRONT_MAX_THREADS || (f->m.n == 0 && !f->writes) ||
@@ -199,9 +200,7 @@ static int front_start(struct fanfs_front *f, int fd, int nthreads, int spin_us)
     }
     if ((err = watch(f, fd)) != 0 || (err = watch(f, f->stopfd)) != 0)
         goto fail;
-    err = f->writes ? fanfs_writes_start(&f->wb, f->bufsize, nthreads, f->keepfd) : 0;
-    f->keepfd = -1; /* mapped, or not: its owner may close it now */
-    if (err != 0)
+    if (f->writes && (err = fanfs_writes_start(&f->wb, f->bufsize, nthreads, keepfd)) != 0)
         goto fail;
     sigfillset(&all); /* signals stay with the interpreter's thread */
     pthread_sigmask(SIG_BLOCK, &all, &old);

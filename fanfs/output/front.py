@@ -55,8 +55,11 @@ def kept_places(staging_fd: int, staging: Path) -> list[tuple[str, int | None]]:
 
 def sweep(shm: str = SHM) -> None:
     """Remove this user's buffers' files in `shm` whose daemon is gone (the pid in the name)
-    and whose staging directory is gone too (the path in the file): no recovery can use them,
-    and each holds 9 MiB of memory (a job's end that wiped the node's disk after a SIGKILL)."""
+    and whose staging directory is gone too: no recovery can use them, and each holds 9 MiB of
+    memory (a job's end that wiped the node's disk after a SIGKILL). Gone means: its parent
+    (whose device and inode the file holds, with the path) is there, the same directory, and
+    has no such entry. So a file of another mount namespace (a per-job /tmp), of a --local
+    not mounted now, or one unreadable stays."""
     prefix = f"fanfs-{os.geteuid()}-{PREFIX}"
     try:
         names = [n for n in os.listdir(shm) if n.startswith(prefix) and n.endswith(KEPT_WRITES)]
@@ -64,24 +67,42 @@ def sweep(shm: str = SHM) -> None:
         return
     for name in names:
         pid = name[len(prefix) :].split("-", 1)[0]
-        if not pid.isdigit() or pid_alive(int(pid)):
-            continue
-        with contextlib.suppress(OSError):
-            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # (a FIFO: no wait)
-            fd = os.open(os.path.join(shm, name), flags)
-            try:
-                st = os.fstat(fd)
-                mine = stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
-                if not mine or st.st_mode & 0o077:
-                    continue
-                where = os.pread(fd, PATH_MAX, PATH_AT).split(b"\0", 1)[0]
-            finally:
-                os.close(fd)
-            if not where.startswith(b"/"):
-                continue
-            if not os.path.lexists(where):
+        if pid.isdigit() and not pid_alive(int(pid)) and _gone(os.path.join(shm, name)):
+            with contextlib.suppress(OSError):
                 os.unlink(os.path.join(shm, name))
                 log.info("removed %s: its daemon and its staging directory are gone", name)
+
+
+def _gone(path: str) -> bool:
+    try:
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # (a FIFO: no wait)
+        fd = os.open(path, flags)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+                return False
+            dev, ino, where = os.pread(fd, PATH_MAX, PATH_AT).split(b"\0", 1)[0].split(b" ", 2)
+        finally:
+            os.close(fd)
+        parent = os.stat(os.path.dirname(where), follow_symlinks=False)
+        if (parent.st_dev, parent.st_ino) != (int(dev), int(ino)) or not where.startswith(b"/"):
+            return False
+    except (OSError, ValueError):
+        return False
+    try:
+        os.lstat(where)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def _staging_line(staging: Path) -> bytes:
+    """What `sweep` reads: the staging directory's parent's device and inode, and its path."""
+    where = os.path.abspath(staging)
+    parent = os.stat(os.path.dirname(where))
+    return f"{parent.st_dev} {parent.st_ino} ".encode() + os.fsencode(where)
 
 
 # pyfuse3's receiver hook (node/fuse_ops.RECEIVER): install(receiver, fd) hands it the front's
@@ -139,8 +160,7 @@ class WriteFront:
             log.warning("front threads unavailable, writes go through the event loop: %s", why)
             return False
         self.native = front
-        stack.callback(self._unlink)  # after the close, which writes what is queued
-        stack.callback(front.close)  # after trio is done with the receiver's fd
+        stack.callback(self._end, front)  # after trio is done with the receiver's fd
         install(front.receiver(), ready)
         self.running = self.started = True
         return True
@@ -161,15 +181,23 @@ class WriteFront:
         try:
             front.keep_writes(kept)
             ready = front.start(fd, THREADS, SPIN_US)
-            where = os.fsencode(os.path.abspath(self.staging))
-            if len(where) < PATH_MAX:  # (a longer one is never swept: its recovery removes it)
-                os.pwrite(kept, where, PATH_AT)
+            with contextlib.suppress(OSError):  # (never swept then: its recovery removes it)
+                line = _staging_line(self.staging)
+                if len(line) < PATH_MAX:
+                    os.pwrite(kept, line, PATH_AT)
             return ready
         except OSError:
             self._unlink()
             raise
         finally:
             os.close(kept)  # mapped by now, or not needed
+
+    def _end(self, front: lib.Front) -> None:
+        """At the daemon's end, whichever way it came: the threads stopped (what is queued
+        goes into its files; nothing if `stop` ran), the receiver's fd closed, the file gone."""
+        front.stop()
+        front.close()
+        self._unlink()
 
     def _unlink(self) -> None:
         if self.kept is not None:

@@ -101,7 +101,10 @@ def _read_kept(fd: int) -> list[tuple[tuple[int, ...], bytes]]:
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
         raise ValueError("not a private file of this user")
-    magic, nbufs, at, stride = _HEAD.unpack(os.pread(fd, _HEAD.size, 0))
+    head = os.pread(fd, _HEAD.size, 0)
+    if not head.strip(b"\0"):
+        return []  # never set up: its daemon was killed before the front started
+    magic, nbufs, at, stride = _HEAD.unpack(head)
     if magic.rstrip(b"\0") != _MAGIC or at != _AT or _HEAD.size + nbufs * _REC.size > at:
         raise ValueError("not one (or of another version)")
     if at + nbufs * stride > st.st_size:
@@ -294,7 +297,9 @@ class Dead:
                     remove_partial(dest, op.path, self.source.token, op.seq)
         kept = self.kept()
         keep = {*kept["files"].values(), *kept["skipped"].values()}
-        left = {KEPT_WRITES} if self.writes_left else set()  # its bytes could not be written
+        # Writes that could not be written: their file stays, and the journal, so a later
+        # recovery tries again.
+        left = {KEPT_WRITES, NAME} if self.writes_left else set()
         for name in os.listdir(self.fd):
             if name in keep or name in left or (name == KEPT and keep):
                 continue

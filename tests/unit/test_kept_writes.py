@@ -8,6 +8,7 @@ partial_stays`."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import struct
@@ -19,7 +20,8 @@ import pytest
 from fanfs.native import lib
 from fanfs.node.staging import pid_alive
 from fanfs.output.front import KEPT_WRITES, PATH_AT, WriteFront, sweep
-from fanfs.output.recover import _HEAD, _MAGIC, _REC, write_kept
+from fanfs.output.journal import NAME
+from fanfs.output.recover import _HEAD, _MAGIC, _REC, open_dead, write_kept
 
 
 @pytest.fixture
@@ -136,7 +138,9 @@ def test_the_buffers_go_to_the_next_place_where_one_cannot_take_them(
             assert front.statistics().kept == KEPT_WRITES
             assert (path / KEPT_WRITES).stat().st_size > 8 << 20
             raw = (path / KEPT_WRITES).read_bytes()[PATH_AT : PATH_AT + 1024]
-            assert raw.split(b"\0", 1)[0] == os.fsencode(path)  # for `sweep`
+            parent = path.parent.stat()  # for `sweep`: the staging directory, its parent's id
+            line = f"{parent.st_dev} {parent.st_ino} {path}".encode()
+            assert raw.split(b"\0", 1)[0] == line
             front.stop()
         assert not (path / KEPT_WRITES).exists()
         (path / "taken").write_bytes(b"someone else's")  # O_EXCL: never opened, never removed
@@ -150,17 +154,20 @@ def test_the_buffers_go_to_the_next_place_where_one_cannot_take_them(
 
 def test_a_dead_daemons_buffers_go_once_its_staging_directory_is_gone(tmp_path: Path) -> None:
     """`sweep`: only this user's private files whose daemon is dead and whose staging
-    directory (the path written in the file) no longer exists; nothing else in /dev/shm."""
+    directory is no longer in its parent, the same directory as when it was made; nothing
+    else in /dev/shm."""
     shm, me = tmp_path / "shm", os.geteuid()
     shm.mkdir()
     (tmp_path / "still-here").mkdir()
-    dead = 2**22 + 1  # above the kernel's pid_max default: no such process
+    dead = 2**22 + 1  # above the kernel's largest pid_max: no such process
     assert not pid_alive(dead)
+    parent = tmp_path.stat()
 
-    def kept_file(pid: int, where: str, mode: int = 0o600) -> Path:
+    def kept_file(pid: int, where: str, mode: int = 0o600, ident: str = "") -> Path:
         f = shm / f"fanfs-{me}-fanfs-stage-{pid}-x{len(list(shm.iterdir()))}-writes"
+        line = f"{ident or f'{parent.st_dev} {parent.st_ino}'} {where}".encode() if where else b""
         raw = bytearray(4096)
-        raw[PATH_AT : PATH_AT + len(where)] = where.encode()
+        raw[PATH_AT : PATH_AT + len(line)] = line
         f.write_bytes(raw)
         os.chmod(f, mode)
         return f
@@ -171,6 +178,9 @@ def test_a_dead_daemons_buffers_go_once_its_staging_directory_is_gone(tmp_path: 
         kept_file(os.getpid(), str(tmp_path / "wiped")),  # its daemon runs
         kept_file(dead, str(tmp_path / "wiped"), 0o644),  # not this user's alone
         kept_file(dead, ""),  # no path: a longer one than fits
+        # its parent another directory now (a per-job /tmp, a --local not mounted now):
+        kept_file(dead, str(tmp_path / "wiped"), ident=f"{parent.st_dev} {parent.st_ino + 1}"),
+        kept_file(dead, str(tmp_path / "unmounted" / "wiped")),  # its parent is not there
     ]
     (shm / f"fanfs-{me + 1}-fanfs-stage-{dead}-y-writes").write_bytes(b"")  # another user's
     os.mkfifo(shm / f"fanfs-{me}-fanfs-stage-{dead}-fifo-writes")  # planted: never waited on
@@ -179,3 +189,34 @@ def test_a_dead_daemons_buffers_go_once_its_staging_directory_is_gone(tmp_path: 
     assert all(f.exists() for f in stays)
     assert (shm / f"fanfs-{me + 1}-fanfs-stage-{dead}-y-writes").exists()
     assert (shm / f"fanfs-{me}-fanfs-stage-{dead}-fifo-writes").exists()
+
+
+def test_a_buffers_file_never_set_up_holds_nothing(staging: tuple[Path, int]) -> None:
+    """Its daemon killed between making it and starting the front: nothing to write, and the
+    file can go (not kept, with a warning, for ever)."""
+    path, dir_fd = staging
+    (path / KEPT_WRITES).write_bytes(bytes(8192))
+    os.chmod(path / KEPT_WRITES, 0o600)
+    assert write_kept(dir_fd, KEPT_WRITES, dir_fd) == 0
+    (path / KEPT_WRITES).write_bytes(b"")
+    assert write_kept(dir_fd, KEPT_WRITES, dir_fd) == 0
+
+
+def test_writes_that_cannot_be_written_keep_their_file_and_the_journal(tmp_path: Path) -> None:
+    """A recovery whose replay fails (here a write past what the file system allows; a full
+    disk alike) leaves the buffers' file and the journal, so a later one tries again."""
+    d = tmp_path / "fanfs-stage-1-x"
+    d.mkdir(mode=0o700)
+    records = [{"fanfs_journal": 1, "dest": "/nowhere"}, {"name": "run.log", "node": 5,
+               "data": 1}, {"writing": 5}]  # fmt: skip
+    (d / NAME).write_text("".join(json.dumps(r) + "\n" for r in records))
+    (d / "o1").write_bytes(b"as it was")
+    st = os.stat(d / "o1")
+    kept(d, [(1, st.st_dev, st.st_ino, 1 << 62, b"far")])
+    dead = open_dead(d)
+    assert dead is not None and dead.writes_left
+    dead.finish()
+    assert sorted(p.name for p in d.iterdir()) == [NAME, "kept.json", "o1", KEPT_WRITES]
+    again = open_dead(d)  # the next recovery finds it
+    assert again is not None and again.writes_left
+    again.close()
