@@ -56,7 +56,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "fanfs_native.h"
+#include "front.h" /* (the kept file's layout: struct fanfs_wb_head, fanfs_wb_rec) */
 #include "stress.h"
 
 #define SENDERS 3
@@ -1005,13 +1005,32 @@ static void writes_stop_under_load(struct wsender *s) {
     free(want);
 }
 
+/* Once the front stopped, every WRITE it answered is in its file: no buffer's record in the
+ * kept file still says it is pending (what a recovery would write again). */
+static void kept_all_written(int keepfd) {
+    struct fanfs_wb_head h;
+    struct fanfs_wb_rec r;
+    uint32_t i;
+    if (pread(keepfd, &h, sizeof h, 0) != (ssize_t)sizeof h ||
+        memcmp(h.magic, FANFS_WB_MAGIC, sizeof FANFS_WB_MAGIC) != 0 ||
+        h.nbufs != FANFS_WB_SLOTS + FRONT_THREADS || h.at != FANFS_WB_HEAD) {
+        fail("the kept file's header is not the front's");
+        return;
+    }
+    for (i = 0; i < h.nbufs; i++)
+        if (pread(keepfd, &r, sizeof r, (off_t)(sizeof h + i * sizeof r)) != (ssize_t)sizeof r ||
+            r.seq != 0)
+            fail("buffer %u's record still pending after the stop (seq %llu)", i,
+                 (unsigned long long)r.seq);
+}
+
 static void writes_session(const char *dir) {
     struct wsender s[SENDERS];
     struct libfuse lf = {0};
     pthread_t reader;
     uint64_t written, behind = 0;
-    int i, f;
-    char path[4096];
+    int i, f, keepfd;
+    char path[4096], kept[4096];
     memset(s, 0, sizeof s);
     if (session_open() != 0 || (kern.front = fanfs_front_new(NULL, 1)) == NULL) {
         fail("cannot start the writes session");
@@ -1043,6 +1062,13 @@ static void writes_session(const char *dir) {
             fanfs_front_take_written(kern.front, s[i].fd[f]); /* what an fd of this number had */
     }
     written = fanfs_front_written(kern.front);
+    /* The buffers in a file, as the output daemon keeps them (writes.c, "Kept"). */
+    snprintf(kept, sizeof kept, "%s/front-writes-%d-kept", dir, (int)getpid());
+    keepfd = open(kept, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (keepfd < 0 || fanfs_front_keep_writes(kern.front, keepfd) != 0) {
+        fail("cannot keep the writes' buffers in %s", kept);
+        return;
+    }
     lf.readyfd = fanfs_front_start(kern.front, kern.sock[1], FRONT_THREADS, 0);
     if (lf.readyfd < 0 || session_init() != 0) {
         fail("the writes front did not start (%d) or took no INIT", lf.readyfd);
@@ -1084,6 +1110,9 @@ static void writes_session(const char *dir) {
     printf("front_stress: writes: %llu requests, %llu bytes written behind\n",
            (unsigned long long)kern.nx, (unsigned long long)behind);
     writes_stop_under_load(s);
+    kept_all_written(keepfd);
+    close(keepfd);
+    unlink(kept);
     pthread_join(lf.thread, NULL);
     fanfs_front_close(kern.front);
     session_end_reader(reader);

@@ -41,8 +41,12 @@ ROOT = Path(__file__).resolve().parents[2]
 # checked and stressed here with no list to update.
 C_SOURCES = sorted((ROOT / "fanfs" / "csrc").glob("*.c"))
 # The tests that drive the C (the pool without FUSE, the decoders, the front and its writes
-# under a scripted kernel); those of Python's read path add preparing images, not C.
-TESTS = [ROOT / "tests" / f for f in ("unit/test_native.py", "adapter/test_kernels.py")]
+# under a scripted kernel, its buffers kept in a file); those of Python's read path add
+# preparing images, not C.
+TESTS = [
+    ROOT / "tests" / f
+    for f in ("unit/test_native.py", "adapter/test_kernels.py", "unit/test_kept_writes.py")
+]
 
 
 def _fuse3(flag: str) -> list[str]:
