@@ -73,14 +73,22 @@ def sweep(shm: str = SHM) -> None:
                 log.info("removed %s: its daemon and its staging directory are gone", name)
 
 
+def open_kept(name: str, at: int | None = None) -> tuple[int, os.stat_result]:
+    """A buffers' file, open for reading, and its stat: only a regular file of this user's
+    alone, never through a link, never waiting on a FIFO someone planted under its name in
+    /dev/shm (ValueError: not one; OSError)."""
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=at)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        os.close(fd)
+        raise ValueError("not a private file of this user")
+    return fd, st
+
+
 def _gone(path: str) -> bool:
     try:
-        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # (a FIFO: no wait)
-        fd = os.open(path, flags)
+        fd, _ = open_kept(path)
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-                return False
             dev, ino, where = os.pread(fd, PATH_MAX, PATH_AT).split(b"\0", 1)[0].split(b" ", 2)
         finally:
             os.close(fd)
@@ -92,9 +100,9 @@ def _gone(path: str) -> bool:
     try:
         os.lstat(where)
     except FileNotFoundError:
-        return True
+        return True  # (only this: a lookup that fails otherwise says nothing)
     except OSError:
-        return False
+        pass
     return False
 
 

@@ -44,7 +44,7 @@ from fanfs.node.staging import PREFIX
 from fanfs.output import dest as dst
 from fanfs.output.apply import remove_partial
 from fanfs.output.dest import Dest, Ident
-from fanfs.output.front import KEPT_WRITES, kept_places
+from fanfs.output.front import KEPT_WRITES, kept_places, open_kept
 from fanfs.output.journal import NAME, PUT, RENAME, UNLINK, Op, read
 from fanfs.output.lander import Source, track
 
@@ -67,9 +67,8 @@ def write_kept(dir_fd: int, name: str, at: int | None) -> int | None:
     that fails leaves it too), said in the log. 0 if there is none."""
     fd = -1
     try:
-        # (O_NONBLOCK: a FIFO another user planted under the name in /dev/shm never blocks)
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=at)
-        pending = _read_kept(fd)
+        fd, st = open_kept(name, at)
+        pending = _read_kept(fd, st)
         files = {(st.st_dev, st.st_ino): local for local, st in _locals(dir_fd)}
         for (_seq, dev, ino, off, _n, _skip), data in pending:
             target = files.get((dev, ino))
@@ -95,12 +94,9 @@ def write_kept(dir_fd: int, name: str, at: int | None) -> int | None:
             os.close(fd)
 
 
-def _read_kept(fd: int) -> list[tuple[tuple[int, ...], bytes]]:
-    """The pending records of the buffers' file open at `fd`, in order, each with its bytes,
-    every one checked before any is written; ValueError if the file is not one."""
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-        raise ValueError("not a private file of this user")
+def _read_kept(fd: int, st: os.stat_result) -> list[tuple[tuple[int, ...], bytes]]:
+    """The pending records of the buffers' file open at `fd` (`st` its stat), in order, each
+    with its bytes, every one checked before any is written; ValueError if it is not one."""
     head = os.pread(fd, _HEAD.size, 0)
     if not head.strip(b"\0"):
         return []  # never set up: its daemon was killed before the front started
