@@ -5,8 +5,8 @@ task takes what is due and hands it to PUSH_THREADS threads, which fetch the sto
 (fanfs/node/sources.py's blocking side: the staged partition, a peer, or the image), check them,
 decode them and store them straight into the kernel's page cache (`push`, notify_store), so
 the job's READ never reaches the daemon. A file stored whole in a partition staged here is read,
-checked, decoded and stored by the C in the thread, with no Python per byte (`_in_c`,
-fanfs_pool_push_file), and so is a peer's small file the data plane fetches (below). A whole
+checked, decoded and stored by the C in the thread, with no Python per byte
+(fanfs/node/planner_c.py), and so is a peer's small file the data plane fetches (below). A whole
 file the kernel cannot take yet (it has not looked up its inode) goes back to the event loop
 to wait in `Plans` for its READ. A framed file is read frame by frame, each frame decoded and
 stored at its offset, up to the bytes `Plans` planned for it: memory never holds more than one
@@ -49,9 +49,7 @@ import trio
 
 from fanfs.image import catalog as cat
 from fanfs.image import codec
-from fanfs.native import lib
-from fanfs.node.jobs import job as native_job
-from fanfs.node.jobs import whole_piece
+from fanfs.node.planner_c import CReads, stored_in_c
 from fanfs.node.plans import Plans, Share
 from fanfs.node.pool import NativePool
 from fanfs.node.sources import Sources
@@ -78,15 +76,6 @@ BATCH_BYTES = 8 << 20
 # (share, its plan, position, entry, decoded bytes to read ahead)
 Job = tuple[int, Share, int, int, int]
 Push = Callable[[int, int, bytes], bool]  # (entry, offset, data) -> stored in the page cache
-
-
-def _stored_in_c(done: int) -> bool | None:
-    """fanfs_pool_push_file's answer `done` as `ReadAhead._in_c` returns it."""
-    if done == lib.EREMOTE:
-        return None
-    if done > 0:
-        raise OSError(done, os.strerror(done))
-    return done == 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,10 +108,7 @@ class ReadAhead:
         self._scope = trio.CancelScope()
         self._finished = trio.Event()
         self._threads: list[threading.Thread] = []
-        # The FUSE device for `_in_c`'s stores, a descriptor of the engine's own: once the
-        # session has closed its own, a late store reaches a dead connection, never a file
-        # that reused the number. Closed when every pusher has stopped.
-        self._device = -1
+        self.c = CReads(catalog, sources, pool)  # the C path (fanfs/node/planner_c.py)
         self.prefetched = 0
         self.pushed = 0
         self.prefetched_bytes = 0
@@ -135,9 +121,7 @@ class ReadAhead:
     async def run(self) -> None:
         """Read ahead of every share until cancelled or stopped."""
         self._token = trio.lowlevel.current_trio_token()
-        device = self.pool.front.session_fd() if self.pool.front is not None else -1
-        if device >= 0 and self.pool.front is not None and self.pool.front.running:
-            self._device = os.dup(device)
+        self.c.open()
         self._threads = [threading.Thread(target=self._pusher, name=f"fanfs-plan-{i}",
                                           daemon=True) for i in range(PUSH_THREADS)]  # fmt: skip
         for t in self._threads:
@@ -212,9 +196,8 @@ class ReadAhead:
                                 STOP_TIMEOUT_S)  # fmt: skip
 
         await trio.to_thread.run_sync(join)
-        if self._device >= 0 and not any(t.is_alive() for t in self._threads):
-            os.close(self._device)
-            self._device = -1
+        if not any(t.is_alive() for t in self._threads):
+            self.c.close()
 
     # -- the pusher threads -----------------------------------------------------------------
 
@@ -270,7 +253,7 @@ class ReadAhead:
             nbytes += size
         if not jobs:
             return  # an earlier turn took them
-        if all(self._by_plane(job[3]) for job in jobs):  # no Python on either side
+        if all(self.c.by_plane(job[3]) for job in jobs):  # no Python on either side
             self._together(jobs)
             return
         try:
@@ -282,18 +265,19 @@ class ReadAhead:
             self._one(job, stored)
 
     def _together(self, jobs: list[Job]) -> None:
-        """Peers' files the data plane fetches (`_by_plane`), stored as `_in_c` stores each,
-        their fetches asked together; one the C did not store goes `_one`'s Python way."""
+        """Peers' files the data plane fetches (`CReads.by_plane`), stored as `CReads.push`
+        stores each, their fetches asked together; one the C did not store goes `_one`'s Python
+        way."""
         try:
-            native = [self._c_job(job[3]) for job in jobs]
-            done = iter(lib.pool_push_files([j for j in native if j is not None], self._device))
+            native = [self.c.job(job[3]) for job in jobs]
+            done = iter(self.c.push_together([j for j in native if j is not None]))
         except Exception as e:  # not expected: each file is then read the usual way
             log.warning("a turn of %d files could not be asked: %s", len(jobs), e)
             native, done = [None] * len(jobs), iter(())
         for job, one in zip(jobs, native, strict=True):
             entry = job[3]
             try:
-                if one is None or not _stored_in_c(next(done)):
+                if one is None or not stored_in_c(next(done)):
                     self._one(job, c_reads=False)  # not had in time, or not known to the kernel
                     continue
                 self._done(int(self.catalog.size[entry]), True, True, True, len(jobs) > 1)
@@ -305,53 +289,10 @@ class ReadAhead:
         assert self._token is not None
         return self.sources.stored_blocking(entry, offset, length, crc, self._token)
 
-    def _c_reads(self, entry: int) -> bool:
-        """Whether the C may read `entry` ahead (`_in_c`): a front to store with, a file its
-        pool answers."""
-        kinds = self.pool.kinds
-        return self._device >= 0 and kinds is not None and kinds[entry] != lib.FAST_NO
-
-    def _by_plane(self, entry: int) -> bool:
-        """Whether the data plane fetches a peer's file for `_in_c` or `_together` (no
-        Python on either side)."""
-        return self._c_reads(entry) and not self.sources.mine(entry) and self._plane_takes(entry)
-
-    def _plane_takes(self, entry: int) -> bool:
-        """... of those the C reads and peers hold, the ones the data plane fetches."""
-        return self.sources.plane and int(self.catalog.stored_len[entry]) <= lib.REMOTE_MAX
-
-    def _in_c(self, entry: int) -> bool | None:
-        """Read (or fetch from a peer, `_by_plane`), check, decode and store a file all in C,
-        in this thread (fanfs_pool_push_file): True stored, False the kernel does not know it
-        yet (nothing read), None where the C does not read it (no front, not staged yet, a
-        file the front's pool leaves to Python, a peer's file no holder gave in time).
-        OSError if the read, check, decode or store failed."""
-        one = self._c_job(entry)
-        return None if one is None else _stored_in_c(lib.pool_push_file(one, self._device))
-
-    def _c_job(self, entry: int) -> tuple[int, ...] | None:
-        """`_in_c`'s native job for `entry`, or None where the C does not read it."""
-        c, local = self.catalog, self.sources.local
-        if not self._c_reads(entry):
-            return None
-        part = local.where(entry)[0]
-        if local.mine(entry):
-            if not local.staged(part):
-                return None
-            # Read through the page cache (no O_DIRECT descriptor): `_queue` advised the kernel
-            # to read the file when it was due; an O_DIRECT read would read the disk again.
-            fd = local.fd(part)
-        elif self._plane_takes(entry):
-            fd = lib.remote_fd(part)  # fetched into the pool's cache as the front's READ is
-        else:
-            return None
-        return native_job(fd, -1, entry, 0, 0, int(c.size[entry]), 0,
-                          [whole_piece(c, entry, int(fd < 0))])  # fmt: skip
-
     def _whole(self, job: Job, stored: bytes | None = None, c_reads: bool = True) -> None:
         share, s, pos, entry, _ = job
         c = self.catalog
-        if stored is None and c_reads and self._in_c(entry):
+        if stored is None and c_reads and self.c.push(entry):
             self._done(int(c.size[entry]), True, in_c=True, peer=not self.sources.mine(entry))
             return
         crc = int(c.crc[entry])
