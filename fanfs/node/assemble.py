@@ -27,11 +27,12 @@ import trio
 from fanfs import placement
 from fanfs.image.catalog import Catalog
 from fanfs.node import fuse_ops
+from fanfs.node.front import Front
 from fanfs.node.order import default_budget
 from fanfs.node.planner import ReadAhead
 from fanfs.node.plans import Plans
 from fanfs.node.plansocket import PlanServer
-from fanfs.node.pool import Front, NativePool
+from fanfs.node.pool import NativePool
 from fanfs.node.reader import BadFiles, Reader
 from fanfs.node.sources import WHOLE_FILE_LIMIT, Local, PeerServer, Sources
 from fanfs.node.store import PartitionStore

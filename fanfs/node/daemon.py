@@ -39,7 +39,7 @@ from fanfs.errors import FanfsError
 from fanfs.image.catalog import Catalog
 from fanfs.lifecycle import Lifecycle, check_mountpoint, expand, node_name, verdict
 from fanfs.node import assemble, fuse_ops
-from fanfs.node.pool import FRONT_THREADS
+from fanfs.node.front import FRONT_THREADS
 from fanfs.node.staging import default_parent
 from fanfs.node.store import PartitionStore, check_partitions
 from fanfs.status import Status

@@ -35,13 +35,12 @@ from typing import Any
 import numpy as np
 import trio
 
-from fanfs import native
 from fanfs.errors import CorruptFile
 from fanfs.image import catalog as cat
 from fanfs.image import codec
 from fanfs.logs import Throttle
 from fanfs.native import lib
-from fanfs.node.cache import percentiles_ms
+from fanfs.node.front import Front
 from fanfs.node.jobs import (  # noqa: F401 (JOB_FIELDS, KIND_*: the tests read them here)
     JOB_FIELDS,
     KIND_FILTER,
@@ -62,102 +61,16 @@ log = logging.getLogger(__name__)
 # Pool threads: at least 4 (concurrent disk reads of small files, even on a 2-core node), and
 # one per core up to 32 on bigger nodes, where decoding compressed files is what they do most.
 THREADS = max(4, min(32, os.cpu_count() or 4))
-# The front's threads: twice the cores, 8 to 32 (csrc/front.h). A front thread waits out a
-# peer's piece and one is kept for local files: with one per core, 4 readers of peers' files
-# here sent a READ in seven to Python (and the MPI thread spun for it): 0.34 of native against
-# 0.43 with 8 threads (docs/performance.md, "The daemons' CPU by thread").
-FRONT_THREADS = max(8, min(32, 2 * (os.cpu_count() or 4)))
 # Files stored whole up to this size are answered by the pool also when a READ asks for a part
 # (it keeps the decoded file in its cache of pieces, 64 MiB in all, for the other parts, and
 # pushes them into the kernel's page cache).
 PARTS_LIMIT = 4 << 20
 FOLLOWED_AT_ONCE = 4096  # files the front recorded, taken per turn of the event loop
-NO_LATENCIES = (np.zeros(0), 0.0)  # a front that never started: no READ times
 # The pool's failure record (native byte order): entry, errno, padding.
 ERROR_RECORD = struct.Struct("=qii")
 # The errnos of a record that make a file bad: its stored bytes fail their CRC-32, or do not
 # decode. Any other is a failure of the moment (ENOMEM, a disk's EIO): nothing is marked.
 BAD_DATA = frozenset((errno.EBADMSG, errno.EILSEQ))
-
-
-class Front:
-    """What the front (fanfs/csrc/front.c) needs from the FUSE adapter: `install(receiver,
-    fd)` registers (None: removes) pyfuse3's receiver, `session_fd()` is the session's fd, and
-    the attributes the adapter answers with (st_blksize, the cache timeout in seconds, uid,
-    gid); `mine[p]`: this node holds partition p; `spin_us`: how long the leader polls the
-    device after a request; `holders`: the ranks holding each partition (assemble.holders)
-    and `rank` this daemon's, for READs of peers' files (fetched by the MPI thread);
-    `pretend`: the protocol minor to rewrite the kernel's INIT to (Switches, 0: none)."""
-
-    def __init__(self, install: Callable[[Any, int], None], session_fd: Callable[[], int],
-                 blksize: int, timeout_s: int, mine: np.ndarray, spin_us: int,
-                 holders: np.ndarray | None = None, rank: int = 0,
-                 pretend: int = 0):  # fmt: skip
-        self.install = install
-        self.session_fd = session_fd
-        self.blksize = blksize
-        self.timeout_s = timeout_s
-        self.mine = np.ascontiguousarray(mine, dtype=np.uint8)
-        self.spin_us = spin_us
-        self.holders = holders
-        self.rank = rank
-        self.pretend = pretend
-        self.running = False
-        self.off = ""  # why it could not start
-        self.native: lib.Front | None = None  # the C front, once made (start)
-
-    def give_catalog(self, c: cat.Catalog) -> lib.Meta:
-        """The catalog as the C reads it (also without threads: the unit tests)."""
-        columns = {"mode": c.mode, "mtime_ns": c.mtime_ns, "size": c.size, "blocks": c.blocks,
-                   "name_off": c.name_off, "name_len": c.name_len, "child_start": c.child_start,
-                   "child_count": c.child_count, "part": c.part, "nlink": c.nlink}  # fmt: skip
-        arrays = {k: np.ascontiguousarray(v) for k, v in columns.items()}
-        return lib.Meta(arrays, c.strings, self.mine, os.getuid(), os.getgid(), self.blksize,
-                        self.timeout_s)  # fmt: skip
-
-    def give_holders(self) -> None:
-        """Tell the pool who holds each partition (after its fast table, before it is on)."""
-        if self.holders is not None:
-            lib.pool_fast_owners(self.holders, self.rank)
-
-    def start(self, catalog: cat.Catalog, stack: contextlib.ExitStack) -> bool:
-        """Start the front's threads on the session's fd and hand pyfuse3 its receiver; False
-        (and a warning) if they cannot start: pyfuse3 reads the device itself."""
-        try:
-            self.native = lib.Front(self.give_catalog(catalog))
-            self.native.pretend(self.pretend)
-            ready = self.native.start(self.session_fd(), FRONT_THREADS, self.spin_us)
-        except (OSError, ValueError) as e:
-            log.warning("front threads unavailable, requests go through the event loop: %s", e)
-            self.off = f"its threads could not start ({e})"
-            return False
-        stack.callback(self.native.close)  # after trio is done with the receiver's fd
-        self.install(self.native.receiver(), ready)
-        self.running = True
-        return True
-
-    def drain(self) -> None:
-        """pyfuse3's loop has ended: requests the threads would hand it are answered EIO,
-        the others as before (the pool's pusher may wait for a READ only they can answer)."""
-        if self.running:
-            assert self.native is not None
-            self.native.drain()
-
-    def stop(self) -> None:
-        """pyfuse3 reads the device again; the threads stop."""
-        if self.running:
-            self.running = False
-            self.install(None, -1)
-            assert self.native is not None
-            self.native.stop()
-
-    def statistics(self) -> FrontStatus:
-        protocol, why = native.front_kernel(self.native)
-        latencies = self.native.latencies() if self.native is not None else NO_LATENCIES
-        return FrontStatus(running=self.running, **lib.front_stats(self.native),
-                           **lib.remote_stats(), read_ms=percentiles_ms(*latencies),
-                           protocol=protocol,
-                           off=self.off or why)  # fmt: skip
 
 
 def _stages(kind: str, sums: Sequence[int]) -> dict[str, int]:

@@ -95,8 +95,8 @@ async def test_whole_file_requests_are_not_cached(ops: FanfsOperations, awkward_
 
 
 def _front_for(c: cat.Catalog) -> lib.Meta:
+    from fanfs.node.front import Front
     from fanfs.node.fuse_ops import BLKSIZE, CACHE_TIMEOUT_S
-    from fanfs.node.pool import Front
 
     mine = np.ones(c.n_partitions, dtype=np.uint8)
     return Front(lambda *a: None, lambda: -1, BLKSIZE, int(CACHE_TIMEOUT_S), mine,

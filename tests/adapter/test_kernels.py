@@ -31,8 +31,9 @@ from conftest import prepare
 from fanfs.image import catalog as cat
 from fanfs.image import format as fmt
 from fanfs.native import lib
+from fanfs.node.front import Front
 from fanfs.node.fuse_ops import BLKSIZE, CACHE_TIMEOUT_S
-from fanfs.node.pool import Front, fast_kinds
+from fanfs.node.pool import fast_kinds
 
 # linux/fuse.h
 INIT, LOOKUP, GETATTR, READ, WRITE = 26, 1, 3, 15, 16

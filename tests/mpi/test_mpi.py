@@ -30,7 +30,7 @@ from fanfs.errors import ExitCode
 from fanfs.image import catalog as cat
 from fanfs.native import lib
 from fanfs.node import reader as lookahead
-from fanfs.node.pool import FRONT_THREADS
+from fanfs.node.front import FRONT_THREADS
 
 MPIRUN = ["mpirun", "--oversubscribe", "--enable-recovery"]
 ENV = {**os.environ, **launch.MPI_ENV}

@@ -24,15 +24,15 @@ LAYERS = {
     # the daemon's wing: everything that runs inside `fanfs mount`
     "node": 2, "node.cache": 2,
     "node.staging": 2, "node.keys": 2, "node.keep_entries": 2, "node.keep": 2, "node.order": 2,
-    "node.bad": 2, "node.jobs": 2, "node.partfile": 2,
+    "node.bad": 2, "node.jobs": 2, "node.partfile": 2, "node.front": 2,
     "node.pool": 3, "node.store": 3, "node.plans": 3,
     "node.transport": 3, "node.transport.inbox": 3, "node.transport.commands": 3,
     "node.peers": 3, "node.transport.answer": 3, "node.transport.front": 3,
     "node.transport.asks": 3,
     "node.transport.mpi": 4,
     "node.transport.inproc": 4, "node.sources": 4, "node.plansocket": 4,
-    "node.reader": 5, "node.planner": 5, "node.fuse_ops": 6, "node.assemble": 7,
-    "lifecycle": 7, "node.daemon": 8,
+    "node.reader": 5, "node.planner_c": 5, "node.planner": 5, "node.fuse_ops": 6,
+    "node.assemble": 7, "lifecycle": 7, "node.daemon": 8,
     # the output wing: everything that runs inside `fanfs output`
     "output": 2, "output.journal": 2, "output.dest": 2, "output.tree": 2, "output.front": 2,
     "output.apply": 2, "output.held": 3, "output.room": 4, "output.files": 4,

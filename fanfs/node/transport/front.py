@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 from fanfs.native import lib
+from fanfs.node.front import FRONT_THREADS
 from fanfs.node.peers import in_turn
-from fanfs.node.pool import FRONT_THREADS
 from fanfs.node.transport import PeerTimeout
 from fanfs.node.transport.commands import Command, Send
 from fanfs.node.transport.inbox import Fetch, Inbox, request_header
