@@ -114,6 +114,9 @@ BUDGET_STAGES: int
 def pool_budget() -> tuple[tuple[int, ...], tuple[int, int, int, int]]: ...
 def front_stats(front: Front | None = None) -> dict[str, int]: ...
 
+WB_MAGIC: bytes
+WB_HEAD: int
+WB_OWNER: int
 MAX_OWNERS: int
 REMOTE_MAX: int
 EREMOTE: int

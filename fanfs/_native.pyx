@@ -889,6 +889,19 @@ def front_stats(Front front=None):
             "lookahead_unused": la[2]}
 
 
+# The buffers' file of an output front's WRITEs (csrc/front.h, writes.c's "Kept"), as
+# fanfs/output/recover.py reads it after a SIGKILL and fanfs/output/front.py writes its owner's
+# part: its magic, where the buffers begin, where its owner's part of the header begins.
+cdef extern from "front.h":
+    const char *FANFS_WB_MAGIC
+    enum: FANFS_WB_HEAD
+    enum: FANFS_WB_OWNER
+
+WB_MAGIC = <bytes>FANFS_WB_MAGIC
+WB_HEAD = FANFS_WB_HEAD
+WB_OWNER = FANFS_WB_OWNER
+
+
 # -- a peer's files for the front, fetched by the MPI thread -----------------------------------
 
 MAX_OWNERS = FANFS_MAX_OWNERS

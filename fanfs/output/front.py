@@ -36,9 +36,9 @@ SPIN_US = 0
 
 KEPT_WRITES = "writes"  # the buffers' file while the threads run (writes.c, "Kept")
 SHM = "/dev/shm"
-# Where in that file the staging directory's path goes (FANFS_WB_OWNER: the C's header leaves
-# it), so that `sweep` can tell a file no recovery can use any more; at most this long:
-PATH_AT, PATH_MAX = 3072, 1024
+# Where in that file the staging directory's path goes (the header's part the C leaves to
+# its owner), so that `sweep` can tell a file no recovery can use any more; at most this long:
+PATH_AT, PATH_MAX = lib.WB_OWNER, lib.WB_HEAD - lib.WB_OWNER
 
 
 def kept_places(staging_fd: int, staging: Path) -> list[tuple[str, int | None]]:

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fanfs.native import lib
 from fanfs.node.staging import PREFIX
 from fanfs.output import dest as dst
 from fanfs.output.apply import remove_partial
@@ -53,10 +54,10 @@ log = logging.getLogger(__name__)
 KEPT = "kept.json"
 
 # The buffers' file's layout: struct fanfs_wb_head and struct fanfs_wb_rec (fanfs/csrc/front.h).
-_MAGIC = b"fanfs-writes-1"
+_MAGIC = lib.WB_MAGIC
 _HEAD = struct.Struct("=16sIIQ32x")  # magic, buffers, where the first begins, stride
 _REC = struct.Struct("=QQQQII24x")  # seq (0: none), dev, ino, off, len, at
-_AT = 4096  # FANFS_WB_HEAD: the records fit below it
+_AT = lib.WB_HEAD  # the records fit below it
 
 
 def write_kept(dir_fd: int, name: str, at: int | None) -> int | None:
