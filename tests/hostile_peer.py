@@ -44,6 +44,13 @@ REQUESTS = 10
 STRAY_TAG = 9  # a tag rank 0's MPI thread never takes (fanfs/node/transport/inbox.py)
 
 
+def publish(path: Path, what: object) -> None:
+    """Write `what` to `path` as JSON, whole (the test reads it as soon as the name exists)."""
+    part = path.with_name(path.name + ".part")
+    part.write_text(json.dumps(what))
+    part.replace(path)
+
+
 def wait_for(path: Path) -> None:
     while not path.exists():
         time.sleep(0.05)
@@ -151,9 +158,8 @@ def main() -> int:
             if tag not in sizes and comm.Iprobe(0, tag, status):
                 sizes[tag] = status.Get_count(MPI.BYTE)
         time.sleep(0.05)
-    (base / "result.json").write_text(
-        json.dumps({"whole": sizes.get(tags[0]), "chunks": [sizes.get(t) for t in tags[1:]]})
-    )
+    publish(base / "result.json",
+            {"whole": sizes.get(tags[0]), "chunks": [sizes.get(t) for t in tags[1:]]})  # fmt: skip
     wait_for(base / "done")
     for tag in tags:  # take every reply, so that rank 0's sends complete
         if comm.Iprobe(0, tag, status):
@@ -162,8 +168,8 @@ def main() -> int:
     small = [e for e in range(c.n_entries) if c.is_file[e] and 0 < int(c.stored_len[e]) < 1 << 20
              and 0 in owners[int(c.part[e])]]  # fmt: skip
     got = batches(world, c, entry, small)
-    (base / "batches.json").write_text(json.dumps({**got, "small": len(small)}))
-    (base / "plane.json").write_text(json.dumps(plane(world, c, small)))
+    publish(base / "batches.json", {**got, "small": len(small)})
+    publish(base / "plane.json", plane(world, c, small))
     comm.Send(bytearray(64), 0, STRAY_TAG)  # never taken: it stays at rank 0 until the end
     (base / "stray").touch()
     wait_for(base / "bye")
