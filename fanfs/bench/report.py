@@ -13,8 +13,14 @@ from fanfs.bench import budget
 from fanfs.bench.passes import COLD_BY, Result, size_label
 
 # Ratios between sides reported beside fanfs/native, when both sides were measured.
-VERSUS = {"vs_squashfs": ("fanfs", "squashfs"), "vs_raw": ("fanfs", "fanfs-raw"),
-          "raw_vs_squashfs_raw": ("fanfs-raw", "squashfs-raw")}  # fmt: skip
+VERSUS = {
+    "vs_squashfs": ("fanfs", "squashfs"),
+    "vs_raw": ("fanfs", "fanfs-raw"),
+    "raw_vs_squashfs_raw": ("fanfs-raw", "squashfs-raw"),
+    "vs_floor": ("fanfs", "floor"),
+    "floor_vs_native": ("floor", "native"),
+    "floor_poll_vs_native": ("floor-poll", "native"),
+}
 
 
 def summarize(results: list[Result]) -> list[dict[str, Any]]:
@@ -96,12 +102,31 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     lines += [budget.thread_line(r, f"{_where(r)} {size_label(r['size'])} {r['temp']} "
                                     f"x{r['readers']}")
               for r in rows if r.get("cpu_by_thread_us")]  # fmt: skip
+    lines += [_floor_line(r) for r in rows if "floor_vs_native" in r]
     lines += [f"front: {f}" for f in sorted({r["front"] for r in rows if r.get("front")})]
     idle = [r["daemon_idle_cpu_pct"] for r in rows if "daemon_idle_cpu_pct" in r]
     if idle:
         lines.append(f"idle daemon: {max(idle):.1f} % of a core at most; us/file: the fanfs "
                      "daemon's CPU time per file read")  # fmt: skip
     return "\n".join(lines)
+
+
+def _floor_line(r: dict[str, Any]) -> str:
+    """What FUSE itself costs in a case (bench/floor.py) beside what fanfs costs: each side's
+    speed over native's, p50 and its server's CPU per file."""
+    parts = []
+    for name in ("fanfs", "floor", "floor-poll"):
+        key = name.replace("-", "_")
+        ratio = r["ratio"] if name == "fanfs" else r.get(f"{key}_vs_native")
+        if ratio is None:
+            continue
+        cpu = r.get("daemon_cpu_us_per_file" if name == "fanfs" else f"{key}_cpu_us_per_file")
+        parts.append(f"{name} {ratio:.2f} (p50 {r[f'{key}_p50_ms']:.2f} ms"
+                     + (f", {cpu:.0f} us CPU/file)" if cpu is not None else ")"))  # fmt: skip
+    return (
+        f"floor {_where(r)} {size_label(r['size'])} {r['temp']} x{r['readers']}, of "
+        f"native's speed (p50 {r['native_p50_ms']:.2f} ms): " + "; ".join(parts)
+    )
 
 
 def _where(row: dict[str, Any]) -> str:

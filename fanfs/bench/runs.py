@@ -2,8 +2,9 @@
 generated, prepared and mounted (one daemon, and N under mpirun with `--ranks`), then every case
 (reader counts, cold and warm, local, remote, planned, a global epoch) measured, each side in
 turn: native reads of the source files, fanfs, and where asked or relevant the same files
-prepared raw (compressible data) and squashfs images under squashfuse_ll (`--against
-squashfs`). Who goes first rotates with the repetition."""
+prepared raw (compressible data), squashfs images under squashfuse_ll (`--against
+squashfs`) and the source files under the FUSE floor (`--against floor`, bench/floor.py). Who
+goes first rotates with the repetition."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any
 
 import fanfs.bench.data as data
 import fanfs.bench.epoch as global_epoch
+import fanfs.bench.floor as floor
 import fanfs.bench.squashfs as squashfs
 from fanfs.bench.budget import cpu_by_thread
 from fanfs.bench.launch import Daemons, check, mounted, scratch
@@ -117,6 +119,9 @@ def _dataset_cases(
         for name, image in images:
             sq = stack.enter_context(squashfs.mounted(image, base / f"mnt-{name}"))
             sides.append(Side(name, sq.mountpoint, _squash_cold(sq)))
+        if "floor" in against:
+            for name, fl in stack.enter_context(floor.mounted(src, base)).items():
+                sides.append(Side(name, fl.mountpoint, _floor_cold(fl, natives), [fl.pid()]))
         idle = global_epoch.idle_cpu_percent(sides[1].pids)
         got = _cases(mean, kind, "local", sides, rels, *plan)
         results += got
@@ -154,11 +159,24 @@ def _squash_cold(sq: squashfs.Squash) -> Any:
     return cold
 
 
+def _floor_cold(fl: floor.Floor, natives: list[str]) -> Any:
+    def cold() -> str:
+        fl.cold()
+        return make_cold(natives)
+
+    return cold
+
+
 def _extras(case: Case, results: list[Result], idle: float) -> dict[str, Any]:
     """The fanfs daemon's CPU per file read (and while idle), and for DataLoader passes whether
     every side gave the same samples as native reads."""
     mine = [r for r in results if r.case == case]
     out: dict[str, Any] = {**_cpu(case, results), "daemon_idle_cpu_pct": idle}
+    for name in ("floor", "floor-poll"):
+        if floors := [r for r in mine if r.reader == name]:
+            out[f"{name.replace('-', '_')}_cpu_us_per_file"] = round(
+                statistics.mean(r.daemon_cpu_s / r.files * 1e6 for r in floors), 1
+            )
     if case.client == "torch":
         native = [r.samples for r in mine if r.reader == "native"]
         out["identical_samples"] = all(r.samples == native[0] for r in mine)
@@ -268,7 +286,9 @@ def _short(results: list[Result], case: Case) -> str:
             f"readers: fanfs/native {row['ratio']:.2f} ({row['native_files_per_s']:.0f} vs "
             f"{row['fanfs_files_per_s']:.0f} files/s)")  # fmt: skip
     for key, what in (("vs_raw", "fanfs/raw"), ("vs_squashfs", "fanfs/squashfs"),
-                      ("raw_vs_squashfs_raw", "raw/squashfs-raw")):  # fmt: skip
+                      ("raw_vs_squashfs_raw", "raw/squashfs-raw"), ("vs_floor", "fanfs/floor"),
+                      ("floor_vs_native", "floor/native"), ("floor_poll_vs_native",
+                                                            "floor-poll/native")):  # fmt: skip
         if key in row:
             text += f", {what} {row[key]:.2f}"
     return text

@@ -15,11 +15,10 @@ import contextlib
 import os
 import shutil
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from fanfs import mounts
+from fanfs.bench.childmount import ChildMount
 from fanfs.errors import FanfsError
 
 TOOLS = ("mksquashfs", "squashfuse_ll")
@@ -40,42 +39,13 @@ def build(src: Path, image: Path, compressed: bool) -> None:
         raise FanfsError(f"mksquashfs failed: {done.stderr.strip() or done.stdout.strip()}")
 
 
-class Squash:
+class Squash(ChildMount):
     """`squashfuse_ll IMAGE MOUNTPOINT`, remounted by `cold`."""
 
     def __init__(self, image: Path, mountpoint: Path):
         self.image = image
-        self.mountpoint = mountpoint
-        self.proc: subprocess.Popen[bytes] | None = None
-        mountpoint.mkdir(parents=True, exist_ok=True)
-        self._mount()
-
-    def _mount(self) -> None:
-        self.proc = subprocess.Popen(["squashfuse_ll", "-f", str(self.image), str(self.mountpoint)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
-        deadline = time.monotonic() + 30
-        while mounts.find(self.mountpoint) is None:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
-                self.stop()
-                raise FanfsError(f"squashfuse_ll did not mount {self.image}: {err.strip()}")
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        if mounts.find(self.mountpoint) is not None:
-            subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)], timeout=30,
-                           capture_output=True, check=False)  # fmt: skip
-        if self.proc is not None:
-            if self.proc.poll() is None:
-                self.proc.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(30)
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait(10)
-            if self.proc.stderr is not None:
-                self.proc.stderr.close()
-            self.proc = None
+        super().__init__(["squashfuse_ll", "-f", str(image), str(mountpoint)], mountpoint,
+                         "squashfuse_ll")  # fmt: skip
 
     def cold(self) -> None:
         """A fresh squashfuse_ll (no cache of its own) over an image whose pages are dropped;
@@ -86,11 +56,7 @@ class Squash:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
-        self._mount()
-
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
+        self.mount()
 
 
 @contextlib.contextmanager

@@ -67,6 +67,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if not squashfs.available():
             raise UsageError("bench: --against squashfs needs mksquashfs and squashfuse_ll "
                              "(Debian: apt-get install squashfs-tools squashfuse)")  # fmt: skip
+    if "floor" in args.against:
+        from fanfs.bench import floor
+
+        if not floor.available():
+            raise UsageError("bench: --against floor builds a C file system: it needs a C "
+                             "compiler, pkg-config and libfuse3's headers (Debian: apt-get "
+                             "install gcc pkg-config libfuse3-dev)")  # fmt: skip
     writable(args.report, "--report")
     writable(args.plot, "--plot")
     rows = bench.run(workdir, args.sizes, args.total, args.min_files, args.readers, args.repeat,
@@ -199,10 +206,12 @@ def add_parsers(sub: Subparsers) -> None:
                    help="what the files hold: random (incompressible, one dataset per size), "
                    "arrays (float32), text (CSV), jpeg (500x375 images); compressible kinds "
                    "are also measured prepared raw (default: %(default)s)")  # fmt: skip
-    p.add_argument("--against", type=listed(choice("squashfs")), default=[],
-                   help="also measure squashfs: a squashfs image of the same files under "
-                   "squashfuse_ll, compressed where fanfs compresses (needs squashfs-tools and "
-                   "squashfuse)")  # fmt: skip
+    p.add_argument("--against", type=listed(choice("squashfs", "floor")), default=[],
+                   help="also measure squashfs (a squashfs image of the same files under "
+                   "squashfuse_ll, compressed where fanfs compresses; needs squashfs-tools and "
+                   "squashfuse) or floor (the source files under the least a FUSE file system "
+                   "does: what FUSE itself costs here; needs a C compiler and libfuse3-dev), or "
+                   "both, local cases only")  # fmt: skip
     p.add_argument("--client", choices=("raw", "python", "torch"), default="raw",
                    help="how files are read: raw (unbuffered into one buffer, like C readers), "
                    "python (open(path, 'rb').read(), like PIL and numpy) or torch (a PyTorch "

@@ -142,6 +142,29 @@ def test_bench_compressible_data_against_raw_and_squashfs(tmp_path: Path) -> Non
     assert "fanfs/squashfs" in done.stderr and not mounts_left(tmp_path / "work")
 
 
+def test_bench_against_the_fuse_floor(tmp_path: Path) -> None:
+    """Both floors (bench/floor.py) are measured beside fanfs in every local case, with their
+    CPU per file, and the report says what each side reads at against native."""
+    out_json = tmp_path / "bench.json"
+    done = fanfs("bench", "--sizes", "64K", "--total", "1M", "--min-files", "8", "--readers",
+                 "1", "--repeat", "2", "--against", "floor", "--workdir", tmp_path / "work",
+                 "--report", out_json, "--plot", tmp_path / "b.png", timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out_json.read_text())["rows"]
+    assert {r["temp"] for r in rows} == {"cold", "warm"}
+    for r in rows:
+        assert_speeds_measured(r)
+        low, high = RATIO_BOUNDS
+        for key in ("floor_vs_native", "floor_poll_vs_native", "vs_floor"):
+            assert low < r[key] < high, (key, r)
+        assert r["floor_p50_ms"] > 0 and r["floor_poll_p50_ms"] > 0
+        if r["temp"] == "cold":  # a cold file costs its server a read and a reply
+            assert r["floor_cpu_us_per_file"] > 0 and r["floor_poll_cpu_us_per_file"] > 0, r
+        line = f"floor local 64K {r['temp']} x1, of native's speed"
+        assert line in done.stdout and "floor-poll " in done.stdout
+    assert "fanfs/floor" in done.stderr and not mounts_left(tmp_path / "work")
+
+
 def test_bench_torch_loader_gives_every_side_the_same_samples(tmp_path: Path) -> None:
     """Two repetitions read the files in two orders; the samples still compare equal."""
     out_json = tmp_path / "bench.json"
