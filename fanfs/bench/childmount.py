@@ -34,9 +34,10 @@ class ChildMount:
         deadline = time.monotonic() + MOUNT_WAIT_S
         while mounts.find(self.mountpoint) is None:
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                said = self._said().strip()  # (before stop, which closes its pipes)
                 self.stop()
                 raise FanfsError(f"{self.what} did not mount {self.mountpoint}: "
-                                 f"{self._said().strip() or 'no error printed'}")  # fmt: skip
+                                 f"{said or 'no error printed'}")  # fmt: skip
             time.sleep(0.02)
 
     def _said(self) -> str:

@@ -4,7 +4,8 @@ a FUSE file system does, which the bench measures beside fanfs.
 Built with the machine's compiler and mounted for real, each way it takes requests (libfuse's
 threads, one polling thread): it serves its source byte for byte (nested directories, an empty
 file, a symlink, a file of several READs), refuses writes, drops the kernel's pages of its files
-when the bench makes a pass cold (counted with mincore), and leaves no mount or process behind.
+when the bench makes a pass cold (counted with mincore), leaves no mount or process behind, and
+says why when it cannot start.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import pytest
 
 from fanfs import mounts
 from fanfs.bench import compare, floor
+from fanfs.errors import FanfsError
 
 pytestmark = [pytest.mark.mount, pytest.mark.timeout(120)]
 
@@ -51,6 +53,12 @@ def served(request: pytest.FixtureRequest, exe: Path, tmp_path: Path
         yield src, fl
     finally:
         fl.stop()
+    assert mounts.find(tmp_path / "mnt") is None
+
+
+def test_a_floor_that_cannot_start_says_why(exe: Path, tmp_path: Path) -> None:
+    with pytest.raises(FanfsError, match=r"fanfs-floor did not mount .*No such file"):
+        floor.Floor(exe, tmp_path / "missing", tmp_path / "mnt", False)
     assert mounts.find(tmp_path / "mnt") is None
 
 
