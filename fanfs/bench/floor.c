@@ -298,14 +298,17 @@ static void *dropper(void *arg)
             continue;
         size_t count = 0, cap = 1024;
         fuse_ino_t *ids = malloc(cap * sizeof *ids);
+        int whole = ids != NULL; /* every file's id taken (no allocation failed) */
         pthread_mutex_lock(&nodes_lock);
-        for (struct node *n = nodes.next; ids != NULL && n != &nodes; n = n->next) {
+        for (struct node *n = nodes.next; whole && n != &nodes; n = n->next) {
             if (!n->is_file)
                 continue;
             if (count == cap) {
                 fuse_ino_t *more = realloc(ids, 2 * cap * sizeof *ids);
-                if (more == NULL)
+                if (more == NULL) {
+                    whole = 0;
                     break;
+                }
                 ids = more;
                 cap *= 2;
             }
@@ -315,7 +318,7 @@ static void *dropper(void *arg)
         for (size_t i = 0; i < count; i++)
             fuse_lowlevel_notify_inval_inode(session, ids[i], 0, 0);
         free(ids);
-        fputs(ids == NULL ? "failed\n" : "dropped\n", stdout);
+        fputs(whole ? "dropped\n" : "failed\n", stdout);
         fflush(stdout);
     }
     return NULL;
