@@ -574,7 +574,7 @@ def _gone(pid: int) -> bool:
     """Whether process `pid` has exited (a zombie has: its memory is gone)."""
     try:
         return not Path(f"/proc/{pid}/cmdline").read_bytes()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # reaped before, or between open and read
         return True
 
 
