@@ -288,7 +288,10 @@ static const struct fuse_lowlevel_ops ops = {
 /* SIGUSR1, taken by this thread alone (the others block it): drop the pages of every file the
  * kernel knows. The ids are copied first: invalidating may wait on pages that a READ is
  * filling, and READs must not wait on the nodes' lock meanwhile. A node forgotten since
- * cannot be confused: the kernel answers ENOENT for an id it no longer has. */
+ * cannot be confused: the kernel answers ENOENT for an id it no longer has. Ends when main
+ * sets `ending` and signals it, before the session it writes to is destroyed. */
+static int ending; /* atomic */
+
 static void *dropper(void *arg)
 {
     sigset_t *usr1 = arg;
@@ -296,6 +299,8 @@ static void *dropper(void *arg)
         int sig;
         if (sigwait(usr1, &sig) != 0)
             continue;
+        if (__atomic_load_n(&ending, __ATOMIC_ACQUIRE))
+            return NULL;
         size_t count = 0, cap = 1024;
         fuse_ino_t *ids = malloc(cap * sizeof *ids);
         int whole = ids != NULL; /* every file's id taken (no allocation failed) */
@@ -384,6 +389,7 @@ int main(int argc, char **argv)
     char *fuse_argv[] = {"fanfs-floor", "-o", "ro,default_permissions,fsname=fanfs-floor", NULL};
     struct fuse_args args = FUSE_ARGS_INIT(3, fuse_argv);
     session = fuse_session_new(&args, &ops, sizeof ops, NULL);
+    fuse_opt_free_args(&args); /* what libfuse added to them while parsing */
     if (session == NULL)
         return 1;
     int rc = 1;
@@ -391,8 +397,10 @@ int main(int argc, char **argv)
     if (fuse_set_signal_handlers(session) == 0) {
         if (fuse_session_mount(session, argv[2]) == 0) {
             if (pthread_create(&drops, NULL, dropper, &usr1) == 0) {
-                pthread_detach(drops);
                 rc = polls ? poll_loop(session) : fuse_session_loop_mt(session, 0) != 0;
+                __atomic_store_n(&ending, 1, __ATOMIC_RELEASE);
+                pthread_kill(drops, SIGUSR1);
+                pthread_join(drops, NULL);
             }
             fuse_session_unmount(session);
         }
