@@ -45,7 +45,11 @@ def available() -> bool:
 
 
 def build(out: Path) -> Path:
-    """fanfs-floor compiled into `out` (a directory); FanfsError when it cannot be."""
+    """fanfs-floor compiled into `out` (a directory), once: a bench run's datasets share it.
+    FanfsError when it cannot be."""
+    exe = out / "fanfs-floor"
+    if exe.exists():
+        return exe
     cc = compiler()
     if cc is None:
         raise FanfsError("bench: no C compiler (cc) to build fanfs-floor")
@@ -53,7 +57,6 @@ def build(out: Path) -> Path:
                            text=True, check=False)  # fmt: skip
     if flags.returncode != 0:
         raise FanfsError(f"bench: pkg-config fuse3: {flags.stderr.strip()} (libfuse3-dev)")
-    exe = out / "fanfs-floor"
     done = subprocess.run([cc, "-O2", "-o", str(exe), str(SOURCE), *flags.stdout.split(),
                            "-lpthread"], capture_output=True, text=True, timeout=300,
                           check=False)  # fmt: skip
@@ -91,10 +94,9 @@ class Floor(ChildMount):
 
 
 @contextlib.contextmanager
-def mounted(src: Path, where: Path) -> Iterator[dict[str, Floor]]:
-    """Both floors over `src`, built in `where` and mounted under it, unmounted on the way
-    out: "floor" (libfuse's threads) and "floor-poll" (one thread that polls)."""
-    exe = build(where)
+def mounted(src: Path, where: Path, exe: Path) -> Iterator[dict[str, Floor]]:
+    """Both floors over `src` (`exe`, from `build`), mounted under `where` and unmounted on
+    the way out: "floor" (libfuse's threads) and "floor-poll" (one thread that polls)."""
     with contextlib.ExitStack() as stack:
         floors = {}
         for name, poll in (("floor", False), ("floor-poll", True)):

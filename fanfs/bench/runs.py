@@ -118,10 +118,11 @@ def _dataset_cases(
                 serving(base / "img-raw", base / "raw", 1))))  # fmt: skip
         for name, image in images:
             sq = stack.enter_context(squashfs.mounted(image, base / f"mnt-{name}"))
-            sides.append(Side(name, sq.mountpoint, _squash_cold(sq)))
+            sides.append(Side(name, sq.mountpoint, _child_cold(sq)))
         if "floor" in against:
-            for name, fl in stack.enter_context(floor.mounted(src, base)).items():
-                sides.append(Side(name, fl.mountpoint, _floor_cold(fl, natives), [fl.pid()]))
+            exe = floor.build(base.parent)  # the run's scratch: built once for every dataset
+            for name, fl in stack.enter_context(floor.mounted(src, base, exe)).items():
+                sides.append(Side(name, fl.mountpoint, _child_cold(fl, natives), [fl.pid()]))
         idle = global_epoch.idle_cpu_percent(sides[1].pids)
         got = _cases(mean, kind, "local", sides, rels, *plan)
         results += got
@@ -151,18 +152,13 @@ def _fanfs_side(name: str, d: Daemons) -> Side:
                 global_epoch.daemon_pids(d), budget)  # fmt: skip
 
 
-def _squash_cold(sq: squashfs.Squash) -> Any:
+def _child_cold(child: squashfs.Squash | floor.Floor, files: Sequence[str] = ()) -> Any:
+    """A file system the bench mounts beside fanfs, emptied for a cold pass, and `files`
+    (the source files it reads, if any) dropped as native's are."""
+
     def cold() -> str:
-        sq.cold()
-        return make_cold(())
-
-    return cold
-
-
-def _floor_cold(fl: floor.Floor, natives: list[str]) -> Any:
-    def cold() -> str:
-        fl.cold()
-        return make_cold(natives)
+        child.cold()
+        return make_cold(files)
 
     return cold
 
