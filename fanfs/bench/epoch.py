@@ -161,6 +161,34 @@ def idle_cpu_percent(pids: Sequence[int], seconds: float = IDLE_S) -> float:
     return round((cpu_seconds(pids) - before) / seconds / len(pids) * 100, 2)
 
 
+# What the daemons say of a planned pass's read-ahead (`fanfs status`: its part, its counter).
+PLAN_COUNTERS = (("plan", "prefetched"), ("plan", "misses"), ("reader", "remote_fetches"))
+
+
+def plan_counters(d: Daemons) -> dict[str, int]:
+    """PLAN_COUNTERS, summed over the daemons."""
+    total = dict.fromkeys((key for _, key in PLAN_COUNTERS), 0)
+    for rank in range(d.ranks):
+        status = d.status(rank)
+        for part, key in PLAN_COUNTERS:
+            total[key] += int(status[part][key])
+    return total
+
+
+def read_ahead(before: dict[str, int], after: dict[str, int], files: int,
+               peer_files: float) -> dict[str, float]:  # fmt: skip
+    """How a planned pass of `files` reads (`peer_files` of them of peers' files) kept ahead:
+    files read ahead; READs that found nothing read ahead, per file read (the job overtook the
+    read-ahead: each such READ fetched its bytes itself); and fetches of peers' files per
+    peer's file read (over 1: a READ and the read-ahead both fetched one)."""
+    moved = {k: after[k] - before[k] for k in after}
+    return {
+        "files": moved["prefetched"],
+        "overtaken_per_file": round(moved["misses"] / max(1, files), 3),
+        "peer_fetches_per_file": round(moved["remote_fetches"] / max(1.0, peer_files), 3),
+    }
+
+
 def daemon_pids(d: Daemons) -> list[int]:
     return [int(d.status(r)["pid"]) for r in range(d.ranks)]
 

@@ -317,7 +317,7 @@ def _epoch_cases(
     for n in readers:
         for temp in temps:
             case = Case(size, n, temp, "epoch-planned" if planned else "epoch", client, kind)
-            cpu_per_file, remote, threads, read = [], [], [], 0
+            cpu_per_file, remote, threads, read, ahead = [], [], [], 0, []
             for i in range(repeat):
                 split = global_epoch.shares(len(rels), d.ranks, seed=i)
                 remote.append(global_epoch.remote_share(split, part_of, owners))
@@ -336,6 +336,7 @@ def _epoch_cases(
                         rounds = max(1, min(WARM_MAX_ROUNDS, round(WARM_MIN_S / max(wall, 1e-3))))
                     before = global_epoch.threads_now(pids)
                     plans = d.mnts if planned and reader == "fanfs" else None
+                    counters = global_epoch.plan_counters(d) if plans else {}
                     got = global_epoch.read_groups(
                         [g * rounds for g in groups], n, client, _read_files, plans
                     )
@@ -353,6 +354,10 @@ def _epoch_cases(
                         cpu_per_file.append(spent / max(1, sum(files)) * 1e6)
                         threads.append(by_thread)
                         read += sum(files)
+                    if plans:
+                        ahead.append(global_epoch.read_ahead(
+                            counters, global_epoch.plan_counters(d), sum(files),
+                            remote[-1] * sum(files)))  # fmt: skip
             extras[case] = {
                 "remote_share": round(statistics.mean(remote), 3),
                 "daemon_cpu_us_per_file": round(statistics.mean(cpu_per_file), 1),
@@ -361,7 +366,21 @@ def _epoch_cases(
                 # (Result.files is a node's: the rows' own sums would count a node's files)
                 "cpu_by_thread_us": cpu_by_thread(threads, read),
             }
+            if ahead:  # (the means over the repeats)
+                extras[case]["read_ahead"] = {k: round(statistics.mean(a[k] for a in ahead), 3)
+                                              for k in ahead[0]}  # fmt: skip
             log("  " + _short(results, case) + f", {extras[case]['remote_share']:.0%} remote, "
                 f"daemon CPU {extras[case]['daemon_cpu_us_per_file']:.0f} us/file, "
-                f"idle {idle:.1f} % of a core")  # fmt: skip
+                f"idle {idle:.1f} % of a core" + _read_ahead(extras[case]))  # fmt: skip
     return results, extras
+
+
+def _read_ahead(extra: dict[str, Any]) -> str:
+    if "read_ahead" not in extra:
+        return ""
+    a = extra["read_ahead"]
+    return (
+        f"; read ahead {a['files']:.0f} files, READs that found nothing read ahead "
+        f"{a['overtaken_per_file']:.2f} a file, fetches {a['peer_fetches_per_file']:.2f} a "
+        "peer's file"
+    )

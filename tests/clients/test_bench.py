@@ -89,14 +89,25 @@ def test_bench_runs_and_reports(tmp_path: Path) -> None:
 
 @pytest.mark.mpi
 def test_bench_global_epoch_over_three_daemons(tmp_path: Path) -> None:
-    """Every node reads its DistributedSampler share at once; 2/3 of the reads are remote."""
+    """Every node reads its DistributedSampler share at once; 2/3 of the reads are remote.
+    Planned, the bench says how the read-ahead kept ahead of the readers."""
     out_json = tmp_path / "bench.json"
     done = fanfs("bench", "--sizes", "64K", "--total", "1M", "--min-files", "24", "--readers",
-                 "1", "--repeat", "1", "--ranks", "3", "--epoch", "global", "--workdir",
-                 tmp_path / "work", "--report", out_json, "--plot", tmp_path / "b.png",
-                 timeout=600)  # fmt: skip
+                 "1", "--repeat", "1", "--ranks", "3", "--epoch", "global", "--plan",
+                 "--workdir", tmp_path / "work", "--report", out_json, "--plot",
+                 tmp_path / "b.png", timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr
-    epoch = [r for r in json.loads(out_json.read_text())["rows"] if r["where"] == "epoch"]
+    rows = json.loads(out_json.read_text())["rows"]
+    planned = [r for r in rows if r["where"] == "epoch-planned"]
+    assert [(r["temp"], r["readers"]) for r in planned] == [("cold", 1)]
+    ahead = planned[0]["read_ahead"]
+    # Files of the pass read ahead (of 24 on 3 nodes: one the readers passed is not); each
+    # peer's file fetched at least once, by the read-ahead or by a READ that overtook it.
+    assert 0 < ahead["files"] <= 24 and 0 <= ahead["overtaken_per_file"] <= 1, ahead
+    assert 1 <= ahead["peer_fetches_per_file"] <= 3, ahead
+    assert re.search(r"epoch-planned .*read ahead \d+ files, READs that found nothing read "
+                     r"ahead [\d.]+ a file, fetches [\d.]+ a peer's file", done.stderr)  # fmt: skip
+    epoch = [r for r in rows if r["where"] == "epoch"]
     assert {(r["temp"], r["readers"]) for r in epoch} == {("cold", 1), ("warm", 1)}
     for r in epoch:
         assert r["nodes"] == 3 and 0.5 < r["remote_share"] < 0.85, r
