@@ -70,6 +70,7 @@ int pieces_get_locked(struct pieces *c, int fd, const struct fanfs_piece *p,
     }
     s->refs++;
     s->used = ++c->clock;
+    s->taken = 1;
     *unpushed = s->unpushed;
     s->unpushed = 0;
     c->hits++;
@@ -77,14 +78,18 @@ int pieces_get_locked(struct pieces *c, int fd, const struct fanfs_piece *p,
     return PIECES_HIT;
 }
 
-/* A slot for `size` more bytes: settled pieces nobody uses are evicted least recently used
- * first until the bytes allow `size` more and a slot is free; -1 when every piece is in use
- * (or `size` alone is more than the cache holds). */
+/* A slot for `size` more bytes: settled pieces nobody uses are evicted until the bytes allow
+ * `size` more and a slot is free; -1 when every piece is in use (or `size` alone is more than
+ * the cache holds). Pieces already had (`taken`) go first, least recently used first: an
+ * epoch reads each file once, while a piece nobody has had yet was asked ahead for a READ or
+ * a push about to take it (a planned epoch's pushers ask up to eight ahead each, and under
+ * load those were evicted before their push came, and fetched again: 1.14-1.33 fetches per
+ * peer's file, docs/performance.md). */
 static int room_locked(struct pieces *c, uint32_t size) {
-    int i, empty, victim;
+    int i, empty, victim, fresh;
     struct pieces_slot *s;
     for (;;) {
-        empty = victim = -1;
+        empty = victim = fresh = -1;
         for (i = 0; i < PIECES_SLOTS; i++) {
             s = &c->slot[i];
             if (s->refs != 0 || s->pending)
@@ -92,12 +97,17 @@ static int room_locked(struct pieces *c, uint32_t size) {
             if (s->buf == NULL) {
                 if (empty < 0)
                     empty = i;
-            } else if (victim < 0 || s->used < c->slot[victim].used) {
-                victim = i;
+            } else if (s->taken) {
+                if (victim < 0 || s->used < c->slot[victim].used)
+                    victim = i;
+            } else if (fresh < 0 || s->used < c->slot[fresh].used) {
+                fresh = i;
             }
         }
         if (empty >= 0 && c->bytes + size <= PIECES_BYTES)
             return empty;
+        if (victim < 0)
+            victim = fresh;
         if (victim < 0)
             return -1;
         s = &c->slot[victim];
@@ -127,6 +137,7 @@ int pieces_reserve_locked(struct pieces *c, int fd, const struct fanfs_piece *p,
     s->unpushed = unpushed;
     s->ahead = ahead;
     s->refs = refs;
+    s->taken = refs > 0 && !unpushed; /* (read ahead unpushed: its READ is to come) */
     s->waiters = NULL;
     s->charge = piece_charge(p);
     c->bytes += s->charge; /* counted now: the room is taken */

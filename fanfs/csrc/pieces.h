@@ -63,6 +63,8 @@ struct pieces_slot { /* every field: guarded by the cache's lock */
     int pending;           /* a thread is reading it */
     int unpushed;          /* read ahead with no push: the first READ of it pushes the rest */
     int ahead;             /* a peer's piece reserved at a LOOKUP, counted in `ahead` */
+    int taken;             /* got by a READ or a push since it was reserved (or reserved by
+                              its reader): evicted before a piece nobody has had yet */
     uint64_t used;         /* `clock` when last got: the least recent is evicted first */
     struct qjob *waiters;  /* READs hung on it until it is read */
 };

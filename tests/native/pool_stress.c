@@ -234,6 +234,62 @@ static void check_cache(void) {
     pthread_mutex_unlock(&c->lock);
 }
 
+/* The cache's eviction order: a piece nobody has had yet (a peer's, asked ahead for a READ or
+ * a push about to take it) outlives pieces already had, whatever their age; once had, it goes
+ * in its turn. Without the order, a planned epoch's pieces asked ahead were evicted before
+ * their push came, and fetched again. */
+static int evict_add(struct pieces *c, int64_t off, int had) {
+    struct fanfs_piece p = {off, 4096, 0, 4096, FANFS_KIND_ZSTD, 1};
+    uint32_t cap;
+    char *buf = pieces_alloc(c, 4096, &cap);
+    int i;
+    pthread_mutex_lock(&c->lock);
+    /* had: a READ's own (a reference, let go once answered); else asked ahead (no reference,
+     * unpushed, as remote_reserve_locked reserves a peer's piece) */
+    i = buf == NULL ? -1 : pieces_reserve_locked(c, -2, &p, had, !had, 0);
+    if (i >= 0) {
+        pieces_ready_locked(c, i, buf, cap, buf);
+        c->slot[i].refs -= had;
+    }
+    pthread_mutex_unlock(&c->lock);
+    if (i < 0)
+        pieces_free(c, buf, cap);
+    return i;
+}
+
+static int evict_has(struct pieces *c, int64_t off) {
+    struct fanfs_piece p = {off, 4096, 0, 4096, FANFS_KIND_ZSTD, 1};
+    int i;
+    pthread_mutex_lock(&c->lock);
+    i = pieces_find_locked(c, -2, &p);
+    pthread_mutex_unlock(&c->lock);
+    return i >= 0;
+}
+
+static void evict_order(void) {
+    struct pieces c = PIECES_INIT;
+    struct fanfs_piece p = {0, 4096, 0, 4096, FANFS_KIND_ZSTD, 1};
+    struct pieces_wait how = {NULL, 0, 0, NULL};
+    int i, slot, unpushed;
+    if (!on("evict"))
+        return;
+    evict_add(&c, 0, 0);
+    for (i = 1; i <= 3 * PIECES_SLOTS; i++)
+        if (evict_add(&c, (int64_t)i * 4096, 1) < 0 || !evict_has(&c, 0)) {
+            fail("evict: a piece asked ahead went after %d pieces already had", i);
+            break;
+        }
+    pthread_mutex_lock(&c.lock);
+    if (pieces_get_locked(&c, -2, &p, &how, &slot, &unpushed) == PIECES_HIT)
+        c.slot[slot].refs--; /* had now: it goes in its turn */
+    pthread_mutex_unlock(&c.lock);
+    for (i = 3 * PIECES_SLOTS + 1; i <= 6 * PIECES_SLOTS; i++)
+        evict_add(&c, (int64_t)i * 4096, 1);
+    if (evict_has(&c, 0))
+        fail("evict: a piece had once outlived %d newer ones", 3 * PIECES_SLOTS);
+    pieces_clear(&c);
+}
+
 static void reads(void) {
     struct fanfs_job j;
     int r, k, i;
@@ -459,6 +515,7 @@ int main(int argc, char **argv) {
     if (on("swap"))
         pthread_create(&swapper, NULL, swapper_main, first);
 
+    evict_order();
     reads();
     large_piece();
     wait_replies();

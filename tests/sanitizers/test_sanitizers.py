@@ -187,7 +187,7 @@ def stress_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # The harness's checks this test runs (all of them once each finding is fixed).
-STRESS_PARTS = "remote swap transient cache ended front writes"
+STRESS_PARTS = "evict remote swap transient cache ended front writes"
 STRESS_LEAKS = True
 
 
