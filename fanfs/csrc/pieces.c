@@ -83,7 +83,7 @@ int pieces_get_locked(struct pieces *c, int fd, const struct fanfs_piece *p,
  * the cache holds). Pieces already had (`taken`) go first, least recently used first: an
  * epoch reads each file once, while a piece nobody has had yet was asked ahead for a READ or
  * a push about to take it (a planned epoch's pushers ask up to eight ahead each, and under
- * load those were evicted before their push came, and fetched again: 1.14-1.33 fetches per
+ * load those were evicted before their push came, and fetched again: 1.14-1.36 fetches per
  * peer's file, docs/performance.md). */
 static int room_locked(struct pieces *c, uint32_t size) {
     int i, empty, victim, fresh;
