@@ -161,8 +161,11 @@ def idle_cpu_percent(pids: Sequence[int], seconds: float = IDLE_S) -> float:
     return round((cpu_seconds(pids) - before) / seconds / len(pids) * 100, 2)
 
 
-# What the daemons say of a planned pass's read-ahead (`fanfs status`: its part, its counter).
-PLAN_COUNTERS = (("plan", "prefetched"), ("plan", "misses"), ("reader", "remote_fetches"))
+# What the daemons say of a planned pass's read-ahead (`fanfs status`: its part, its counter):
+# the files read ahead, the READs that found nothing read ahead, and the peers' files fetched
+# (alone, or in the MPI thread's batches where the data plane does not fetch them).
+PLAN_COUNTERS = (("plan", "prefetched"), ("plan", "misses"), ("reader", "remote_fetches"),
+                 ("reader", "batched_files"))  # fmt: skip
 
 
 def plan_counters(d: Daemons) -> dict[str, int]:
@@ -180,12 +183,14 @@ def read_ahead(before: dict[str, int], after: dict[str, int], files: int,
     """How a planned pass of `files` reads (`peer_files` of them of peers' files) kept ahead:
     files read ahead; READs that found nothing read ahead, per file read (the job overtook the
     read-ahead: each such READ fetched its bytes itself); and fetches of peers' files per
-    peer's file read (over 1: a READ and the read-ahead both fetched one)."""
+    peer's file read (over 1: a READ and the read-ahead both fetched one). For files stored
+    whole: a framed file's READs and fetches are its frames'."""
     moved = {k: after[k] - before[k] for k in after}
+    fetched = moved["remote_fetches"] + moved["batched_files"]
     return {
         "files": moved["prefetched"],
         "overtaken_per_file": round(moved["misses"] / max(1, files), 3),
-        "peer_fetches_per_file": round(moved["remote_fetches"] / max(1.0, peer_files), 3),
+        "peer_fetches_per_file": round(fetched / max(1.0, peer_files), 3),
     }
 
 

@@ -34,6 +34,7 @@ from fanfs.bench.passes import (
 )
 from fanfs.bench.report import summarize
 from fanfs.image.catalog import Catalog
+from fanfs.image.codec import FRAMED_MIN
 from fanfs.placement import place
 
 
@@ -314,6 +315,7 @@ def _epoch_cases(
     results: list[Result] = []
     extras: dict[Case, dict[str, Any]] = {}
     natives = [str(src / r) for r in rels]
+    whole = size <= FRAMED_MIN  # files stored whole: read_ahead counts files, not frames
     for n in readers:
         for temp in temps:
             case = Case(size, n, temp, "epoch-planned" if planned else "epoch", client, kind)
@@ -334,9 +336,10 @@ def _epoch_cases(
                         walls = global_epoch.read_groups(groups, n, client, _read_files)
                         wall = max(w for w, _, _ in walls)
                         rounds = max(1, min(WARM_MAX_ROUNDS, round(WARM_MIN_S / max(wall, 1e-3))))
-                    before = global_epoch.threads_now(pids)
                     plans = d.mnts if planned and reader == "fanfs" else None
-                    counters = global_epoch.plan_counters(d) if plans else {}
+                    # (asked before the daemons' CPU is taken: the asking is not the reads')
+                    ahead_at = global_epoch.plan_counters(d) if plans and whole else {}
+                    before = global_epoch.threads_now(pids)
                     got = global_epoch.read_groups(
                         [g * rounds for g in groups], n, client, _read_files, plans
                     )
@@ -354,9 +357,9 @@ def _epoch_cases(
                         cpu_per_file.append(spent / max(1, sum(files)) * 1e6)
                         threads.append(by_thread)
                         read += sum(files)
-                    if plans:
+                    if ahead_at:
                         ahead.append(global_epoch.read_ahead(
-                            counters, global_epoch.plan_counters(d), sum(files),
+                            ahead_at, global_epoch.plan_counters(d), sum(files),
                             remote[-1] * sum(files)))  # fmt: skip
             extras[case] = {
                 "remote_share": round(statistics.mean(remote), 3),

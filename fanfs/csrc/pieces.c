@@ -84,7 +84,9 @@ int pieces_get_locked(struct pieces *c, int fd, const struct fanfs_piece *p,
  * epoch reads each file once, while a piece nobody has had yet was asked ahead for a READ or
  * a push about to take it (a planned epoch's pushers ask up to eight ahead each, and under
  * load those were evicted before their push came, and fetched again: 1.14-1.36 fetches per
- * peer's file, docs/performance.md). */
+ * peer's file, docs/performance.md). Only while young, though (PIECES_UNTAKEN_KEPT gets
+ * or reservations since its own): one never had (a LOOKUP with no READ, a push that gave up)
+ * then ages as any other, and the cache never fills with them. */
 static int room_locked(struct pieces *c, uint32_t size) {
     int i, empty, victim, fresh;
     struct pieces_slot *s;
@@ -97,7 +99,7 @@ static int room_locked(struct pieces *c, uint32_t size) {
             if (s->buf == NULL) {
                 if (empty < 0)
                     empty = i;
-            } else if (s->taken) {
+            } else if (s->taken || c->clock - s->used > PIECES_UNTAKEN_KEPT) {
                 if (victim < 0 || s->used < c->slot[victim].used)
                     victim = i;
             } else if (fresh < 0 || s->used < c->slot[fresh].used) {

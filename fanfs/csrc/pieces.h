@@ -39,6 +39,9 @@
 #include "fanfs_native.h"
 
 #define PIECES_SLOTS 32
+/* A piece nobody has had yet is evicted after those already had, while fewer than this many
+ * gets and reservations came after its own (pieces.c, room_locked). */
+#define PIECES_UNTAKEN_KEPT (4 * PIECES_SLOTS)
 #define PIECES_BYTES (64u << 20) /* decoded bytes the slots hold, about, at most */
 #define PIECES_SPARES 8 /* freed piece buffers kept for the next piece: pages mapped already */
 /* A spare is kept only up to one compressed piece (4 MiB, plus a direct read's alignment) and

@@ -240,7 +240,7 @@ static void check_cache(void) {
  * their push came, and fetched again. */
 static int evict_add(struct pieces *c, int64_t off, int had) {
     struct fanfs_piece p = {off, 4096, 0, 4096, FANFS_KIND_ZSTD, 1};
-    uint32_t cap;
+    uint32_t cap = 0;
     char *buf = pieces_alloc(c, 4096, &cap);
     int i;
     pthread_mutex_lock(&c->lock);
@@ -274,7 +274,7 @@ static void evict_order(void) {
     if (!on("evict"))
         return;
     evict_add(&c, 0, 0);
-    for (i = 1; i <= 3 * PIECES_SLOTS; i++)
+    for (i = 1; i < PIECES_UNTAKEN_KEPT; i++)
         if (evict_add(&c, (int64_t)i * 4096, 1) < 0 || !evict_has(&c, 0)) {
             fail("evict: a piece asked ahead went after %d pieces already had", i);
             break;
@@ -283,10 +283,24 @@ static void evict_order(void) {
     if (pieces_get_locked(&c, -2, &p, &how, &slot, &unpushed) == PIECES_HIT)
         c.slot[slot].refs--; /* had now: it goes in its turn */
     pthread_mutex_unlock(&c.lock);
-    for (i = 3 * PIECES_SLOTS + 1; i <= 6 * PIECES_SLOTS; i++)
+    for (i = PIECES_UNTAKEN_KEPT; i < PIECES_UNTAKEN_KEPT + PIECES_SLOTS; i++)
         evict_add(&c, (int64_t)i * 4096, 1);
     if (evict_has(&c, 0))
-        fail("evict: a piece had once outlived %d newer ones", 3 * PIECES_SLOTS);
+        fail("evict: a piece had once outlived %d newer ones", PIECES_SLOTS);
+    /* One never had ages: it goes once PIECES_UNTAKEN_KEPT came after it. */
+    evict_add(&c, 1 << 30, 0);
+    for (i = 0; i < PIECES_UNTAKEN_KEPT + PIECES_SLOTS; i++)
+        evict_add(&c, (int64_t)(2 << 20) + (int64_t)i * 4096, 1);
+    if (evict_has(&c, 1 << 30))
+        fail("evict: a piece never had outlived %d newer ones", PIECES_UNTAKEN_KEPT);
+    /* None had at all: they still make room for one another, the oldest going first. */
+    for (i = 0; i <= PIECES_SLOTS; i++)
+        if (evict_add(&c, (int64_t)(4 << 20) + (int64_t)i * 4096, 0) < 0) {
+            fail("evict: no room among %d pieces never had", PIECES_SLOTS);
+            break;
+        }
+    if (evict_has(&c, 4 << 20) || !evict_has(&c, (4 << 20) + PIECES_SLOTS * 4096))
+        fail("evict: pieces never had did not go oldest first");
     pieces_clear(&c);
 }
 
