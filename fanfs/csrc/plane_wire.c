@@ -259,14 +259,25 @@ int plane_collect(struct plane *pl) {
     return any;
 }
 
+/* A matched probe of the plane's communicator: 1 and the message, or 0. Open MPI (ob1) moves
+ * the transport on in a probe that matches nothing, and returns without matching what that
+ * brought in: a probe once a turn finds a message a turn late. An empty probe is asked again
+ * at once. Measured (docs/performance.md): a peer's ask waited 105 us for its owner and the
+ * reply 77 us for its requester at p50, against 30 and 24 asked twice. */
+static int probe(struct plane *pl, MPI_Message *m, MPI_Status *st) {
+    int flag = 0, k;
+    for (k = 0; k < 2 && !flag; k++)
+        if (pl->improbe(MPI_ANY_SOURCE, MPI_ANY_TAG, pl->comm, &flag, m, st) != MPI_SUCCESS)
+            return 0;
+    return flag;
+}
+
 int plane_receive(struct plane *pl) {
     MPI_Message m;
     MPI_Status st;
-    int flag, n, k, any = 0;
+    int n, k, any = 0;
     for (k = 0; k < PLANE_OUT; k++) { /* (at most this many a turn: a flood waits its turn) */
-        flag = 0;
-        if (pl->improbe(MPI_ANY_SOURCE, MPI_ANY_TAG, pl->comm, &flag, &m, &st) != MPI_SUCCESS ||
-            !flag)
+        if (!probe(pl, &m, &st))
             return any;
         any = 1;
         if (pl->get_count(&st, pl->byte, &n) != MPI_SUCCESS || n < 0) {
