@@ -9,7 +9,9 @@ of the rest, the end. The reads the pool begins at a LOOKUP are traced the same 
 LOOKUP": their disk time is then the READ's wait in "cache"). A peer's piece has legs on both
 daemons: queued until the MPI thread took it, away (the request out, the owner, the reply in),
 the fill (check, decode, wake); on the owner, from taking the request to its read begun (a
-server thread's turn), the read, and from then to the reply's send posted. What the file cost
+server thread's turn), the read, and from then to the reply's send posted. What "away" holds
+beyond the owner's legs is the two MPI legs together, the ask to its owner and the reply back
+("MPI both ways": two nodes' clocks need not agree, so it is not split). What the file cost
 beyond the daemon's stages (the reader's open and close, LOOKUP, the kernel's FUSE round trips
 and copies) is "outside"."""
 
@@ -64,6 +66,9 @@ def line(row: dict[str, Any], where: str) -> str:
             if kind != "ahead":  # (the pool's threads: beside the READ, not in it)
                 inside += sum(stages.values())
     legs = [f"{name} {b[leg]:.0f}" for leg, name in LEGS.items() if leg in b]
+    if "fetch_away" in b:  # what the owner's legs leave of it: the ask out, the reply back
+        owner = sum(b.get(f"owner_{leg}", 0.0) for leg in _LEGS["owner"])
+        legs.append(f"MPI both ways {max(0.0, b['fetch_away'] - owner):.0f}")
     if legs:
         parts.append("; ".join(legs))
     native, fanfs = row["native_mean_ms"] * 1e3, row["fanfs_mean_ms"] * 1e3

@@ -81,7 +81,8 @@ def test_bench_runs_and_reports(tmp_path: Path) -> None:
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "ratio" in done.stdout and "local" in done.stdout and "remote" in done.stdout
     assert re.search(r"daemon latency \(random 64K, remote\): .*peer p50/p99/max", done.stdout)
-    assert re.search(r"budget remote 64K cold x1 \(us/file\): native \d+, fanfs \d+ = READ, a peer",
+    assert re.search(r"budget remote 64K cold x1 \(us/file\): native \d+, fanfs \d+ = READ, a peer"
+                     r".*fetch away \d+.*owner read \d+.*MPI both ways \d+",
                      done.stdout)  # fmt: skip
     assert re.search(r"cpu local 64K cold x1 \(us/file\): .*front \d+", done.stdout)
     assert not list((tmp_path / "work").glob("*/src"))  # datasets removed after the run
