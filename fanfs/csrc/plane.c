@@ -19,8 +19,8 @@
  * Every message is found by a matched probe (MPI_Improbe; an empty one asked again at once,
  * plane_wire.c's `probe`), its size checked, and only then received into exactly its size
  * (fanfs/node/transport/inbox.py says why: Open MPI writes a longer message past a posted
- * buffer). An ask is PLANE_HEADER bytes; a reply is either empty
- * or exactly the stored length asked for, from the holder asked, on a reply tag that is out.
+ * buffer). An ask is PLANE_HEADER bytes; a reply is either empty or exactly the stored
+ * length asked for, from the holder asked, on a reply tag that is out.
  * Anything else is counted malformed and dropped: received and freed up to FANFS_REMOTE_MAX,
  * larger left unreceived (never allocated for). A reply tag given back to the MPI thread stays
  * quarantined until its late reply is drained or quarantine_ns passed. Nothing is received by
