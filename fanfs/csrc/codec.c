@@ -246,10 +246,14 @@ uint64_t fanfs_tls_kept(void) { return __atomic_load_n(&codec.tls_kept, __ATOMIC
 
 struct fanfs_marks *fanfs_marks(void) { return tls != NULL && tls->marks.on ? &tls->marks : NULL; }
 
-/* The scratch for `len` filtered bytes (the thread's, grown to it), or NULL (ENOMEM). */
+/* The scratch for `len` filtered bytes (the thread's, grown to it), or NULL (ENOMEM). An
+ * empty piece's too: a thread's first piece may be one (a hostile image's empty filtered file),
+ * and a NULL scratch read as no memory. */
 static char *scratch_get(struct fanfs_tls *t, uint64_t len) {
     uint32_t cap;
     char *p;
+    if (len == 0)
+        len = 1;
     if (len <= t->scratch.cap)
         return t->scratch.buf;
     if (len > UINT32_MAX || (p = fanfs_alloc(len, &cap)) == NULL)
