@@ -225,6 +225,8 @@ class World:
         buffer is then kept for MPI, never freed."""
         status = self.MPI.Status()
         msg = self.comm.Improbe(source=source, tag=tag, status=status)
+        if msg is None:  # asked again: what this probe moved in, Open MPI matches at the next
+            msg = self.comm.Improbe(source=source, tag=tag, status=status)
         if msg is None:
             return None
         n = status.Get_count(self.MPI.BYTE)

@@ -76,6 +76,23 @@ REPLICATE_MB_S = 50.0  # the slowest link a close waits for before it takes the 
 IDLE_SLEEP_S = (0.0005, 0.02)  # the MPI thread's poll: quick while busy, backing off when idle
 
 
+class _Outbox(queue.Queue[tuple[Any, ...]]):
+    """What the MPI thread sends: a put wakes it from its poll's sleep (`wait`), so a close
+    waits for no sleep of this side (the partner's message still waits for a poll there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._kick = threading.Event()
+
+    def put(self, item: tuple[Any, ...], block: bool = True, timeout: float | None = None) -> None:
+        super().put(item, block, timeout)
+        self._kick.set()
+
+    def wait(self, timeout: float) -> None:
+        self._kick.wait(timeout)
+        self._kick.clear()  # (a put after this wakes the next wait; one before is taken next)
+
+
 class Replicas:
     def __init__(self, world: World, staging: StagingDir, open_local: Callable[[int], int | None],
                  owner_dest: str, owner_token: str, peer_timeout: float,
@@ -92,7 +109,7 @@ class Replicas:
         self.peer_timeout = peer_timeout
         self.failed = ""  # why the owner's ops could not all be landed from here
         self.dead: set[int] = set()
-        self._out: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        self._out = _Outbox()
         self._held: dict[int, tuple[trio.Event, Op]] = {}  # seq -> set when the partner holds it
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -209,7 +226,7 @@ class Replicas:
                 self._post(encode(M_HB), self.partner)
             busy = self._take_incoming() or busy
             sleep = IDLE_SLEEP_S[0] if busy else min(IDLE_SLEEP_S[1], sleep * 2)
-            time.sleep(sleep)
+            self._out.wait(sleep)
         with contextlib.suppress(queue.Empty):  # a bye queued last
             while True:
                 self._send_safely(self._out.get_nowait())
