@@ -45,6 +45,7 @@ from fanfs import world as mpi
 from fanfs.errors import ExitCode, FanfsError, Interrupted, MountFailed, MountpointError
 from fanfs.node import fuse_ops
 from fanfs.stopsignals import STOP_SIGNALS, Early
+from fanfs.threads import FINALIZING, name_os_thread
 
 
 def node_name(rank: int) -> str:
@@ -157,6 +158,9 @@ class Lifecycle:
         if dead:  # a dead peer can make MPI_Finalize wait forever: leave without it
             self.log.warning("not finalizing MPI: ranks %s are gone", sorted(dead))
         else:
+            # Nothing of this node's is left: `fanfs umount` stops waiting for a process that
+            # only waits for the other ranks (Open MPI's finalize does, until they finalize).
+            name_os_thread(FINALIZING)
             world.finalize()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:

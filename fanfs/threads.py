@@ -10,6 +10,9 @@ import threading
 
 PR_SET_NAME = 15  # linux/prctl.h
 NAME_MAX = 15  # the kernel keeps 15 bytes of a name
+# The name of a daemon's main thread (and so of its process, /proc/PID/comm) once all that is
+# left of it is MPI's finalize, which waits for the job's other ranks (fanfs/lifecycle.py).
+FINALIZING = "fanfs-finalize"
 
 
 def name_os_thread(name: str | None = None) -> None:
@@ -18,3 +21,12 @@ def name_os_thread(name: str | None = None) -> None:
     raw = (name or threading.current_thread().name).encode()[:NAME_MAX]
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, ctypes.c_char_p(raw), 0, 0, 0)
+
+
+def finalizing(pid: int) -> bool:
+    """Whether daemon `pid` has done all its work and only waits in MPI's finalize."""
+    try:
+        with open(f"/proc/{pid}/comm", "rb") as f:
+            return f.read().rstrip(b"\n") == FINALIZING.encode()
+    except OSError:
+        return False

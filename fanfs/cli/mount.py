@@ -39,6 +39,7 @@ from fanfs.errors import (
     UsageError,
     WaitTimeout,
 )
+from fanfs.threads import finalizing
 
 log = logging.getLogger("fanfs")
 
@@ -202,6 +203,10 @@ def cmd_umount(args: argparse.Namespace) -> int:
             os.kill(pid, signal.SIGTERM)  # a second one: no waiting for writers or DEST
     deadline = time.monotonic() + args.timeout
     while not _exited(pid):
+        if finalizing(pid) and mounts.find(mountpoint) is None:
+            log.info("%s: unmounted and cleaned up; daemon %d ends once the job's other ranks "
+                     "unmount (MPI's finalize waits for them)", mountpoint, pid)  # fmt: skip
+            break
         if time.monotonic() >= deadline:
             _abort(entry)
             _lazy_unmount(mountpoint)

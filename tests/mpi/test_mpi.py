@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from conftest import FANFS, TESTS, prepare, quietest_ticks, stopping, thread_ticks, wait_until
 
-from fanfs import mounts, placement, plan, world
+from fanfs import mounts, placement, plan, threads, world
 from fanfs.bench import datagen, launch
 from fanfs.bench import epoch as global_epoch
 from fanfs.bench.compare import assert_same_tree
@@ -702,6 +702,23 @@ def test_unmounting_one_node_keeps_serving_the_others(
             _clean_after(m)
             assert first.wait(30) == 0
         assert "routing around" not in m.log.read_text()
+
+
+def test_a_node_unmounted_alone_is_done_once_it_stops_serving(
+    tree: Path, image: Path, tmp_path: Path
+) -> None:
+    """`fanfs umount` of one node while its peers stay mounted: once its linger is over and it
+    has cleaned up, all that is left is MPI's finalize, which waits for the other ranks. The
+    unmount says so and exits 0 (it used to wait its whole --timeout, then fail: exit 6)."""
+    with mpi_mounted(image, tmp_path, 2, "--linger", "1") as m:
+        pid = m.status(0)["pid"]
+        done = launch.run("umount", m.mnts[0], "--timeout", "30", timeout=60)
+        assert done.returncode == 0, done.stderr + m.log_text()
+        assert "ends once the job's other ranks unmount" in done.stderr, done.stderr
+        assert mounts.find(m.mnts[0]) is None and not m.locals[0].exists()
+        assert threads.finalizing(pid) and m.proc.poll() is None  # waits for rank 1
+        _epoch(tree, m.mnts[1], 1)  # rank 1 still reads everything (from the image)
+        _clean_after(m)
 
 
 def test_a_signal_while_lingering_stops_the_wait(tree: Path, image: Path, tmp_path: Path) -> None:
