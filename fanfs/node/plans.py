@@ -61,6 +61,12 @@ class Share:
     held: dict[int, int] = field(default_factory=dict)  # position -> entry whose bytes wait
     held_order: list[int] = field(default_factory=list)  # a heap of held positions
     held_bytes: int = 0
+    # Positions READ before they were read ahead (the kernel has those files): not read ahead
+    # (once overtaken, the pushers fetched each file twice). A byte a position, beside forty.
+    overtaken: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.overtaken = np.zeros(len(self.plan), dtype=bool)
 
     @property
     def window(self) -> int:
@@ -230,6 +236,7 @@ class Plans:
         _, share, pos = best
         s = self.shares[share]
         self.misses += hit is False
+        s.overtaken[pos] |= hit is False
         if s.accessed(pos):
             self._drop(share, s, s.read_floor)
         self.progress(share, pos + 1)
@@ -271,8 +278,8 @@ class Plans:
         self.scanning = False
         for share, s in list(self.shares.items()):
             used = self._outstanding(s)
-            while len(out) < limit and max(s.next, s.floor) < len(s.plan):
-                cost = int(s.plan.cost[max(s.next, s.floor)])
+            while len(out) < limit and (at := max(s.next, s.floor)) < len(s.plan):
+                cost = 0 if s.overtaken[at] else int(s.plan.cost[at])
                 if (used and used + cost > per_share) or (self.held_bytes and cost > free):
                     break
                 if not cost and passed == limit:
@@ -295,9 +302,9 @@ class Plans:
 
     def current(self, share: int, s: Share, pos: int) -> bool:
         """Whether a read-ahead of `pos` is still wanted (its plan not replaced, the job not
-        past it). Safe from any thread: two reads of plain attributes, a stale answer only
-        costs one read-ahead."""
-        return self.shares.get(share) is s and pos >= s.floor
+        past it, its READ not come). Safe from any thread: reads of plain attributes, a stale
+        answer only costs one read-ahead."""
+        return self.shares.get(share) is s and pos >= s.floor and not s.overtaken[pos]
 
     # -- bytes held until their READ --------------------------------------------------------
 
@@ -377,23 +384,11 @@ class Plans:
                    ) -> PlanStatus:  # fmt: skip
         shares = list(self.shares.values())
         return PlanStatus(
-            shares=len(shares),
-            planned=self.planned,
-            missing=self.missing,
-            position=sum(s.position for s in shares),
-            prefetched=prefetched,
-            pushed_to_kernel=pushed,
-            pushed_in_c=in_c,
-            pushed_from_peers=from_peers,
-            pushed_together=together,
-            prefetched_bytes=prefetched_bytes,
-            held_bytes=self.held_bytes,
-            hits=self.hits,
-            misses=self.misses,
-            dropped_unread_bytes=self.dropped_unread_bytes,
-            failed=failed,
-            refused=self.refused,
-            budget_bytes=self.budget,
-            followed=followed,
-            followed_lost=followed_lost,
-        )
+            shares=len(shares), planned=self.planned, missing=self.missing,
+            position=sum(s.position for s in shares), prefetched=prefetched,
+            pushed_to_kernel=pushed, pushed_in_c=in_c, pushed_from_peers=from_peers,
+            pushed_together=together, prefetched_bytes=prefetched_bytes,
+            held_bytes=self.held_bytes, hits=self.hits, misses=self.misses,
+            dropped_unread_bytes=self.dropped_unread_bytes, failed=failed, refused=self.refused,
+            budget_bytes=self.budget, followed=followed, followed_lost=followed_lost,
+        )  # fmt: skip

@@ -117,6 +117,26 @@ def test_a_file_read_is_not_held_again_when_its_position_is_read_ahead_again() -
     assert p.held_bytes == 0
 
 
+def test_a_file_the_job_read_first_is_not_read_ahead_any_more() -> None:
+    """The job's READs overtook the read-ahead: files 20-29 were read (the front answered
+    them) before their turn came. A read-ahead of them still queued is not wanted, `due`
+    passes them over, and the next epoch's plan reads them ahead again. (Once overtaken, the
+    pushers fetched each such file again: 1.6 fetches a peer's file in a global epoch.)"""
+    order = list(range(100))
+    p = plans_with(order, budget=10 * KIB)
+    s = p.shares[0]
+    assert [d[2] for d in p.due(1000)] == list(range(10))
+    for entry in range(20, 30):
+        p.answered(entry)
+    assert not p.current(0, s, 25) and p.current(0, s, 30)
+    p.accessed(15, True)  # read ahead in time: still a file the read-ahead stored
+    assert p.current(0, s, 15)
+    assert [d[2] for d in p.due(1000)] == list(range(10, 20))
+    assert [d[2] for d in p.due(1000)] == list(range(30, 40))  # 20-29 passed over
+    p.install(0, ShareOrder.build(np.array(order), np.full(100, KIB)))  # the next epoch
+    assert [d[2] for d in p.due(1000)] == list(range(10))
+
+
 def test_due_stays_within_the_budget_of_decoded_bytes() -> None:
     p = plans_with(list(range(100)), budget=10 * KIB)
     due = p.due(1000)
