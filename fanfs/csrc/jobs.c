@@ -322,14 +322,16 @@ int fanfs_pool_push_file(const struct fanfs_job *j, int devfd) {
 /* A peer's file's fetch asked now, its piece reserved (pending) for its push to find: 0, or
  * push_probe's answer. One the cache has, or cannot reserve now, its push fetches itself.
  * Reserved as a LOOKUP's fetch is, and counted with them: LA_REMOTE_MAX pending at once in
- * all, so that the pushers (eight, each asking ahead) never hold the cache's slots. */
+ * all, so that the pushers (eight, each asking ahead) never hold the cache's slots, and
+ * PIECES_ASKED_MAX not yet got, so that none goes before its push comes. */
 static int push_ask(struct pool *P, const struct fanfs_job *j, int devfd) {
     struct pieces *c = &P->pieces;
     int err = push_probe(j, devfd);
     if (err != 0 || j->fd > FANFS_REMOTE_FD(0))
         return err;
     pthread_mutex_lock(&c->lock);
-    if (pieces_find_locked(c, j->fd, &j->pieces[0]) < 0 && c->ahead < LA_REMOTE_MAX) {
+    if (pieces_find_locked(c, j->fd, &j->pieces[0]) < 0 && c->ahead < LA_REMOTE_MAX &&
+        c->asked < PIECES_ASKED_MAX) {
         c->misses++;
         remote_reserve_locked(P, j, &j->pieces[0], 1);
     }

@@ -35,6 +35,14 @@ int pieces_may_wait_locked(const struct pieces *c, int limit) {
     return limit <= 0 || c->waiting < limit;
 }
 
+/* Slot s is got, evicted or given up: no longer a piece asked ahead that nobody has had. */
+static void unask_locked(struct pieces *c, struct pieces_slot *s) {
+    if (s->asked) {
+        s->asked = 0;
+        c->asked--;
+    }
+}
+
 int pieces_get_locked(struct pieces *c, int fd, const struct fanfs_piece *p,
                       const struct pieces_wait *how, int *slot, int *unpushed) {
     struct pieces_slot *s;
@@ -71,6 +79,7 @@ int pieces_get_locked(struct pieces *c, int fd, const struct fanfs_piece *p,
     s->refs++;
     s->used = ++c->clock;
     s->taken = 1;
+    unask_locked(c, s);
     *unpushed = s->unpushed;
     s->unpushed = 0;
     c->hits++;
@@ -113,6 +122,7 @@ static int room_locked(struct pieces *c, uint32_t size) {
         if (victim < 0)
             return -1;
         s = &c->slot[victim];
+        unask_locked(c, s);
         c->bytes -= s->charge;
         s->charge = 0;
         pieces_free_locked(c, s->buf, s->cap);
@@ -138,12 +148,14 @@ int pieces_reserve_locked(struct pieces *c, int fd, const struct fanfs_piece *p,
     s->pending = 1;
     s->unpushed = unpushed;
     s->ahead = ahead;
+    s->asked = ahead;
     s->refs = refs;
     s->taken = refs > 0 && !unpushed; /* (read ahead unpushed: its READ is to come) */
     s->waiters = NULL;
     s->charge = piece_charge(p);
     c->bytes += s->charge; /* counted now: the room is taken */
     c->ahead += ahead;
+    c->asked += ahead;
     return i;
 }
 
@@ -156,6 +168,7 @@ struct qjob *pieces_ready_locked(struct pieces *c, int i, char *buf, uint32_t ca
     s->cap = cap;
     s->data = data;
     if (buf == NULL) {
+        unask_locked(c, s);
         c->bytes -= s->charge;
         s->charge = 0;
         s->refs = 0;
@@ -247,6 +260,7 @@ void pieces_drop(struct pieces *c) {
     for (i = 0; i < PIECES_SLOTS; i++) {
         struct pieces_slot *s = &c->slot[i];
         if (s->buf != NULL && s->refs == 0 && !s->pending) {
+            unask_locked(c, s);
             c->bytes -= s->charge;
             s->charge = 0;
             pieces_free_locked(c, s->buf, s->cap);
@@ -280,6 +294,7 @@ void pieces_clear(struct pieces *c) {
         c->spare[i].buf = NULL;
     }
     c->bytes = c->spare_bytes = 0;
+    c->asked = 0;
     pthread_mutex_unlock(&c->lock);
 }
 

@@ -43,6 +43,11 @@
  * gets and reservations came after its own (pieces.c, room_locked). */
 #define PIECES_UNTAKEN_KEPT (4 * PIECES_SLOTS)
 #define PIECES_BYTES (64u << 20) /* decoded bytes the slots hold, about, at most */
+/* Pieces asked ahead (a LOOKUP's, a planned epoch's push's) that nobody has got yet: at most
+ * half the slots are asked for. A planned epoch's 8 pushers, each asking FANFS_PUSH_TOGETHER
+ * ahead, had up to 64 such pieces in the 32 slots: they went before their pushes came, which
+ * fetched them again (1.4-1.6 fetches a peer's file, docs/performance.md). */
+#define PIECES_ASKED_MAX (PIECES_SLOTS / 2)
 #define PIECES_SPARES 8 /* freed piece buffers kept for the next piece: pages mapped already */
 /* A spare is kept only up to one compressed piece (4 MiB, plus a direct read's alignment) and
  * PIECES_SPARE_BYTES in all: a larger buffer is rarely asked for again, and a spare is memory
@@ -66,6 +71,7 @@ struct pieces_slot { /* every field: guarded by the cache's lock */
     int pending;           /* a thread is reading it */
     int unpushed;          /* read ahead with no push: the first READ of it pushes the rest */
     int ahead;             /* a peer's piece reserved at a LOOKUP, counted in `ahead` */
+    int asked;             /* reserved ahead and not got since: counted in `asked` */
     int taken;             /* got by a READ or a push since it was reserved (or reserved by
                               its reader): evicted before a piece nobody has had yet */
     uint64_t used;         /* `clock` when last got: the least recent is evicted first */
@@ -84,6 +90,7 @@ struct pieces {
     uint64_t clock, hits, misses; /* lock */
     uint64_t bytes; /* lock: what the slots hold or will, their charges (PIECES_BYTES at most) */
     int ahead;   /* lock: pending peers' pieces reserved at LOOKUP */
+    int asked;   /* lock: pieces reserved ahead that nobody has got yet (PIECES_ASKED_MAX) */
     int waiting; /* lock: callers waiting with a limit (READs of the front for a peer's piece) */
 };
 

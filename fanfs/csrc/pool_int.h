@@ -30,7 +30,7 @@
 #define AHEAD_MAX 64 /* queued read-aheads at most; beyond, the stalest is dropped */
 #define PUSH_MAX 64  /* queued pushes; beyond, a piece is not pushed (the kernel READs it) */
 #define RQ_MAX 256   /* queued fetches of peers' pieces: more than the slots that can wait */
-#define LA_REMOTE_MAX 8 /* peers' pieces reserved at LOOKUP at once: a quarter of the slots */
+#define LA_REMOTE_MAX 8 /* peers' pieces reserved ahead (LOOKUPs', pushes') pending at once */
 #define RQ_LAT 1024     /* the data plane's fills remembered (fanfs_remote_latencies) */
 #define LA_RING FANFS_LA_WINDOW   /* lookups remembered, to learn whether READs follow them */
 #define WAITING (1 << 30) /* piece_get: the job was hung on a piece being read */

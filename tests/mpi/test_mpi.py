@@ -272,7 +272,11 @@ def test_a_planned_epoch_reads_remote_files_ahead(
         assert r["remote_fetches"] + r["batched_files"] > len(rels) // 4, r  # fetched ahead
         if plane == "1" and lib.plane_built():  # a turn's files asked together, no Python
             assert s["plan"]["pushed_together"] > len(rels) // 8, s["plan"]
-            assert r["plane_fetches"] >= s["plan"]["pushed_together"], r
+            # Each peer's file fetched about once (1.00-1.01): the pieces the 8 pushers ask
+            # ahead stay within half the cache (unbounded, they went before their pushes came,
+            # which fetched them again: 1.45-1.51 fetches a file; a few still age out).
+            fetches = (r["plane_fetches"], s["plan"]["pushed_from_peers"])
+            assert fetches[0] <= fetches[1] * 11 // 10, fetches
             assert r["batch_fetches"] == 0, r
         else:  # several files a round trip, through the MPI threads
             assert 0 < r["batch_fetches"] < r["batched_files"], r

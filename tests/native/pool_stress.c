@@ -304,6 +304,67 @@ static void evict_order(void) {
     pieces_clear(&c);
 }
 
+/* Piece `off` reserved ahead, as push_ask and a LOOKUP reserve a peer's (no reference). */
+static int asked_reserve(struct pieces *c, int64_t off) {
+    struct fanfs_piece p = {off, 4096, 0, 4096, FANFS_KIND_ZSTD, 1};
+    int i;
+    pthread_mutex_lock(&c->lock);
+    i = pieces_reserve_locked(c, -2, &p, 0, 1, 1);
+    pthread_mutex_unlock(&c->lock);
+    return i;
+}
+
+static void asked_fill(struct pieces *c, int i) {
+    uint32_t cap = 0;
+    char *buf = pieces_alloc(c, 4096, &cap);
+    pieces_ready(c, i, buf, cap, buf);
+}
+
+static void asked_expect(struct pieces *c, int want, const char *after) {
+    if (c->asked != want)
+        fail("asked: %d pieces counted asked ahead and not had after %s, not %d", c->asked,
+             after, want);
+}
+
+/* Pieces asked ahead and not yet got are counted (what push_ask may ask is bounded by it): a
+ * get, an eviction, a give-up and a drop each take one off, once. Without the bound a
+ * planned epoch's pushers had twice the slots asked ahead, and fetched them again. */
+static void asked_count(void) {
+    struct pieces c = PIECES_INIT;
+    struct fanfs_piece p = {0, 4096, 0, 4096, FANFS_KIND_ZSTD, 1};
+    struct pieces_wait how = {NULL, 0, 0, NULL};
+    int s[4], k, slot, unpushed;
+    if (!on("evict"))
+        return;
+    for (k = 0; k < 4; k++)
+        s[k] = asked_reserve(&c, (int64_t)k * 4096);
+    asked_expect(&c, 4, "4 reserved");
+    asked_fill(&c, s[0]);
+    asked_expect(&c, 4, "one filled");
+    pieces_ready(&c, s[1], NULL, 0, NULL);
+    asked_expect(&c, 3, "one given up");
+    for (k = 0; k < 2; k++) {
+        pthread_mutex_lock(&c.lock);
+        if (pieces_get_locked(&c, -2, &p, &how, &slot, &unpushed) != PIECES_HIT)
+            fail("asked: a filled piece was not found");
+        pthread_mutex_unlock(&c.lock);
+        asked_expect(&c, 2, "one got");
+    }
+    asked_fill(&c, s[2]);
+    asked_fill(&c, s[3]);
+    pieces_drop(&c);
+    asked_expect(&c, 0, "a drop");
+    pieces_release(&c, slot);
+    pieces_release(&c, slot);
+    asked_fill(&c, asked_reserve(&c, 1 << 30));
+    for (k = 0; k < PIECES_UNTAKEN_KEPT + PIECES_SLOTS; k++)
+        evict_add(&c, (int64_t)(2 << 20) + (int64_t)k * 4096, 1);
+    if (evict_has(&c, 1 << 30))
+        fail("asked: the piece asked ahead was not evicted");
+    asked_expect(&c, 0, "an eviction");
+    pieces_clear(&c);
+}
+
 static void reads(void) {
     struct fanfs_job j;
     int r, k, i;
@@ -530,6 +591,7 @@ int main(int argc, char **argv) {
         pthread_create(&swapper, NULL, swapper_main, first);
 
     evict_order();
+    asked_count();
     reads();
     large_piece();
     wait_replies();
