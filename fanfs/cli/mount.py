@@ -204,8 +204,8 @@ def cmd_umount(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.timeout
     while not _exited(pid):
         if finalizing(pid) and mounts.find(mountpoint) is None:
-            log.info("%s: unmounted and cleaned up; daemon %d ends once the job's other ranks "
-                     "unmount (MPI's finalize waits for them)", mountpoint, pid)  # fmt: skip
+            log.info("%s: unmounted; daemon %d has finished and ends once the job's other "
+                     "ranks unmount (MPI's finalize waits for them)", mountpoint, pid)  # fmt: skip
             break
         if time.monotonic() >= deadline:
             _abort(entry)

@@ -148,14 +148,14 @@ int pieces_reserve_locked(struct pieces *c, int fd, const struct fanfs_piece *p,
     s->pending = 1;
     s->unpushed = unpushed;
     s->ahead = ahead;
-    s->asked = ahead;
+    s->asked = ahead != 0;
     s->refs = refs;
     s->taken = refs > 0 && !unpushed; /* (read ahead unpushed: its READ is to come) */
     s->waiters = NULL;
     s->charge = piece_charge(p);
     c->bytes += s->charge; /* counted now: the room is taken */
     c->ahead += ahead;
-    c->asked += ahead;
+    c->asked += s->asked;
     return i;
 }
 

@@ -43,10 +43,11 @@
  * gets and reservations came after its own (pieces.c, room_locked). */
 #define PIECES_UNTAKEN_KEPT (4 * PIECES_SLOTS)
 #define PIECES_BYTES (64u << 20) /* decoded bytes the slots hold, about, at most */
-/* Pieces asked ahead (a LOOKUP's, a planned epoch's push's) that nobody has got yet: at most
- * half the slots are asked for. A planned epoch's 8 pushers, each asking FANFS_PUSH_TOGETHER
- * ahead, had up to 64 such pieces in the 32 slots: they went before their pushes came, which
- * fetched them again (1.4-1.6 fetches a peer's file, docs/performance.md). */
+/* Pieces asked ahead (a LOOKUP's, a planned epoch's push's) that nobody has got yet: a push
+ * asks ahead only while fewer than this many are (jobs.c, push_ask; a LOOKUP's ask is bounded
+ * by LA_REMOTE_MAX alone). A planned epoch's 8 pushers, each asking FANFS_PUSH_TOGETHER ahead,
+ * had up to 64 such pieces in the 32 slots: they went before their pushes came, which fetched
+ * them again (1.4-1.6 fetches a peer's file, docs/performance.md). */
 #define PIECES_ASKED_MAX (PIECES_SLOTS / 2)
 #define PIECES_SPARES 8 /* freed piece buffers kept for the next piece: pages mapped already */
 /* A spare is kept only up to one compressed piece (4 MiB, plus a direct read's alignment) and

@@ -96,9 +96,11 @@ class Share:
         self.position = min(position, len(self.plan))
         return True
 
-    def accessed(self, pos: int) -> bool:
-        """A READ or LOOKUP of position `pos` reached the daemon: learn how far behind the
-        drawn position reads come; True if it moved the reads on."""
+    def accessed(self, pos: int, overtook: bool) -> bool:
+        """A READ or LOOKUP of position `pos` reached the daemon (`overtook`: a READ that found
+        nothing read ahead): learn how far behind the drawn position reads come; True if it
+        moved the reads on."""
+        self.overtaken[pos] |= overtook
         if pos < self.position:
             self.lag = max(self.lag, self.position - pos)
         if pos < self.read_at:
@@ -236,8 +238,7 @@ class Plans:
         _, share, pos = best
         s = self.shares[share]
         self.misses += hit is False
-        s.overtaken[pos] |= hit is False
-        if s.accessed(pos):
+        if s.accessed(pos, hit is False):
             self._drop(share, s, s.read_floor)
         self.progress(share, pos + 1)
 

@@ -276,7 +276,7 @@ def test_a_planned_epoch_reads_remote_files_ahead(
             # ahead stay within half the cache (unbounded, they went before their pushes came,
             # which fetched them again: 1.45-1.51 fetches a file; a few still age out).
             fetches = (r["plane_fetches"], s["plan"]["pushed_from_peers"])
-            assert fetches[0] <= fetches[1] * 11 // 10, fetches
+            assert s["plan"]["pushed_together"] <= fetches[0] <= fetches[1] * 11 // 10, fetches
             assert r["batch_fetches"] == 0, r
         else:  # several files a round trip, through the MPI threads
             assert 0 < r["batch_fetches"] < r["batched_files"], r
@@ -718,7 +718,7 @@ def test_a_node_unmounted_alone_is_done_once_it_stops_serving(
         pid = m.status(0)["pid"]
         done = launch.run("umount", m.mnts[0], "--timeout", "30", timeout=60)
         assert done.returncode == 0, done.stderr + m.log_text()
-        assert "ends once the job's other ranks unmount" in done.stderr, done.stderr
+        assert "has finished and ends once the job's other" in done.stderr, done.stderr
         assert mounts.find(m.mnts[0]) is None and not m.locals[0].exists()
         assert threads.finalizing(pid) and m.proc.poll() is None  # waits for rank 1
         _epoch(tree, m.mnts[1], 1)  # rank 1 still reads everything (from the image)
