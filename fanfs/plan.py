@@ -11,7 +11,8 @@ share's previous one; it stays in force after this process exits), and the daemo
 reading ahead at once (fanfs/node/planner.py). Several processes on one node (training
 ranks) each publish their own share. `progress` tells the daemon how far a share's job has
 read, which lets it read further ahead when the job's reads do not reach it (files already in
-the page cache); `fanfs.torch.PlannedSampler` does both for PyTorch.
+the page cache), and returns without waiting for the daemon; `fanfs.torch.PlannedSampler`
+does both for PyTorch.
 
 The daemon is reached through an abstract Unix socket whose name `fanfs status --json` shows
 (`plan_socket`); the daemon serves only its own user (and root), and the client checks that the
@@ -22,6 +23,7 @@ Concurrency: plain blocking calls, from any thread or process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -116,7 +118,18 @@ class Channel:
         return Taken(planned, missing, first if isinstance(first, str) else None)
 
     def progress(self, position: int, share: int = 0) -> None:
-        self._request(f"FANFS-PLAN 1 at {int(share)} {int(position)}\n".encode())
+        """Sent, not waited for: a daemon busy reading ahead never holds the job (a sampler
+        sends one every PROGRESS_EVERY samples). One the daemon cannot take now (its socket's
+        queue is full) is dropped: the next one, or the job's reads, move the plan as far."""
+        message = f"FANFS-PLAN 1 at {int(share)} {int(position)}\n".encode()
+        try:
+            with self._connected(wait=False) as s:
+                unsent = (BlockingIOError, BrokenPipeError, ConnectionResetError)  # dropped
+                if s is not None:
+                    with contextlib.suppress(*unsent):
+                        s.send(message)  # a few bytes into an empty socket: all or nothing
+        except OSError as e:
+            raise self._unreachable(e) from None
 
     def drop(self) -> dict[str, object]:
         """Have the daemon drop what is cached of the mount's files: the kernel's pages of
@@ -124,16 +137,36 @@ class Channel:
         dropped, as the daemon says it."""
         return self._request(b"FANFS-PLAN 1 drop 0 0\n")
 
+    @contextlib.contextmanager
+    def _connected(self, wait: bool = True) -> Iterator[socket.socket | None]:
+        """A connection to the daemon, checked to be its user's (or root's); without `wait`,
+        None when the daemon's queue of connections is full."""
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            if wait:
+                s.settimeout(TIMEOUT_S)
+            else:
+                s.setblocking(False)
+            try:
+                s.connect(self.socket)
+            except BlockingIOError:
+                if wait:
+                    raise
+                yield None
+                return
+            # The daemon must be of this user (or root): a name in /proc/net/unix is no proof.
+            creds = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            uid = struct.unpack("3i", creds)[1]
+            if uid not in (os.geteuid(), 0):
+                raise FanfsError(f"{self.root}: the plan socket belongs to uid {uid}")
+            yield s
+
+    def _unreachable(self, e: OSError) -> FanfsError:
+        return FanfsError(f"{self.root}: cannot reach the daemon's plan socket: {e}")
+
     def _request(self, message: bytes) -> dict[str, object]:
         try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                s.settimeout(TIMEOUT_S)
-                s.connect(self.socket)
-                # The daemon must be of this user (or root): a name in /proc/net/unix is no proof.
-                creds = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-                uid = struct.unpack("3i", creds)[1]
-                if uid not in (os.geteuid(), 0):
-                    raise FanfsError(f"{self.root}: the plan socket belongs to uid {uid}")
+            with self._connected() as s:
+                assert s is not None
                 try:
                     s.sendall(message)
                     s.shutdown(socket.SHUT_WR)
@@ -143,7 +176,7 @@ class Channel:
                 while chunk := s.recv(65536):
                     reply += chunk
         except OSError as e:
-            raise FanfsError(f"{self.root}: cannot reach the daemon's plan socket: {e}") from None
+            raise self._unreachable(e) from None
         try:
             got: dict[str, object] = json.loads(reply.split(b"\n", 1)[0])
         except ValueError:

@@ -12,7 +12,8 @@ the client):
     FANFS-PLAN 1 drop 0 0\\n  drop what is cached of the mount's files (`fanfs drop`)
 
 answered with one JSON line: {"planned": k, "missing": m, "first_missing": path or null},
-{"ok": true}, what was dropped, or {"error": "..."}. An error is sent as soon as it is known,
+{"ok": true}, what was dropped, or {"error": "..."}. The client does not wait for the answer
+to `at` (fanfs/plan.py): it may be gone when the answer is sent. An error is sent as soon as it is known,
 also before the body has been read (the client reads the answer even when the daemon stopped
 reading).
 

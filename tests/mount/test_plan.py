@@ -13,6 +13,7 @@ import errno
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -256,6 +257,22 @@ def test_hostile_plans_get_an_error_and_harm_nothing(tree: Path, mount: Mount) -
     assert plan.publish(mount.mountpoint, rels).planned == 30
     for r in rels:
         assert (mount.mountpoint / r).read_bytes() == (tree / r).read_bytes(), r
+
+
+def test_progress_never_waits_for_the_daemon(tree: Path, mount: Mount) -> None:
+    """A sampler sends progress every 64 samples: a daemon whose event loop is busy (here
+    stopped) must not hold the job. The message is taken once the daemon runs again."""
+    plan.publish(mount.mountpoint, order(tree, 9))
+    channel = plan.Channel(mount.mountpoint)  # found while the daemon answers
+    sent = threading.Thread(target=channel.progress, args=(300,), daemon=True)
+    os.kill(mount.proc.pid, signal.SIGSTOP)
+    try:
+        sent.start()
+        sent.join(5)
+        assert not sent.is_alive()  # it used to wait for the daemon's answer
+    finally:
+        os.kill(mount.proc.pid, signal.SIGCONT)
+    assert wait_until(lambda: plan_status(mount)["position"] >= 300, 30), plan_status(mount)
 
 
 def test_no_other_user_can_plan(tree: Path, mount: Mount) -> None:
