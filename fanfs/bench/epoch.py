@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from fanfs.bench import readers as reader_procs
 from fanfs.bench.launch import Daemons
 
 IDLE_S = 2.0  # how long an idle daemon is watched for its CPU use, ...
@@ -70,15 +71,9 @@ def read_groups(
                                                    _Tagged(out, g),
                                                    None if plans is None else (plans[g], i)))
              for g, paths in enumerate(groups) for i in range(readers)]  # fmt: skip
-    for p in procs:
-        p.start()
-    start.wait(timeout=600)
     got: dict[int, list[Any]] = {g: [] for g in range(len(groups))}
-    for _ in procs:
-        tag, item = out.get(timeout=3600)
+    for tag, item in reader_procs.run(procs, start, out):
         got[tag].append(item)
-    for p in procs:
-        p.join()
     return [(max(x[1] for x in items) - min(x[0] for x in items), sum(x[2] for x in items),
              [v for x in items for v in x[3]]) for _, items in sorted(got.items())]  # fmt: skip
 

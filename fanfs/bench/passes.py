@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from fanfs.bench import pagecache
+from fanfs.bench import readers as reader_procs
 
 FOLIO_SAMPLE = 16  # files whose page-cache folios are looked at after each pass
 # A warm pass over 256 MiB of 128 KiB files takes 40 ms: a timer tick or a neighbour's burst
@@ -188,12 +189,7 @@ def read_all(
     procs = [ctx.Process(target=_read_files, args=(paths[i::readers], client, start, out,
                                                    None if plan is None else (plan, i)))
              for i in range(readers)]  # fmt: skip
-    for p in procs:
-        p.start()
-    start.wait(timeout=600)
-    got = [out.get(timeout=3600) for _ in procs]
-    for p in procs:
-        p.join()
+    got = reader_procs.run(procs, start, out)
     wall = max(g[1] for g in got) - min(g[0] for g in got)
     return wall, sum(g[2] for g in got), [x for g in got for x in g[3]]
 

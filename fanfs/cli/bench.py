@@ -11,11 +11,14 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
+from fanfs import stopsignals
 from fanfs.cli.options import (
     Subparsers,
     choice,
@@ -76,6 +79,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                              "install gcc pkg-config libfuse3-dev)")  # fmt: skip
     writable(args.report, "--report")
     writable(args.plot, "--plot")
+    for sig in stopsignals.STOP_SIGNALS:  # as Ctrl-C: what the bench mounted is unmounted
+        signal.signal(sig, _interrupted)
     rows = bench.run(workdir, args.sizes, args.total, args.min_files, args.readers, args.repeat,
                      args.ranks, args.temps, log=_log, client=args.client, epoch=args.epoch,
                      planned=args.plan, kinds=args.data, against=args.against)  # fmt: skip
@@ -88,6 +93,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     _log(f"bench: wrote {args.report}"
          + (f" and {args.plot}" if plotted else " (no matplotlib: no plot)"))  # fmt: skip
     return ExitCode.OK
+
+
+def _interrupted(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
 
 
 def _importable(*names: str) -> bool:

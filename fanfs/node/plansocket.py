@@ -13,9 +13,9 @@ the client):
 
 answered with one JSON line: {"planned": k, "missing": m, "first_missing": path or null},
 {"ok": true}, what was dropped, or {"error": "..."}. The client does not wait for the answer
-to `at` (fanfs/plan.py): it may be gone when the answer is sent. An error is sent as soon as it is known,
-also before the body has been read (the client reads the answer even when the daemon stopped
-reading).
+to `at` (fanfs/plan.py): it may be gone when the answer is sent. An error is sent as soon as
+it is known, also before the body has been read (the client reads the answer even when the
+daemon stopped reading).
 
 Bounded: at most CONNECTIONS requests are read at once (others wait to be accepted); a plan
 names at most MAX_PATHS_PER_FILE paths per file of the image, each at most as long as the

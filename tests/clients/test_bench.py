@@ -6,15 +6,18 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REPO, fanfs
+from conftest import FANFS, REPO, fanfs, wait_until
 
-from fanfs.bench import launch, projection
+from fanfs.bench import floor, launch, projection
 from fanfs.errors import ExitCode
 
 # A file read faster than this (a microsecond a file) was not read: a bench that reports it
@@ -175,6 +178,55 @@ def test_bench_against_the_fuse_floor(tmp_path: Path) -> None:
         line = f"floor local 64K {r['temp']} x1, of native's speed"
         assert line in done.stdout and "floor-poll " in done.stdout
     assert "fanfs/floor" in done.stderr and not mounts_left(tmp_path / "work")
+
+
+def test_the_floor_serves_more_files_than_its_descriptor_limit(tmp_path: Path) -> None:
+    """fanfs-floor keeps a descriptor for each file the kernel knows, so it raises its own soft
+    limit to the hard one: a bench of 2,048 files failed at the 1,024th open (EMFILE). Here
+    the server starts with a soft limit of 64 and serves 300 files."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(300):
+        (src / f"f{i:03d}").write_bytes(os.urandom(100 + i))
+    exe = floor.build(tmp_path)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert hard == resource.RLIM_INFINITY or hard > 400, hard
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))  # the server inherits it
+    try:
+        served = floor.Floor(exe, src, tmp_path / "mnt", poll=False)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    try:
+        for i in range(300):
+            name = f"f{i:03d}"
+            assert (tmp_path / "mnt" / name).read_bytes() == (src / name).read_bytes(), name
+    finally:
+        served.stop()
+    assert not mounts_left(tmp_path)
+
+
+@pytest.mark.mpi
+def test_a_stopped_bench_unmounts_what_it_mounted(tmp_path: Path) -> None:
+    """SIGTERM in the middle of a bench (a job's time limit, `kill`): it stops as on Ctrl-C,
+    ends its reader processes and unmounts every file system it mounted. It used to die at
+    once and leave them all mounted, their servers running."""
+    work = tmp_path / "work"
+    argv = [*FANFS, "bench", "--sizes", "64K", "--total", "8M", "--readers", "1,4", "--repeat",
+            "5", "--against", "floor", "--workdir", work, "--report", tmp_path / "b.json",
+            "--plot", tmp_path / "b.png"]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_until(lambda: len(mounts_left(work)) >= 3, 120), mounts_left(work)
+        time.sleep(1)  # into its passes
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == ExitCode.INTERRUPTED, err
+        assert "fanfs: interrupted" in err and not mounts_left(work)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for m in mounts_left(work):
+            subprocess.run(["fusermount3", "-u", "-z", m], check=False)
 
 
 def test_bench_torch_loader_gives_every_side_the_same_samples(tmp_path: Path) -> None:

@@ -41,7 +41,7 @@ LAYERS = {
     "output.assemble": 7, "output.salvage": 7, "output.daemon": 8,
     # the bench, and its helpers (the projection model, generated data, the tree oracle)
     "bench.projection": 0, "bench.pagecache": 1, "bench.compare": 2, "bench.datagen": 2,
-    "bench.data": 3, "bench.loader": 0, "bench.childmount": 1,
+    "bench.data": 3, "bench.loader": 0, "bench.childmount": 1, "bench.readers": 1,
     "bench.squashfs": 2, "bench.floor": 2,
     "bench.launch": 8, "bench.epoch": 8, "bench.passes": 8, "bench.report": 8, "bench.budget": 1,
     "bench.runs": 9, "bench": 10, "bench.calibrate": 10,

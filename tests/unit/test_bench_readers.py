@@ -1,0 +1,56 @@
+"""Unit tier: fanfs.bench.readers, how a pass gathers what its reader processes measured (real
+processes, forked as the bench forks them)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+from typing import Any
+
+from fanfs.bench import readers
+from fanfs.errors import FanfsError
+
+
+def _puts(out: Any) -> None:
+    out.put("measured")
+
+
+def _fails() -> None:
+    raise RuntimeError("a reader's error (printed by its process: expected in this test)")
+
+
+def test_a_reader_that_fails_ends_the_pass_at_once() -> None:
+    """A reader process that dies before it puts its measure (an open that failed, say) fails
+    the pass within seconds: the bench used to wait an hour for it."""
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_puts, args=(out,)), ctx.Process(target=_fails)]
+    for p in procs:
+        p.start()
+    raised: list[BaseException] = []
+
+    def gather() -> None:
+        try:
+            readers.results(out, procs)
+        except FanfsError as e:
+            raised.append(e)
+
+    waiting = threading.Thread(target=gather, daemon=True)  # never joined if it hangs
+    waiting.start()
+    waiting.join(30)
+    assert not waiting.is_alive()
+    assert len(raised) == 1 and "exit status 1" in str(raised[0]), raised
+    for p in procs:
+        p.join(10)
+
+
+def test_every_reader_s_measure_is_gathered() -> None:
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_puts, args=(out,)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    assert readers.results(out, procs) == ["measured"] * 3
+    for p in procs:
+        p.join(10)
+        assert p.exitcode == 0
