@@ -11,8 +11,8 @@ share's previous one; it stays in force after this process exits), and the daemo
 reading ahead at once (fanfs/node/planner.py). Several processes on one node (training
 ranks) each publish their own share. `progress` tells the daemon how far a share's job has
 read, which lets it read further ahead when the job's reads do not reach it (files already in
-the page cache), and returns without waiting for the daemon; `fanfs.torch.PlannedSampler`
-does both for PyTorch.
+the page cache); a `Channel`'s `progress` returns without waiting for the daemon.
+`fanfs.torch.PlannedSampler` does both for PyTorch.
 
 The daemon is reached through an abstract Unix socket whose name `fanfs status --json` shows
 (`plan_socket`); the daemon serves only its own user (and root), and the client checks that the
@@ -28,6 +28,7 @@ import json
 import os
 import socket
 import struct
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,7 +90,9 @@ def publish(mountpoint: str | os.PathLike[str], paths: Iterable[str | os.PathLik
 
 
 def progress(mountpoint: str | os.PathLike[str], position: int, share: int = 0) -> None:
-    """Tell the daemon that `share`'s job has read its plan up to `position`."""
+    """Tell the daemon that `share`'s job has read its plan up to `position`. Finding the
+    daemon reads the mount's status, which a busy daemon answers late: for repeated calls,
+    keep a `Channel` (its `progress` waits for nothing)."""
     Channel(mountpoint).progress(position, share)
 
 
@@ -139,20 +142,25 @@ class Channel:
 
     @contextlib.contextmanager
     def _connected(self, wait: bool = True) -> Iterator[socket.socket | None]:
-        """A connection to the daemon, checked to be its user's (or root's); without `wait`,
-        None when the daemon's queue of connections is full."""
+        """A connection to the daemon, checked to be its user's (or root's). Its queue of
+        connections full: waited for (TIMEOUT_S at most), or without `wait` None."""
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             if wait:
                 s.settimeout(TIMEOUT_S)
             else:
                 s.setblocking(False)
-            try:
-                s.connect(self.socket)
-            except BlockingIOError:
-                if wait:
-                    raise
-                yield None
-                return
+            deadline = time.monotonic() + TIMEOUT_S
+            while True:
+                try:
+                    s.connect(self.socket)
+                    break
+                except BlockingIOError:  # the daemon's queue of connections is full
+                    if not wait:
+                        yield None
+                        return
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.01)
             # The daemon must be of this user (or root): a name in /proc/net/unix is no proof.
             creds = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
             uid = struct.unpack("3i", creds)[1]

@@ -32,13 +32,16 @@ class ChildMount:
         out = subprocess.PIPE if self.answers else subprocess.DEVNULL
         self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.PIPE)
         deadline = time.monotonic() + MOUNT_WAIT_S
-        while mounts.find(self.mountpoint) is None:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                said = self._said().strip()  # (before stop, which closes its pipes)
-                self.stop()
-                raise FanfsError(f"{self.what} did not mount {self.mountpoint}: "
-                                 f"{said or 'no error printed'}")  # fmt: skip
-            time.sleep(0.02)
+        try:
+            while mounts.find(self.mountpoint) is None:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    said = self._said().strip()  # (before stop, which closes its pipes)
+                    raise FanfsError(f"{self.what} did not mount {self.mountpoint}: "
+                                     f"{said or 'no error printed'}")  # fmt: skip
+                time.sleep(0.02)
+        except BaseException:  # also a stop signal (the bench's KeyboardInterrupt): no leftovers
+            self.stop()
+            raise
 
     def _said(self) -> str:
         if self.proc is None or self.proc.stderr is None or self.proc.poll() is None:

@@ -69,7 +69,8 @@ def read_groups(
     start = ctx.Barrier(len(groups) * readers + 1)  # every reader ready, then all at once
     procs = [ctx.Process(target=read_files, args=(paths[i::readers], client, start,
                                                    _Tagged(out, g),
-                                                   None if plans is None else (plans[g], i)))
+                                                   None if plans is None else (plans[g], i)),
+                         daemon=True)
              for g, paths in enumerate(groups) for i in range(readers)]  # fmt: skip
     got: dict[int, list[Any]] = {g: [] for g in range(len(groups))}
     for tag, item in reader_procs.run(procs, start, out):

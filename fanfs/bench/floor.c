@@ -388,7 +388,9 @@ int main(int argc, char **argv)
     struct rlimit files;
     if (getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur < files.rlim_max) {
         files.rlim_cur = files.rlim_max;
-        setrlimit(RLIMIT_NOFILE, &files);
+        if (setrlimit(RLIMIT_NOFILE, &files) != 0)
+            fprintf(stderr, "fanfs-floor: cannot raise the descriptor limit: %s\n",
+                    strerror(errno));
     }
     static sigset_t usr1;
     sigemptyset(&usr1);

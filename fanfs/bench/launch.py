@@ -98,11 +98,14 @@ class Daemons:
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                          env={**os.environ, **MPI_ENV})  # fmt: skip
-        for m in self.mnts:
-            done = run("wait", m, "--timeout", str(wait_s), timeout=wait_s + 30)
-            if done.returncode != 0:
-                self.stop()
-                raise FanfsError(f"{m} did not come up: {done.stderr}\n{self.log_text()}")
+        try:
+            for m in self.mnts:
+                done = run("wait", m, "--timeout", str(wait_s), timeout=wait_s + 30)
+                if done.returncode != 0:
+                    raise FanfsError(f"{m} did not come up: {done.stderr}\n{self.log_text()}")
+        except BaseException:  # also a stop signal (the bench's KeyboardInterrupt): no leftovers
+            self.stop()
+            raise
 
     @property
     def mountpoint(self) -> Path:

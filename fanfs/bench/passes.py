@@ -187,7 +187,8 @@ def read_all(
     start = ctx.Barrier(readers + 1)  # every reader ready, then all start at once
     out = ctx.Queue()
     procs = [ctx.Process(target=_read_files, args=(paths[i::readers], client, start, out,
-                                                   None if plan is None else (plan, i)))
+                                                   None if plan is None else (plan, i)),
+                         daemon=True)
              for i in range(readers)]  # fmt: skip
     got = reader_procs.run(procs, start, out)
     wall = max(g[1] for g in got) - min(g[0] for g in got)

@@ -1,12 +1,14 @@
 """The reader processes of a bench pass (fanfs/bench/passes.py, fanfs/bench/epoch.py): started,
 let go together, and what each measured gathered, with none left behind when a pass fails.
 
-Concurrency: the bench's main thread; the readers are processes of their own (forked).
+Concurrency: the bench's main thread; the readers are processes of their own (forked,
+daemonic: the interpreter's exit never waits for one).
 """
 
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -14,43 +16,56 @@ from typing import Any
 from fanfs.errors import FanfsError
 
 PASS_LIMIT_S = 3600.0  # a pass's readers all done within this, or the bench fails
+BARRIER_S = 600.0  # every reader at the start within this (each first makes a 64 MiB buffer)
+POLL_S = 1.0  # how soon a reader that died is noticed
+KILL_WAIT_S = 10.0  # a reader killed (SIGKILL) is gone within this, even one in a FUSE read
 
 
 def results(out: Any, procs: Sequence[Any]) -> list[Any]:
-    """What each of the reader processes `procs` put on `out`, one item each. FanfsError at
-    once when one ended without putting its own (its error is printed above, by its process):
-    waiting for it would last as long as a pass may (PASS_LIMIT_S)."""
+    """What each of the reader processes `procs` put on `out`, one item each. FanfsError within
+    POLL_S when one ended with an error (its traceback is printed above, by its process), or
+    when all have ended and an item is missing: waiting would last as long as a pass may."""
     got: list[Any] = []
     deadline = time.monotonic() + PASS_LIMIT_S
     while len(got) < len(procs):
         try:
-            got.append(out.get(timeout=1.0))
+            got.append(out.get(timeout=POLL_S))
         except queue.Empty:
-            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            codes = [p.exitcode for p in procs]
+            failed = [c for c in codes if c not in (None, 0)]
             if failed:
-                raise FanfsError(
-                    f"bench: a reader process failed (exit status {failed[0]})"
-                ) from None
-            if time.monotonic() > deadline:
-                raise FanfsError(f"bench: a pass lasted over {PASS_LIMIT_S:.0f} s") from None
+                why = f"a reader process failed (exit status {failed[0]})"
+            elif None not in codes:  # all ended, their items flushed before they did
+                why = f"{len(procs) - len(got)} reader processes ended without their measure"
+            elif time.monotonic() > deadline:
+                why = f"a pass lasted over {PASS_LIMIT_S:.0f} s"
+            else:
+                continue
+            raise FanfsError(f"bench: {why}") from None
     return got
 
 
 def run(procs: Sequence[Any], start: Any, out: Any) -> list[Any]:
-    """Start the reader processes `procs`, let them go at once (`start`: a barrier they wait
-    at too) and return what each put on `out` (`results`). Whatever ends a pass early (a
-    reader's error, a stop signal) ends the readers still running too: the bench can then
-    unmount and exit, where they would have waited for ever at the barrier."""
-    for p in procs:
-        p.start()
+    """Start the reader processes `procs` (daemonic), let them go at once (`start`: a barrier
+    they wait at too) and return what each put on `out` (`results`). Whatever ends a pass
+    early (a reader's error, a stop signal) kills the readers still running, which would
+    otherwise wait at the barrier for ever, so that the bench can unmount and exit."""
     done = False
     try:
-        start.wait(timeout=600)
+        for p in procs:
+            p.start()
+        try:
+            start.wait(timeout=BARRIER_S)
+        except threading.BrokenBarrierError:
+            raise FanfsError(f"bench: the readers were not all ready in {BARRIER_S:.0f} s "
+                             "(one failed? its error is above)") from None  # fmt: skip
         got = results(out, procs)
         done = True
         return got
     finally:
         for p in procs:
+            if p.pid is None:
+                continue  # never started
             if not done and p.is_alive():
-                p.terminate()
-            p.join()
+                p.kill()
+            p.join(None if done else KILL_WAIT_S)

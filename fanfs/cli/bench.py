@@ -79,8 +79,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                              "install gcc pkg-config libfuse3-dev)")  # fmt: skip
     writable(args.report, "--report")
     writable(args.plot, "--plot")
-    for sig in stopsignals.STOP_SIGNALS:  # as Ctrl-C: what the bench mounted is unmounted
-        signal.signal(sig, _interrupted)
+    _take_stop_signals()
     rows = bench.run(workdir, args.sizes, args.total, args.min_files, args.readers, args.repeat,
                      args.ranks, args.temps, log=_log, client=args.client, epoch=args.epoch,
                      planned=args.plan, kinds=args.data, against=args.against)  # fmt: skip
@@ -95,8 +94,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
-def _interrupted(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
+def _take_stop_signals() -> None:
+    """SIGTERM, SIGINT and SIGHUP stop the bench as Ctrl-C does (a KeyboardInterrupt: what it
+    mounted is unmounted on the way out), once: more of them during that clean-up do nothing.
+    One its parent made it ignore (nohup) stays ignored; in the bench's reader processes,
+    forked with these handlers, a stop signal does what it does by default."""
+    bench = os.getpid()
+    taken = [s for s in stopsignals.STOP_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN]
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != bench:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        for s in taken:  # (not SIG_IGN: processes it starts while cleaning up would keep that)
+            signal.signal(s, lambda *_: None)
+        raise KeyboardInterrupt
+
+    for s in taken:
+        signal.signal(s, stop)
 
 
 def _importable(*names: str) -> bool:

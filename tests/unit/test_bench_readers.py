@@ -7,8 +7,14 @@ import multiprocessing as mp
 import threading
 from typing import Any
 
+import pytest
+
 from fanfs.bench import readers
 from fanfs.errors import FanfsError
+
+# The bench forks its readers; Python 3.12 and later warn when a process with threads forks
+# (trio's idle workers of earlier tests may be there), and warnings are errors here.
+pytestmark = pytest.mark.filterwarnings("ignore:This process .* is multi-threaded")
 
 
 def _puts(out: Any) -> None:
@@ -24,7 +30,8 @@ def test_a_reader_that_fails_ends_the_pass_at_once() -> None:
     the pass within seconds: the bench used to wait an hour for it."""
     ctx = mp.get_context("fork")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_puts, args=(out,)), ctx.Process(target=_fails)]
+    procs = [ctx.Process(target=_puts, args=(out,), daemon=True),
+             ctx.Process(target=_fails, daemon=True)]  # fmt: skip
     for p in procs:
         p.start()
     raised: list[BaseException] = []
@@ -47,10 +54,23 @@ def test_a_reader_that_fails_ends_the_pass_at_once() -> None:
 def test_every_reader_s_measure_is_gathered() -> None:
     ctx = mp.get_context("fork")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_puts, args=(out,)) for _ in range(3)]
+    procs = [ctx.Process(target=_puts, args=(out,), daemon=True) for _ in range(3)]
     for p in procs:
         p.start()
     assert readers.results(out, procs) == ["measured"] * 3
     for p in procs:
         p.join(10)
         assert p.exitcode == 0
+
+
+def _quiet() -> None:
+    pass
+
+
+def test_readers_that_end_without_their_measure_end_the_pass() -> None:
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_quiet, daemon=True) for _ in range(2)]
+    for p in procs:
+        p.start()
+    with pytest.raises(FanfsError, match="2 reader processes ended without their measure"):
+        readers.results(ctx.Queue(), procs)
