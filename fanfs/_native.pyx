@@ -362,6 +362,42 @@ def decode(data, int kind, unsigned int size, Dictionaries dicts=None):
         PyBuffer_Release(&view)
 
 
+cdef extern from "filters.h" nogil:
+    int fanfs_vectors()
+    int fanfs_unfilter_at(int fid, const unsigned char *inp, uint64_t n, unsigned char *out,
+                          uint32_t size, int vectors)
+
+
+def vectors():
+    """The widest vectors (bits) the array filters' decode uses on this CPU: 256, 128 or 0."""
+    return fanfs_vectors()
+
+
+def unfilter(data, int fid, unsigned int size, int vectors):
+    """Undo array filter `fid` of `data` into `size` bytes with vectors of at most `vectors`
+    bits (filters.h): each width the CPU runs must give the same bytes (tests, decode_bench)."""
+    cdef Py_buffer view
+    cdef uint32_t cap = 0
+    cdef unsigned char *tmp
+    cdef int err
+    if size > FANFS_PIECE_MAX:
+        _raise(EILSEQ)
+    tmp = <unsigned char *>fanfs_alloc(size, &cap)
+    if tmp == NULL:
+        raise MemoryError()
+    PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+    try:
+        with nogil:
+            err = fanfs_unfilter_at(fid, <const unsigned char *>view.buf, <uint64_t>view.len,
+                                    tmp, size, vectors)
+        if err != 0:
+            _raise(err)
+        return PyBytes_FromStringAndSize(<char *>tmp, size)
+    finally:
+        PyBuffer_Release(&view)
+        free(tmp)
+
+
 def read(int fd, int dfd, long long offset, unsigned int length, unsigned int crc, int kind,
          unsigned int size, Dictionaries dicts=None):
     """Read a stored piece from `fd` (O_DIRECT through `dfd` when >= 0 and the page cache

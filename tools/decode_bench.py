@@ -13,7 +13,10 @@ by round so drift hits all alike:
   zstd-nx the same, skipping the content checksum (ZSTD_d_forceIgnoreChecksum), as fanfs's C
           does: its CRC-32 of the stored frame is checked before any decode;
   fanfs   the C decoder with its filter, as the pool and every Python caller run it
-          (fanfs._native.decode: fanfs_decode, GIL released), checked byte for byte once.
+          (fanfs._native.decode: fanfs_decode, GIL released), checked byte for byte once;
+  with --widths, the filter's pass alone (the bytes zstd gave, undone) at each vector width
+          this CPU runs (fanfs._native.unfilter: 0 the portable C, 128 SSE2, 256 AVX2 and
+          FMA), in microseconds per frame; every width must give the frame's bytes.
 
 Reports GB/s of decoded bytes (median of the rounds) and fanfs/zstd, the share of zstd's own
 speed the decoder keeps (the median of each round's: load from elsewhere comes and goes). A
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import statistics
 import sys
 import time
@@ -111,8 +115,13 @@ def seconds_each(fn: Callable[[], object]) -> float:
     return spent / n
 
 
+def widths() -> list[int]:
+    """The vector widths the filters' pass can be run at on this CPU."""
+    return [w for w in (0, 128, 256) if w <= native.lib.vectors()]
+
+
 def run_case(data: bytes, fid: int, frame: bytes, zstd: Zstd, unchecked: Zstd,
-             rounds: int) -> dict[str, float]:  # fmt: skip
+             rounds: int, by_width: bool) -> dict[str, float]:  # fmt: skip
     size = len(data)
     kind = native.lib.KIND_ZSTD if fid == 0 else native.lib.KIND_FILTER + fid
     if native.decode(frame, kind, size) != data:
@@ -125,11 +134,19 @@ def run_case(data: bytes, fid: int, frame: bytes, zstd: Zstd, unchecked: Zstd,
         "zstd-nx": unchecked.decoder(frame, cap),
         "fanfs": lambda: native.decode(frame, kind, size),
     }
+    if by_width and fid:
+        filtered = zstandard.ZstdDecompressor().decompress(frame)
+        for w in widths():
+            if native.lib.unfilter(filtered, fid, size, w) != data:
+                raise SystemExit(f"decode_bench: {w}-bit vectors undo filter {fid} wrongly")
+            ways[f"pass{w}"] = functools.partial(native.lib.unfilter, filtered, fid, size, w)
     times: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(rounds):
         for name, fn in ways.items():
             times[name].append(seconds_each(fn))
     row = {name: size / statistics.median(ts) / 1e9 for name, ts in times.items()}
+    row.update({name: statistics.median(ts) * 1e6 for name, ts in times.items()
+                if name.startswith("pass")})  # fmt: skip
     row["ratio"] = size / len(frame)
     # Per round, so that load from elsewhere (which comes and goes) cancels out.
     for base, key in (("zstd", "share"), ("zstd-nx", "share_nx")):
@@ -143,6 +160,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--every-filter", action="store_true",
                     help="each filter that applies, not only auto's choice")  # fmt: skip
+    ap.add_argument("--widths", action="store_true",
+                    help="also time the filter's pass alone at each vector width")  # fmt: skip
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args()
     if not native.DECODES:
@@ -151,17 +170,22 @@ def main() -> int:
     zstd, unchecked = Zstd(), Zstd(unchecked=True)
     enc = codec.Encoder(codec.parse_compress("auto"))
     print(f"{'array':12} {'filter':9} {'ratio':>5} {'memcpy':>7} {'zstd':>6} {'zstd-nx':>7} "
-          f"{'fanfs':>6} {'fanfs/zstd':>10} {'/zstd-nx':>8}")  # fmt: skip
+          f"{'fanfs':>6} {'fanfs/zstd':>10} {'/zstd-nx':>8}"
+          + "".join(f" {f'pass{w}':>7}" for w in (widths() if args.widths else [])))  # fmt: skip
     for name, data in arrays(np.random.default_rng(args.seed)).items():
         for fid, frame in frames(data, args.every_filter, enc):
-            r = run_case(data, fid, frame, zstd, unchecked, args.rounds)
+            r = run_case(data, fid, frame, zstd, unchecked, args.rounds, args.widths)
             label = filters.NAMES.get(fid, "zstd")
             print(f"{name:12} {label:9} {r['ratio']:5.2f} {r['memcpy']:7.2f} {r['zstd']:6.2f} "
                   f"{r['zstd-nx']:7.2f} {r['fanfs']:6.2f} {r['share']:10.2f} "
-                  f"{r['share_nx']:8.2f}", flush=True)  # fmt: skip
+                  f"{r['share_nx']:8.2f}"
+                  + "".join(f" {v:7.0f}" for k, v in r.items() if k.startswith("pass")),
+                  flush=True)  # fmt: skip
     print(f"(GB/s of decoded bytes, one thread, median of {args.rounds} rounds; frames of "
           f"{FRAME_SIZE >> 20} MiB; zstd-nx: libzstd skipping the content checksum, as fanfs "
-          "does after its CRC-32 of the stored frame)")  # fmt: skip
+          "does after its CRC-32 of the stored frame"
+          + ("; passN: the filter's pass alone with N-bit vectors, us a frame" if args.widths
+             else "") + ")")  # fmt: skip
     return 0
 
 

@@ -9,8 +9,11 @@
  * from each plane, and their running sum, unzigzag and scaling are done in registers. The
  * words a block of 16 leaves over, and every word where there is no SSE2 (aarch64), take the
  * portable passes (rest4, rest8: the code before the vectors, which GCC vectorizes for any
- * machine), which compute the same bits; tests/unit/test_native.py checks both (sizes that
- * leave a tail) against fanfs/image/filters.py.
+ * machine), which compute the same bits. Where the CPU has AVX2 and FMA, decimal4 and decimal8
+ * take 32 words a step instead (filters_avx2.c): their pass is bound by its vector operations,
+ * which 256-bit vectors make about a third fewer. fanfs_vectors says which width runs, and
+ * tests/unit/test_native.py checks every width the CPU runs (sizes that leave a tail) against
+ * fanfs/image/filters.py and against each other.
  */
 #include <errno.h>
 #include <string.h>
@@ -366,14 +369,29 @@ static uint64_t blocks8(int fid, const unsigned char *in, uint64_t words, double
 }
 #endif
 
+int fanfs_vectors(void) {
+#if defined(VECTORS)
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 256 : 128;
+#else
+    return 0;
+#endif
+}
+
 int fanfs_unfilter(int fid, const unsigned char *in, uint64_t n, unsigned char *out,
                    uint32_t size) {
+    return fanfs_unfilter_at(fid, in, n, out, size, fanfs_vectors());
+}
+
+int fanfs_unfilter_at(int fid, const unsigned char *in, uint64_t n, unsigned char *out,
+                      uint32_t size, int vectors) {
     int w = fanfs_filter_width(fid);
     const unsigned char *pos = in, *kept = in;
     uint64_t words, i = 0, k = 0;
     double scale = 1;
     uint32_t acc4 = 0;
     uint64_t acc8 = 0;
+    if (vectors > fanfs_vectors())
+        return EINVAL;
     if (w == 0 || size % w)
         return FANFS_EBADDATA;
     words = size / w;
@@ -396,12 +414,18 @@ int fanfs_unfilter(int fid, const unsigned char *in, uint64_t n, unsigned char *
     }
     if (w == 4) {
 #if defined(VECTORS)
-        i = blocks4(fid, in, words, scale, out, &acc4);
+        if (vectors >= 256 && fid == FANFS_DECIMAL4)
+            i = fanfs_decimal4_wide(in, words, scale, out, &acc4);
+        else if (vectors >= 128)
+            i = blocks4(fid, in, words, scale, out, &acc4);
 #endif
         rest4(fid, in, words, i, acc4, scale, out);
     } else {
 #if defined(VECTORS)
-        i = blocks8(fid, in, words, scale, out, &acc8);
+        if (vectors >= 256 && fid == FANFS_DECIMAL8)
+            i = fanfs_decimal8_wide(in, words, scale, out, &acc8);
+        else if (vectors >= 128)
+            i = blocks8(fid, in, words, scale, out, &acc8);
 #endif
         rest8(fid, in, words, i, acc8, scale, out);
     }

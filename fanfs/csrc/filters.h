@@ -19,4 +19,22 @@ uint64_t fanfs_filtered_max(int fid, uint32_t size);
 int fanfs_unfilter(int fid, const unsigned char *in, uint64_t n, unsigned char *out,
                    uint32_t size);
 
+/* The widest vectors (bits) fanfs_unfilter uses on this CPU: 256 where it has AVX2 and FMA
+ * (decimal4 and decimal8, filters_avx2.c; the other filters stay 128 bits wide), else 128
+ * (SSE2, every x86-64), else 0 (the portable C alone: aarch64). */
+int fanfs_vectors(void);
+
+/* fanfs_unfilter with vectors of at most `vectors` bits (0, 128 or 256; EINVAL for wider
+ * than the CPU runs): every width gives the same bytes, which tests and decode_bench check. */
+int fanfs_unfilter_at(int fid, const unsigned char *in, uint64_t n, unsigned char *out,
+                      uint32_t size, int vectors);
+
+/* filters_avx2.c's steps, 32 words each: the words done (a multiple of 32); `*acc` the running
+ * sum after them, for filters.c's portable pass to go on from. Only where fanfs_vectors() is
+ * 256. */
+uint64_t fanfs_decimal4_wide(const unsigned char *in, uint64_t words, double inv,
+                             unsigned char *out, uint32_t *acc);
+uint64_t fanfs_decimal8_wide(const unsigned char *in, uint64_t words, double p10,
+                             unsigned char *out, uint64_t *acc);
+
 #endif

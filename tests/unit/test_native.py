@@ -1,7 +1,8 @@
 """Unit tier: fanfs's C extension (fanfs/csrc/, fanfs/_native.pyx) without a mount.
 
 The C decodes what the Python reference decodes (the zstandard package and fanfs/image/filters.py),
-byte for byte, for every codec and filter and any bytes hypothesis finds; its CRC-32 is zlib's;
+byte for byte, for every codec and filter and any bytes hypothesis finds, at every vector width
+the CPU runs (the portable C, SSE2, AVX2); its CRC-32 is zlib's;
 bytes that do not match their CRC or do not decode are refused, never returned. Jobs run with
 the pool's own code (`run_job`) give back exactly the slice of the file they name, for every
 shape a READ can have (a whole file, a part, one to four frames), and malformed ones are
@@ -46,6 +47,33 @@ def test_the_contract_is_one_version_and_one_set_of_ids() -> None:
     assert len(status.STAGES) == lib.BUDGET_STAGES  # the latency budget's stages, named once
 
 
+# The vector widths (bits) the filters' pass can be run at here: each must give the same bytes.
+WIDTHS = [w for w in (0, 128, 256) if w <= lib.vectors()]
+
+
+def undone_at_every_width(encoded: bytes, fid: int, size: int) -> bytes:
+    """The filter's pass at each width the CPU runs: one answer, which is returned."""
+    got = {w: lib.unfilter(encoded, fid, size, w) for w in WIDTHS}
+    assert len(set(got.values())) == 1, {w: g == got[0] for w, g in got.items()}
+    return got[0]
+
+
+def test_the_widest_vectors_the_cpu_runs_are_used() -> None:
+    """256 bits where the CPU has AVX2 and FMA, 128 (SSE2) on any other x86-64, none elsewhere;
+    a wider pass than the CPU runs is refused, not tried (it would end the process)."""
+    flags: set[str] = set()
+    if os.uname().machine == "x86_64":
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    want = 256 if {"avx2", "fma"} <= flags else 128 if os.uname().machine == "x86_64" else 0
+    assert lib.vectors() == want
+    with pytest.raises(OSError) as refused:
+        lib.unfilter(bytes(8 + 64), filters.DECIMAL4, 64, lib.vectors() + 128)
+    assert refused.value.errno == errno.EINVAL
+
+
 @settings(max_examples=200, deadline=None)
 @given(data=st.binary(max_size=300_000), start=st.integers(0, 2**32 - 1))
 def test_crc32_is_zlibs(data: bytes, start: int) -> None:
@@ -67,21 +95,23 @@ def test_c_filters_decode_what_python_encodes(values: list[float], decimals: int
     stored = zstandard.ZstdCompressor().compress(encoded)
     kind = lib.KIND_FILTER + fid
     assert native.decode(stored, kind, len(data)) == data
+    assert undone_at_every_width(encoded, fid, len(data)) == data
     assert codec.python_decode_piece(stored, kind, len(data)) == data
     # The same through the kind that names its filter in its first byte.
     assert native.decode(bytes((fid,)) + stored, lib.KIND_FILTERED, len(data)) == data
 
 
 @settings(max_examples=150, deadline=None)
-@given(words=st.integers(0, 200), body=st.randoms(use_true_random=False), small=st.booleans(),
-       exp=st.integers(0, 18), spots=st.lists(st.integers(0, 199), max_size=4),
+@given(words=st.integers(0, 300), body=st.randoms(use_true_random=False), small=st.booleans(),
+       exp=st.integers(0, 18), spots=st.lists(st.integers(0, 299), max_size=4),
        fid=st.sampled_from(sorted(filters.NAMES)))  # fmt: skip
 def test_c_filters_undo_any_bytes_as_python_does(
     words: int, body: random.Random, small: bool, exp: int, spots: list[int], fid: int
 ) -> None:
     """Filtered bytes no encoder made (hostile, or a decimal's sums beyond what the vector
-    conversion takes): the C's blocks of 16 words and its tail give what the reference does.
-    `small`: the high half of each word zero (its planes), so decimal sums stay in range."""
+    conversion takes): the C's blocks of 16 or 32 words and its tail give what the reference
+    does, at every width. `small`: the high half of each word zero (its planes), so decimal
+    sums stay in range."""
     width = filters.WIDTH[fid]
     size = words * width
     high = size // 2 if small else 0
@@ -92,7 +122,9 @@ def test_c_filters_undo_any_bytes_as_python_does(
         encoded = (struct.pack("<B3xI", exp, len(spots)) + struct.pack(f"<{len(spots)}I", *spots)
                    + body.randbytes(width * len(spots)) + encoded)  # fmt: skip
     stored = zstandard.ZstdCompressor().compress(encoded)
-    assert native.decode(stored, lib.KIND_FILTER + fid, size) == filters.decode(fid, encoded, size)
+    want = filters.decode(fid, encoded, size)
+    assert native.decode(stored, lib.KIND_FILTER + fid, size) == want
+    assert undone_at_every_width(encoded, fid, size) == want
 
 
 def test_an_empty_filtered_piece_is_a_threads_first() -> None:
@@ -132,6 +164,7 @@ def test_decimal8_quotients_are_the_divisions(exp: int) -> None:
     want = (n.astype(np.float64) / float(f"1e{exp}")).tobytes()
     assert filters.decode(filters.DECIMAL8, encoded, 8 * len(n)) == want
     assert native.decode(stored, lib.KIND_FILTER + filters.DECIMAL8, 8 * len(n)) == want
+    assert undone_at_every_width(encoded, filters.DECIMAL8, 8 * len(n)) == want
 
 
 @settings(max_examples=100, deadline=None)
