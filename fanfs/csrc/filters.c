@@ -7,13 +7,13 @@
  * docs/performance.md, "Compression"). A word's bytes lie in 4 or 8 planes (byte b of word i
  * at in[b * words + i]): 16 words at a time are gathered with SSE2's unpacks, one 16-byte load
  * from each plane, and their running sum, unzigzag and scaling are done in registers. The
- * words a block of 16 leaves over, and every word where there is no SSE2 (aarch64), take the
- * portable passes (rest4, rest8: the code before the vectors, which GCC vectorizes for any
- * machine), which compute the same bits. Where the CPU has AVX2 and FMA, decimal4 and decimal8
- * take 32 words a step instead (filters_avx2.c): their pass is bound by its vector operations,
- * which 256-bit vectors make about a third fewer. fanfs_vectors says which width runs, and
- * tests/unit/test_native.py checks every width the CPU runs (sizes that leave a tail) against
- * fanfs/image/filters.py and against each other.
+ * words a block of 16 (or 32) leaves over, and every word where there is no SSE2 (aarch64),
+ * take the portable passes (rest4, rest8: the code before the vectors, which GCC vectorizes
+ * for any machine), which compute the same bits. Where the CPU has AVX2 and FMA, decimal4
+ * and decimal8 take 32 words a step instead (filters_avx2.c): their pass is bound by its
+ * vector operations, which 256-bit vectors make about a third fewer. fanfs_vectors says which
+ * width runs, and tests/unit/test_native.py checks every width the CPU runs (sizes that leave
+ * a tail) against fanfs/image/filters.py and against each other.
  */
 #include <errno.h>
 #include <string.h>
@@ -50,8 +50,8 @@ static const double pow10[19] = {1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e
 static const double inv10[11] = {1e-0, 1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6, 1e-7, 1e-8,
                                  1e-9, 1e-10};
 
-/* -- the portable passes: every word where there are no vectors, the words a block of 16
- * leaves over where there are. Separate passes (unshuffle, running sum, scaling), so that all
+/* -- the portable passes: every word where there are no vectors, the words a block of 16 (or
+ * 32) leaves over where there are. Separate passes (unshuffle, running sum, scaling), so that all
  * but the running sum vectorize, which GCC does at -O3 only (Python's builds use -O2): asked
  * for per function. */
 #if defined(__GNUC__) && !defined(__clang__)

@@ -1,6 +1,6 @@
 /*
  * decimal4's and decimal8's vector steps 256 bits wide (filters.h), for filters.c's
- * fanfs_unfilter where the CPU has AVX2 and FMA (Intel since Haswell, AMD since Zen 1; Zen 1
+ * fanfs_unfilter where the CPU has AVX2 and FMA (Intel since Haswell, AMD since Excavator; Zen 1
  * splits each 256-bit operation in two, Zen 2 and later run them whole): the decimal filters'
  * pass is bound by its vector operations, not by memory (docs/performance.md, "Filtered arrays
  * decoded at zstd's speed"), and these take about two thirds of the 128-bit steps' per word.
@@ -118,7 +118,8 @@ TARGET uint64_t fanfs_decimal4_wide(const unsigned char *in, uint64_t words, dou
             _mm_storeu_ps((float *)(out + 4 * (i + 16 + 4 * k)), hi);
         }
     }
-    *acc = (uint32_t)_mm256_cvtsi256_si32(carry);
+    *acc = (uint32_t)_mm_cvtsi128_si32(_mm256_castsi256_si128(carry)); /* (GCC 8-10 lack
+                                                     _mm256_cvtsi256_si32: RHEL 8's is 8) */
     return i;
 }
 
@@ -181,7 +182,7 @@ TARGET uint64_t fanfs_decimal8_wide(const unsigned char *in, uint64_t words, dou
             memcpy(out + 8 * (i + 16 + 2 * k), d + 2, 16);
         }
     }
-    *acc = (uint64_t)_mm256_extract_epi64(carry, 0) - bias;
+    *acc = (uint64_t)_mm_cvtsi128_si64(_mm256_castsi256_si128(carry)) - bias;
     return i;
 }
 #endif

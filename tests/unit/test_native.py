@@ -148,6 +148,27 @@ def test_an_empty_filtered_piece_is_a_threads_first() -> None:
     assert got == {fid: (b"", b"") for fid in filters.NAMES}
 
 
+def decimal8_stream(n: np.ndarray, exp: int) -> bytes:
+    """decimal8's filtered bytes for the integers `n` at exponent `exp`, no exceptions."""
+    d = np.diff(n, prepend=0)
+    zigzag = ((d << 1) ^ (d >> 63)).astype("<u8")
+    return struct.pack("<B3xI", exp, 0) + filters.shuffle(zigzag.view(np.uint8), 8)
+
+
+@pytest.mark.parametrize("at", [0, 1, 15, 16, 17, 31, 32, 47, 63])
+def test_a_value_beyond_the_vectors_range_is_divided_alone_anywhere(at: int) -> None:
+    """One integer beyond what decimal8's vectors convert (hostile) among small ones, at each
+    place of a 16- or 32-word step: it, and only its step, take the division alone, with the
+    reference's bits; a step's other words, before and after, keep theirs."""
+    rng = np.random.default_rng(at)
+    n = rng.integers(-(10**6), 10**6, 64 + 7)
+    n[at] = (1 << 52) + 12345 if at % 2 else -(1 << 51) - 7
+    encoded = decimal8_stream(n, 2)
+    want = filters.decode(filters.DECIMAL8, encoded, 8 * len(n))
+    assert want == (n.astype(np.float64) / 1e2).tobytes()
+    assert undone_at_every_width(encoded, filters.DECIMAL8, 8 * len(n)) == want
+
+
 @pytest.mark.parametrize("exp", range(19))
 def test_decimal8_quotients_are_the_divisions(exp: int) -> None:
     """decimal8's vectors divide without a division where the CPU has FMA (filters.c,
@@ -156,10 +177,8 @@ def test_decimal8_quotients_are_the_divisions(exp: int) -> None:
     rng = np.random.default_rng(exp)
     n = rng.integers(0, 1 << 51, 60_000) >> rng.integers(0, 51, 60_000)
     edges = [0, 1, -1, 2, 5, (1 << 51) - 1, -(1 << 51), (1 << 50) + 1, -(10**15)]
-    n = np.concatenate([n * rng.choice([-1, 1], len(n)), edges])
-    d = np.diff(n, prepend=0)
-    zigzag = ((d << 1) ^ (d >> 63)).astype("<u8")
-    encoded = struct.pack("<B3xI", exp, 0) + filters.shuffle(zigzag.view(np.uint8), 8)
+    n = np.concatenate([edges, n * rng.choice([-1, 1], len(n)), edges])  # (vectors, and tail)
+    encoded = decimal8_stream(n, exp)
     stored = zstandard.ZstdCompressor().compress(encoded)
     want = (n.astype(np.float64) / float(f"1e{exp}")).tobytes()
     assert filters.decode(filters.DECIMAL8, encoded, 8 * len(n)) == want
