@@ -45,6 +45,32 @@ def results(out: Any, procs: Sequence[Any]) -> list[Any]:
     return got
 
 
+def _ready(procs: Sequence[Any], start: Any) -> None:
+    """Wait at the barrier `start` with the readers: FanfsError within POLL_S of a reader's
+    failure before it got there (it never will: the barrier is broken for all), or after
+    BARRIER_S."""
+    waiting = threading.Event()
+
+    def watch() -> None:
+        while not waiting.wait(POLL_S):
+            if any(p.exitcode not in (None, 0) for p in procs):
+                start.abort()  # (after the barrier let go, a failed reader fails the pass anyway)
+                return
+
+    watcher = threading.Thread(target=watch, name="fanfs-bench-ready", daemon=True)
+    watcher.start()
+    try:
+        start.wait(timeout=BARRIER_S)
+    except threading.BrokenBarrierError:
+        failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+        why = (f"a reader process failed before the start (exit status {failed[0]})" if failed
+               else f"the readers were not all ready in {BARRIER_S:.0f} s")  # fmt: skip
+        raise FanfsError(f"bench: {why}; its error is above") from None
+    finally:
+        waiting.set()
+        watcher.join()
+
+
 def run(procs: Sequence[Any], start: Any, out: Any) -> list[Any]:
     """Start the reader processes `procs` (daemonic), let them go at once (`start`: a barrier
     they wait at too) and return what each put on `out` (`results`). Whatever ends a pass
@@ -54,11 +80,7 @@ def run(procs: Sequence[Any], start: Any, out: Any) -> list[Any]:
     try:
         for p in procs:
             p.start()
-        try:
-            start.wait(timeout=BARRIER_S)
-        except threading.BrokenBarrierError:
-            raise FanfsError(f"bench: the readers were not all ready in {BARRIER_S:.0f} s "
-                             "(one failed? its error is above)") from None  # fmt: skip
+        _ready(procs, start)
         got = results(out, procs)
         done = True
         return got

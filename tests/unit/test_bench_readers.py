@@ -74,3 +74,36 @@ def test_readers_that_end_without_their_measure_end_the_pass() -> None:
         p.start()
     with pytest.raises(FanfsError, match="2 reader processes ended without their measure"):
         readers.results(ctx.Queue(), procs)
+
+
+def _fails_before_the_start(start: Any) -> None:
+    raise RuntimeError("a reader's error before the start (printed by its process: expected)")
+
+
+def _waits_at_the_start(start: Any, out: Any) -> None:
+    start.wait(timeout=60)
+    out.put("measured")
+
+
+def test_a_reader_that_fails_before_the_start_ends_the_pass_at_once() -> None:
+    """A reader that dies before the start barrier (its buffer could not be made, say) fails
+    the pass within seconds, and the readers waiting there with the bench are let go: the
+    bench used to wait BARRIER_S, 600 s, for it."""
+    ctx = mp.get_context("fork")
+    start, out = ctx.Barrier(3), ctx.Queue()
+    procs = [ctx.Process(target=_waits_at_the_start, args=(start, out), daemon=True),
+             ctx.Process(target=_fails_before_the_start, args=(start,), daemon=True)]  # fmt: skip
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            readers.run(procs, start, out)
+        except FanfsError as e:
+            raised.append(e)
+
+    waiting = threading.Thread(target=run, daemon=True)  # never joined if it hangs
+    waiting.start()
+    waiting.join(30)
+    assert not waiting.is_alive()
+    assert len(raised) == 1 and "failed before the start (exit status 1)" in str(raised[0]), raised
+    assert all(not p.is_alive() for p in procs)
