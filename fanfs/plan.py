@@ -45,6 +45,10 @@ class PlanRefused(FanfsError):
     """The daemon did not take the plan (its message says why)."""
 
 
+class DaemonUnreachable(FanfsError):
+    """The daemon's plan socket took no connection (the daemon has ended)."""
+
+
 @dataclass(frozen=True)
 class Taken:
     planned: int  # files the plan names, in order
@@ -90,10 +94,39 @@ def publish(mountpoint: str | os.PathLike[str], paths: Iterable[str | os.PathLik
 
 
 def progress(mountpoint: str | os.PathLike[str], position: int, share: int = 0) -> None:
-    """Tell the daemon that `share`'s job has read its plan up to `position`. Finding the
-    daemon reads the mount's status, which a busy daemon answers late: for repeated calls,
-    keep a `Channel` (its `progress` waits for nothing)."""
-    Channel(mountpoint).progress(position, share)
+    """Tell the daemon that `share`'s job has read its plan up to `position`, waiting for
+    nothing (`Channel.progress`). The way to the daemon is found once per mount and process
+    (`_channel`): reading the mount's status to find it took a busy daemon 22 ms a call."""
+    channel = _channel(mountpoint)
+    try:
+        channel.progress(position, share)
+    except DaemonUnreachable:  # its daemon gone: another may be mounted there now
+        _channels.pop(channel.key, None)
+        _channel(mountpoint).progress(position, share)
+
+
+# The Channels `progress` found, per process, by (mount point, the mount's device number in
+# /proc/self/mountinfo): a new mount there is another device, or the old device's number
+# again, whose daemon's socket is then gone (DaemonUnreachable: found again once). Nothing
+# here is a socket: a forked child may use what its parent found.
+_channels: dict[tuple[str, str], Channel] = {}
+CHANNELS_KEPT = 64  # mounts one process plans for, at most (more: all found again)
+
+
+def _channel(mountpoint: str | os.PathLike[str]) -> Channel:
+    """The Channel to the daemon behind `mountpoint`, found again only for a new mount there.
+    Never asks a daemon (mountinfo, not a stat: a stat of a hung mount would hang)."""
+    root = mounts.canonical(os.fspath(mountpoint))
+    entry = mounts.find(root)
+    key = (root, entry.device if entry is not None else "")
+    channel = _channels.get(key)
+    if channel is None:
+        channel = Channel(root)  # MountpointError where no fanfs mount is
+        channel.key = key
+        if len(_channels) >= CHANNELS_KEPT:
+            _channels.clear()
+        _channels[key] = channel
+    return channel
 
 
 class Channel:
@@ -102,6 +135,7 @@ class Channel:
     def __init__(self, mountpoint: str | os.PathLike[str]):
         self.root = mounts.canonical(os.fspath(mountpoint))
         self.socket = socket_path(Path(self.root))
+        self.key: tuple[str, str] = (self.root, "")  # `_channel`'s, where it keeps this one
 
     def publish(self, paths: Iterable[str | os.PathLike[str]], share: int = 0,
                 relative_to: str | os.PathLike[str] | None = None) -> Taken:  # fmt: skip
@@ -168,8 +202,8 @@ class Channel:
                 raise FanfsError(f"{self.root}: the plan socket belongs to uid {uid}")
             yield s
 
-    def _unreachable(self, e: OSError) -> FanfsError:
-        return FanfsError(f"{self.root}: cannot reach the daemon's plan socket: {e}")
+    def _unreachable(self, e: OSError) -> DaemonUnreachable:
+        return DaemonUnreachable(f"{self.root}: cannot reach the daemon's plan socket: {e}")
 
     def _request(self, message: bytes) -> dict[str, object]:
         try:

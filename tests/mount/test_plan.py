@@ -275,6 +275,39 @@ def test_progress_never_waits_for_the_daemon(tree: Path, mount: Mount) -> None:
     assert wait_until(lambda: plan_status(mount)["position"] >= 300, 30), plan_status(mount)
 
 
+def test_progress_finds_its_daemon_once(tree: Path, mount: Mount) -> None:
+    """`fanfs.plan.progress`, called every 64 samples, finds the daemon once per process: it
+    used to read the mount's status at each call, which a busy daemon (here stopped) answers
+    late."""
+    plan.publish(mount.mountpoint, order(tree, 9))
+    plan.progress(mount.mountpoint, 10)  # found while the daemon answers
+    sent = threading.Thread(target=plan.progress, args=(mount.mountpoint, 300), daemon=True)
+    os.kill(mount.proc.pid, signal.SIGSTOP)
+    try:
+        sent.start()
+        sent.join(5)
+        assert not sent.is_alive()
+    finally:
+        os.kill(mount.proc.pid, signal.SIGCONT)
+    assert wait_until(lambda: plan_status(mount)["position"] >= 300, 30), plan_status(mount)
+
+
+def test_progress_reaches_a_daemon_mounted_there_again(tree: Path, image: Path,
+                                                        tmp_path: Path) -> None:  # fmt: skip
+    """The way to the daemon `progress` keeps is found again for a new mount at the same
+    place, also when the new mount has the old one's device number (its daemon's socket is
+    gone then)."""
+    mnt = tmp_path / "mnt"
+    with mounted(image, mnt, tmp_path / "local1") as first:
+        plan.publish(mnt, order(tree, 3))
+        plan.progress(mnt, 10)
+        assert wait_until(lambda: plan_status(first)["position"] >= 10, 30)
+    with mounted(image, mnt, tmp_path / "local2") as again:
+        plan.publish(mnt, order(tree, 4))
+        plan.progress(mnt, 20)
+        assert wait_until(lambda: plan_status(again)["position"] >= 20, 30), plan_status(again)
+
+
 def test_no_other_user_can_plan(tree: Path, mount: Mount) -> None:
     """Another user finds the socket's name (abstract names are listed in /proc/net/unix) and
     connects: the daemon checks the uid first and refuses; nothing is planned."""
