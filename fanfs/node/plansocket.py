@@ -17,7 +17,8 @@ to `at` (fanfs/plan.py): it may be gone when the answer is sent. An error is sen
 it is known, also before the body has been read (the client reads the answer even when the
 daemon stopped reading).
 
-Bounded: at most CONNECTIONS requests are read at once (others wait to be accepted); a plan
+Bounded: at most CONNECTIONS requests are read at once (others wait their turn; another
+user's connection is refused before it takes one, so no flood of them holds the owner's); a plan
 names at most MAX_PATHS_PER_FILE paths per file of the image, each at most as long as the
 image's longest path (no longer one can name a file), so a body is bounded too; a client that
 stops sending is dropped after REQUEST_TIMEOUT_S. Nothing here holds the event loop for long:
@@ -141,13 +142,20 @@ class PlanServer:
         await trio.serve_listeners(self._client, [trio.SocketListener(sock)])
 
     async def _client(self, stream: trio.SocketStream) -> None:
-        async with stream, self._reading:
-            await self._answer(stream)
+        async with stream:
+            try:
+                self._check_peer(stream.socket)
+            except PlanError as e:  # before it may hold one of the CONNECTIONS: none of its
+                self.plans.refuse()  # connections holds the owner's (no drain: it is not owed)
+                with _quietly():
+                    await stream.send_all(json.dumps({"error": str(e)}).encode() + b"\n")
+                return
+            async with self._reading:
+                await self._answer(stream)
 
     async def _answer(self, stream: trio.SocketStream) -> None:
         reply: dict[str, object]
         try:
-            self._check_peer(stream.socket)  # first: another user's connection ends at once
             with trio.fail_after(REQUEST_TIMEOUT_S):
                 reply = await self._request(stream)
         except PlanError as e:

@@ -334,6 +334,38 @@ def test_no_other_user_can_plan(tree: Path, mount: Mount) -> None:
     assert s["shares"] == 0 and s["planned"] == 0 and s["refused"] == 1, s
 
 
+def test_other_users_connections_do_not_hold_the_owners(tree: Path, mount: Mount) -> None:
+    """Another user holds 64 connections open to the socket and sends nothing: each is refused
+    at once, before it takes one of the daemon's CONNECTIONS, and the owner's plan is taken
+    at once. It used to wait behind them: each held a turn for 5 s (DRAIN_S) after its
+    refusal, 8 at a time."""
+    name = mount.status()["plan_socket"]
+    script = (
+        "import socket, sys, time\n"
+        "held = []\n"
+        "for _ in range(64):\n"
+        "    s = socket.socket(socket.AF_UNIX)\n"
+        "    s.connect(chr(0) + sys.argv[1])\n"
+        "    held.append(s)\n"
+        "print('holding', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    holder = subprocess.Popen(
+        ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", sys.executable,
+         "-c", script, name[1:]],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "holding\n"
+        began = time.monotonic()
+        taken = plan.publish(mount.mountpoint, order(tree, 5))
+        assert taken.planned == N_FILES and time.monotonic() - began < 10
+        assert wait_until(lambda: plan_status(mount)["refused"] == 64, 30), plan_status(mount)
+    finally:
+        holder.kill()
+        holder.communicate(timeout=30)  # (and its pipe closed)
+
+
 def _read_slowly(mount: Mount, tree: Path, rels: list[str]) -> None:
     for r in rels:
         assert (mount.mountpoint / r).read_bytes() == (tree / r).read_bytes(), r
