@@ -308,6 +308,11 @@ def test_progress_reaches_a_daemon_mounted_there_again(tree: Path, image: Path,
         assert wait_until(lambda: plan_status(again)["position"] >= 20, 30), plan_status(again)
 
 
+# A Python script (then its arguments) run as another user: user nobody.
+AS_NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", sys.executable,
+             "-c"]  # fmt: skip
+
+
 def test_no_other_user_can_plan(tree: Path, mount: Mount) -> None:
     """Another user finds the socket's name (abstract names are listed in /proc/net/unix) and
     connects: the daemon checks the uid first and refuses; nothing is planned."""
@@ -324,11 +329,8 @@ def test_no_other_user_can_plan(tree: Path, mount: Mount) -> None:
         "    pass\n"
         "print(s.makefile().readline())\n"
     )
-    probe = subprocess.run(
-        ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", sys.executable,
-         "-c", script, name[1:]],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+    probe = subprocess.run([*AS_NOBODY, script, name[1:]], capture_output=True, text=True,
+                           timeout=60, check=False)  # fmt: skip
     assert "may not plan" in probe.stdout, (probe.stdout, probe.stderr)
     s = plan_status(mount)
     assert s["shares"] == 0 and s["planned"] == 0 and s["refused"] == 1, s
@@ -350,11 +352,7 @@ def test_other_users_connections_do_not_hold_the_owners(tree: Path, mount: Mount
         "print('holding', flush=True)\n"
         "time.sleep(60)\n"
     )
-    holder = subprocess.Popen(
-        ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", sys.executable,
-         "-c", script, name[1:]],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    holder = subprocess.Popen([*AS_NOBODY, script, name[1:]], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout is not None and holder.stdout.readline() == "holding\n"
         began = time.monotonic()

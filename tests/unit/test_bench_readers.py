@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -25,6 +26,24 @@ def _fails() -> None:
     raise RuntimeError("a reader's error (printed by its process: expected in this test)")
 
 
+def _raised_within_30_s(call: Callable[[], object]) -> str:
+    """The FanfsError `call` raised (its message), which it must within 30 s: it runs in a
+    thread of its own, never joined if it hangs."""
+    raised: list[FanfsError] = []
+
+    def run() -> None:
+        try:
+            call()
+        except FanfsError as e:
+            raised.append(e)
+
+    waiting = threading.Thread(target=run, daemon=True)
+    waiting.start()
+    waiting.join(30)
+    assert not waiting.is_alive() and len(raised) == 1, raised
+    return str(raised[0])
+
+
 def test_a_reader_that_fails_ends_the_pass_at_once() -> None:
     """A reader process that dies before it puts its measure (an open that failed, say) fails
     the pass within seconds: the bench used to wait an hour for it."""
@@ -34,19 +53,7 @@ def test_a_reader_that_fails_ends_the_pass_at_once() -> None:
              ctx.Process(target=_fails, daemon=True)]  # fmt: skip
     for p in procs:
         p.start()
-    raised: list[BaseException] = []
-
-    def gather() -> None:
-        try:
-            readers.results(out, procs)
-        except FanfsError as e:
-            raised.append(e)
-
-    waiting = threading.Thread(target=gather, daemon=True)  # never joined if it hangs
-    waiting.start()
-    waiting.join(30)
-    assert not waiting.is_alive()
-    assert len(raised) == 1 and "exit status 1" in str(raised[0]), raised
+    assert "exit status 1" in _raised_within_30_s(lambda: readers.results(out, procs))
     for p in procs:
         p.join(10)
 
@@ -93,17 +100,6 @@ def test_a_reader_that_fails_before_the_start_ends_the_pass_at_once() -> None:
     start, out = ctx.Barrier(3), ctx.Queue()
     procs = [ctx.Process(target=_waits_at_the_start, args=(start, out), daemon=True),
              ctx.Process(target=_fails_before_the_start, args=(start,), daemon=True)]  # fmt: skip
-    raised: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            readers.run(procs, start, out)
-        except FanfsError as e:
-            raised.append(e)
-
-    waiting = threading.Thread(target=run, daemon=True)  # never joined if it hangs
-    waiting.start()
-    waiting.join(30)
-    assert not waiting.is_alive()
-    assert len(raised) == 1 and "failed before the start (exit status 1)" in str(raised[0]), raised
+    why = _raised_within_30_s(lambda: readers.run(procs, start, out))
+    assert "failed before the start (exit status 1)" in why
     assert all(not p.is_alive() for p in procs)
