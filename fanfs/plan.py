@@ -100,9 +100,11 @@ def progress(mountpoint: str | os.PathLike[str], position: int, share: int = 0) 
     channel = _channel(mountpoint)
     try:
         channel.progress(position, share)
-    except DaemonUnreachable:  # its daemon gone: another may be mounted there now
+    except FanfsError as e:  # found again at the next call, whatever the way kept found
         _channels.pop(channel.key, None)
-        _channel(mountpoint).progress(position, share)
+        if not isinstance(e, DaemonUnreachable):
+            raise  # (another user's socket under the old name: refused, never retried)
+        _channel(mountpoint).progress(position, share)  # its daemon gone: a new one there?
 
 
 # The Channels `progress` found, per process, by (mount point, the mount's device number in

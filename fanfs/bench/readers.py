@@ -48,7 +48,8 @@ def results(out: Any, procs: Sequence[Any]) -> list[Any]:
 def _ready(procs: Sequence[Any], start: Any) -> None:
     """Wait at the barrier `start` with the readers: FanfsError within POLL_S of a reader's
     failure before it got there (it never will: the barrier is broken for all), or after
-    BARRIER_S."""
+    BARRIER_S. Not covered: a reader killed while it waits at the barrier, which
+    multiprocessing's condition then waits for (Ctrl-C still ends the bench)."""
     waiting = threading.Event()
 
     def watch() -> None:
@@ -62,13 +63,14 @@ def _ready(procs: Sequence[Any], start: Any) -> None:
     try:
         start.wait(timeout=BARRIER_S)
     except threading.BrokenBarrierError:
-        failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-        why = (f"a reader process failed before the start (exit status {failed[0]})" if failed
+        failed = sorted({p.exitcode for p in procs if p.exitcode not in (None, 0)})
+        why = (f"a reader process failed before the start (exit status "
+               f"{', '.join(map(str, failed))})" if failed
                else f"the readers were not all ready in {BARRIER_S:.0f} s")  # fmt: skip
         raise FanfsError(f"bench: {why}; its error is above") from None
     finally:
         waiting.set()
-        watcher.join()
+        watcher.join(KILL_WAIT_S)  # (stuck in abort() only in the case not covered above)
 
 
 def run(procs: Sequence[Any], start: Any, out: Any) -> list[Any]:

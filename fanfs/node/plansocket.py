@@ -145,6 +145,8 @@ class PlanServer:
         async with stream:
             try:
                 self._check_peer(stream.socket)
+            except OSError:
+                return  # (no peer to check: gone already)
             except PlanError as e:  # before it may hold one of the CONNECTIONS: none of its
                 self.plans.refuse()  # connections holds the owner's (no drain: it is not owed)
                 with _quietly():

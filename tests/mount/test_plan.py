@@ -27,6 +27,7 @@ import pytest
 from conftest import FANFS, Mount, fanfs, mounted, prepare, wait_until
 
 from fanfs import mounts, plan
+from fanfs.errors import FanfsError
 from fanfs.image import catalog as cat
 from fanfs.node.plans import MIN_WINDOW as SLACK
 from fanfs.plan import PlanRefused
@@ -295,14 +296,20 @@ def test_progress_finds_its_daemon_once(tree: Path, mount: Mount) -> None:
 def test_progress_reaches_a_daemon_mounted_there_again(tree: Path, image: Path,
                                                         tmp_path: Path) -> None:  # fmt: skip
     """The way to the daemon `progress` keeps is found again for a new mount at the same
-    place, also when the new mount has the old one's device number (its daemon's socket is
-    gone then)."""
+    place, also when the new mount has the old one's device number (the kernel reuses them):
+    its daemon's socket is gone then. That case is made sure of: the old mount's way is kept
+    under the new mount's number."""
     mnt = tmp_path / "mnt"
     with mounted(image, mnt, tmp_path / "local1") as first:
         plan.publish(mnt, order(tree, 3))
         plan.progress(mnt, 10)
         assert wait_until(lambda: plan_status(first)["position"] >= 10, 30)
+        old = plan._channel(mnt)
     with mounted(image, mnt, tmp_path / "local2") as again:
+        entry = mounts.find(mnt)
+        assert entry is not None
+        old.key = (old.root, entry.device)  # as if the kernel had reused the number
+        plan._channels[old.key] = old
         plan.publish(mnt, order(tree, 4))
         plan.progress(mnt, 20)
         assert wait_until(lambda: plan_status(again)["position"] >= 20, 30), plan_status(again)
@@ -334,6 +341,44 @@ def test_no_other_user_can_plan(tree: Path, mount: Mount) -> None:
     assert "may not plan" in probe.stdout, (probe.stdout, probe.stderr)
     s = plan_status(mount)
     assert s["shares"] == 0 and s["planned"] == 0 and s["refused"] == 1, s
+
+
+def test_progress_finds_its_daemon_again_after_another_users_socket(
+    tree: Path, image: Path, tmp_path: Path
+) -> None:
+    """Another user binds the abstract name of a daemon that has ended (names are listed in
+    /proc/net/unix) while a new daemon is mounted at the same place with the old device
+    number: `progress` refuses that socket (its uid), and the next call finds the new
+    daemon instead of refusing for good."""
+    mnt = tmp_path / "mnt"
+    with mounted(image, mnt, tmp_path / "local1"):
+        plan.progress(mnt, 0)
+        old = plan._channel(mnt)
+    script = (
+        "import socket, sys, time\n"
+        "s = socket.socket(socket.AF_UNIX)\n"
+        "s.bind(chr(0) + sys.argv[1])\n"
+        "s.listen(64)\n"
+        "print('bound', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    squatter = subprocess.Popen([*AS_NOBODY, script, old.socket[1:]], stdout=subprocess.PIPE,
+                                text=True)  # fmt: skip
+    try:
+        assert squatter.stdout is not None and squatter.stdout.readline() == "bound\n"
+        with mounted(image, mnt, tmp_path / "local2") as again:
+            entry = mounts.find(mnt)
+            assert entry is not None
+            old.key = (old.root, entry.device)  # as if the kernel had reused the number
+            plan._channels[old.key] = old
+            plan.publish(mnt, order(tree, 4))
+            with pytest.raises(FanfsError, match="belongs to uid"):
+                plan.progress(mnt, 20)
+            plan.progress(mnt, 30)
+            assert wait_until(lambda: plan_status(again)["position"] >= 30, 30), plan_status(again)
+    finally:
+        squatter.kill()
+        squatter.communicate(timeout=30)
 
 
 def test_other_users_connections_do_not_hold_the_owners(tree: Path, mount: Mount) -> None:
