@@ -293,6 +293,15 @@ def test_progress_finds_its_daemon_once(tree: Path, mount: Mount) -> None:
     assert wait_until(lambda: plan_status(mount)["position"] >= 300, 30), plan_status(mount)
 
 
+def kept_as_if_reused(old: plan.Channel, mnt: Path) -> None:
+    """Keep `progress`'s way to an ended daemon under the new mount's device number at
+    `mnt`, as when the kernel gives a new mount the old one's number (it reuses them)."""
+    entry = mounts.find(mnt)
+    assert entry is not None
+    old.key = (old.root, entry.device)
+    plan._channels[old.key] = old
+
+
 def test_progress_reaches_a_daemon_mounted_there_again(tree: Path, image: Path,
                                                         tmp_path: Path) -> None:  # fmt: skip
     """The way to the daemon `progress` keeps is found again for a new mount at the same
@@ -306,10 +315,7 @@ def test_progress_reaches_a_daemon_mounted_there_again(tree: Path, image: Path,
         assert wait_until(lambda: plan_status(first)["position"] >= 10, 30)
         old = plan._channel(mnt)
     with mounted(image, mnt, tmp_path / "local2") as again:
-        entry = mounts.find(mnt)
-        assert entry is not None
-        old.key = (old.root, entry.device)  # as if the kernel had reused the number
-        plan._channels[old.key] = old
+        kept_as_if_reused(old, mnt)
         plan.publish(mnt, order(tree, 4))
         plan.progress(mnt, 20)
         assert wait_until(lambda: plan_status(again)["position"] >= 20, 30), plan_status(again)
@@ -367,10 +373,7 @@ def test_progress_finds_its_daemon_again_after_another_users_socket(
     try:
         assert squatter.stdout is not None and squatter.stdout.readline() == "bound\n"
         with mounted(image, mnt, tmp_path / "local2") as again:
-            entry = mounts.find(mnt)
-            assert entry is not None
-            old.key = (old.root, entry.device)  # as if the kernel had reused the number
-            plan._channels[old.key] = old
+            kept_as_if_reused(old, mnt)
             plan.publish(mnt, order(tree, 4))
             with pytest.raises(FanfsError, match="belongs to uid"):
                 plan.progress(mnt, 20)
