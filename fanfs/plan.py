@@ -97,14 +97,14 @@ def progress(mountpoint: str | os.PathLike[str], position: int, share: int = 0) 
     """Tell the daemon that `share`'s job has read its plan up to `position`, waiting for
     nothing (`Channel.progress`). The way to the daemon is found once per mount and process
     (`_channel`): reading the mount's status to find it took a busy daemon 22 ms a call."""
-    channel = _channel(mountpoint)
+    key, channel = _channel(mountpoint)
     try:
         channel.progress(position, share)
     except FanfsError as e:  # found again at the next call, whatever the way kept found
-        _channels.pop(channel.key, None)
+        _channels.pop(key, None)
         if not isinstance(e, DaemonUnreachable):
             raise  # (another user's socket under the old name: refused, never retried)
-        _channel(mountpoint).progress(position, share)  # its daemon gone: a new one there?
+        _channel(mountpoint)[1].progress(position, share)  # its daemon gone: a new one there?
 
 
 # The Channels `progress` found, per process, by (mount point, the mount's device number in
@@ -115,20 +115,20 @@ _channels: dict[tuple[str, str], Channel] = {}
 CHANNELS_KEPT = 64  # mounts one process plans for, at most (more: all found again)
 
 
-def _channel(mountpoint: str | os.PathLike[str]) -> Channel:
-    """The Channel to the daemon behind `mountpoint`, found again only for a new mount there.
-    Never asks a daemon (mountinfo, not a stat: a stat of a hung mount would hang)."""
+def _channel(mountpoint: str | os.PathLike[str]) -> tuple[tuple[str, str], Channel]:
+    """(its key in `_channels`, the Channel to the daemon behind `mountpoint`), found again
+    only for a new mount there. Never asks a daemon (mountinfo, not a stat: a stat of a hung
+    mount would hang)."""
     root = mounts.canonical(os.fspath(mountpoint))
     entry = mounts.find(root)
     key = (root, entry.device if entry is not None else "")
     channel = _channels.get(key)
     if channel is None:
         channel = Channel(root)  # MountpointError where no fanfs mount is
-        channel.key = key
         if len(_channels) >= CHANNELS_KEPT:
             _channels.clear()
         _channels[key] = channel
-    return channel
+    return key, channel
 
 
 class Channel:
@@ -137,7 +137,6 @@ class Channel:
     def __init__(self, mountpoint: str | os.PathLike[str]):
         self.root = mounts.canonical(os.fspath(mountpoint))
         self.socket = socket_path(Path(self.root))
-        self.key: tuple[str, str] = (self.root, "")  # `_channel`'s, where it keeps this one
 
     def publish(self, paths: Iterable[str | os.PathLike[str]], share: int = 0,
                 relative_to: str | os.PathLike[str] | None = None) -> Taken:  # fmt: skip

@@ -298,8 +298,7 @@ def kept_as_if_reused(old: plan.Channel, mnt: Path) -> None:
     `mnt`, as when the kernel gives a new mount the old one's number (it reuses them)."""
     entry = mounts.find(mnt)
     assert entry is not None
-    old.key = (old.root, entry.device)
-    plan._channels[old.key] = old
+    plan._channels[(old.root, entry.device)] = old
 
 
 def test_progress_reaches_a_daemon_mounted_there_again(tree: Path, image: Path,
@@ -313,7 +312,7 @@ def test_progress_reaches_a_daemon_mounted_there_again(tree: Path, image: Path,
         plan.publish(mnt, order(tree, 3))
         plan.progress(mnt, 10)
         assert wait_until(lambda: plan_status(first)["position"] >= 10, 30)
-        old = plan._channel(mnt)
+        _, old = plan._channel(mnt)
     with mounted(image, mnt, tmp_path / "local2") as again:
         kept_as_if_reused(old, mnt)
         plan.publish(mnt, order(tree, 4))
@@ -359,7 +358,7 @@ def test_progress_finds_its_daemon_again_after_another_users_socket(
     mnt = tmp_path / "mnt"
     with mounted(image, mnt, tmp_path / "local1"):
         plan.progress(mnt, 0)
-        old = plan._channel(mnt)
+        _, old = plan._channel(mnt)
     script = (
         "import socket, sys, time\n"
         "s = socket.socket(socket.AF_UNIX)\n"
