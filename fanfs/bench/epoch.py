@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from fanfs.bench import machine
 from fanfs.bench import readers as reader_procs
 from fanfs.bench.launch import Daemons
 
@@ -77,6 +78,34 @@ def read_groups(
         got[tag].append(item)
     return [(max(x[1] for x in items) - min(x[0] for x in items), sum(x[2] for x in items),
              [v for x in items for v in x[3]]) for _, items in sorted(got.items())]  # fmt: skip
+
+
+def timed_groups(d: Daemons, pids: Sequence[int], groups: list[list[str]], readers: int,
+                 client: str, read_files: Any, plans: Sequence[Path] | None, budget: bool
+                 ) -> tuple[list[tuple[float, int, list[float]]], dict[str, float], float,
+                            dict[str, int]]:  # fmt: skip
+    """`read_groups`, watched: (its groups' walls, bytes and latencies; the daemons' CPU
+    seconds by kind of thread; the machine's CPUs busy on average over the call; with
+    `budget`, the daemons' latency budget over it, else {})."""
+    # (asked before the daemons' CPU is taken: the asking is not the reads')
+    at = budgets(d) if budget else {}
+    before, busy, began = threads_now(pids), machine.busy_cpu_s(), time.monotonic()
+    got = read_groups(groups, readers, client, read_files, plans)
+    cpus = (machine.busy_cpu_s() - busy) / max(1e-3, time.monotonic() - began)
+    by_thread = by_kind(spent(before, threads_now(pids)))
+    if budget:
+        at = {k: v - at.get(k, 0) for k, v in budgets(d).items()}
+    return got, by_thread, cpus, at
+
+
+def budgets(d: Daemons) -> dict[str, int]:
+    """The daemons' latency budgets (`fanfs status`'s "budget"), a daemon's on average (as a
+    Result's files are a node's)."""
+    total: dict[str, int] = {}
+    for rank in range(d.ranks):
+        for k, v in d.status(rank).get("budget", {}).items():
+            total[k] = total.get(k, 0) + int(v)
+    return {k: v // d.ranks for k, v in total.items()}
 
 
 # Each daemon thread's kind and CPU time when last seen (ns, by (pid, thread id)): a thread
@@ -200,6 +229,8 @@ def summary(per_node: list[tuple[float, int, list[float]]], files: list[int]) ->
     p50, p99 = np.percentile(lat, [50, 99]) if len(lat) else (0.0, 0.0)
     return {
         "max_ms": float(lat.max()) if len(lat) else 0.0,
+        "mean_ms": float(lat.mean()) if len(lat) else 0.0,
+        "tail": machine.tail_share(lat.tolist()),
         "seconds": statistics.mean(w for w, _, _ in per_node),
         "files": statistics.mean(files),
         "nbytes": statistics.mean(b for _, b, _ in per_node),

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from fanfs.bench import pagecache
+from fanfs.bench import machine, pagecache
 from fanfs.bench import readers as reader_procs
 
 FOLIO_SAMPLE = 16  # files whose page-cache folios are looked at after each pass
@@ -92,6 +92,8 @@ class Result:
     budget: dict[str, int] = field(default_factory=dict)  # the daemons' budget over the pass
     # daemon_cpu_s by kind of thread (fanfs.bench.epoch.thread_kind)
     cpu_by_thread: dict[str, float] = field(default_factory=dict)
+    cpus_busy: float = 0.0  # the machine's CPUs busy during the pass, on average (machine.py)
+    tail: float = 0.0  # the part of the readers' time its slowest reads took (machine.py)
 
     @property
     def files_per_s(self) -> float:
@@ -238,8 +240,10 @@ def measure(case: Case, side: Side, rels: list[str], seed: int) -> Result:
         wall = _pass(paths, case, None)[0]  # warm up what is measured
         rounds = max(1, min(WARM_MAX_ROUNDS, round(WARM_MIN_S / max(wall, 1e-3))))
     plan = side.root if planned and side.name == "fanfs" else None
-    before = threads_now(side.pids)
+    before, busy, began = threads_now(side.pids), machine.busy_cpu_s(), time.monotonic()
     wall, nbytes, lat, samples = _pass(paths * rounds, case, plan)
+    # (over the call: its readers' start and end too, the same for every side)
+    cpus = (machine.busy_cpu_s() - busy) / max(1e-3, time.monotonic() - began)
     by_thread = by_kind(spent(before, threads_now(side.pids)))
     if timed is not None:
         budget = {k: v - budget.get(k, 0) for k, v in timed().items()}
@@ -249,7 +253,8 @@ def measure(case: Case, side: Side, rels: list[str], seed: int) -> Result:
     folio = pagecache.folio_kib(paths[:FOLIO_SAMPLE]) if case.client != "torch" else None
     return Result(case, side.name, wall, len(paths) * rounds, nbytes, float(p50), float(p99),
                   folio, cold_by, sum(by_thread.values()), samples, max(lat) * 1e3,
-                  float(np.mean(lat)) * 1e3, budget, by_thread)  # fmt: skip
+                  float(np.mean(lat)) * 1e3, budget, by_thread, cpus,
+                  machine.tail_share(lat))  # fmt: skip
 
 
 def _pass(paths: list[str], case: Case, plan: Path | None

@@ -4,12 +4,13 @@ as a table, as JSON rows and as a PNG plot."""
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from fanfs.bench import budget
+from fanfs.bench import budget, machine
 from fanfs.bench.passes import COLD_BY, Result, size_label
 
 # Ratios between sides reported beside fanfs/native, when both sides were measured.
@@ -45,6 +46,8 @@ def summarize(results: list[Result]) -> list[dict[str, Any]]:
             row[f"{key}_folio_kib"] = statistics.median(folios) if folios else None
         for k, rs in by.items():
             row[f"{k.replace('-', '_')}_mean_ms"] = statistics.mean(r.mean_ms for r in rs)
+            row[f"{k.replace('-', '_')}_cpus_busy"] = statistics.median(r.cpus_busy for r in rs)
+            row[f"{k.replace('-', '_')}_tail"] = statistics.median(r.tail for r in rs)
         if case.temp == "cold" and (spent := budget.per_file(by.get("fanfs", []))):
             row["budget_us"] = spent
         fanfs = by.get("fanfs", [])
@@ -102,6 +105,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     lines += [budget.thread_line(r, f"{_where(r)} {size_label(r['size'])} {r['temp']} "
                                     f"x{r['readers']}")
               for r in rows if r.get("cpu_by_thread_us")]  # fmt: skip
+    lines += [_machine_line(r) for r in rows if "fanfs_cpus_busy" in r]
     lines += [_floor_line(r) for r in rows if "floor_vs_native" in r]
     lines += [f"front: {f}" for f in sorted({r["front"] for r in rows if r.get("front")})]
     idle = [r["daemon_idle_cpu_pct"] for r in rows if "daemon_idle_cpu_pct" in r]
@@ -109,6 +113,19 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         lines.append(f"idle daemon: {max(idle):.1f} % of a core at most; us/file: the fanfs "
                      "daemon's CPU time per file read")  # fmt: skip
     return "\n".join(lines)
+
+
+def _machine_line(r: dict[str, Any]) -> str:
+    """Whether a case kept the machine's CPUs busy, and how much of the readers' time its
+    slowest reads took, each side (bench/machine.py)."""
+    sides = [k.removesuffix("_cpus_busy") for k in r if k.endswith("_cpus_busy")]
+    return (
+        f"machine {_where(r)} {size_label(r['size'])} {r['temp']} x{r['readers']}: CPUs "
+        f"busy of {os.cpu_count()}: "
+        + ", ".join(f"{k.replace('_', '-')} {r[f'{k}_cpus_busy']:.2f}" for k in sides)
+        + f"; the slowest {machine.TAIL:.0%} of reads took of the readers' time: "
+        + ", ".join(f"{k.replace('_', '-')} {r[f'{k}_tail']:.0%}" for k in sides)
+    )
 
 
 def _floor_line(r: dict[str, Any]) -> str:

@@ -339,20 +339,18 @@ def _epoch_cases(
                     plans = d.mnts if planned and reader == "fanfs" else None
                     # (asked before the daemons' CPU is taken: the asking is not the reads')
                     ahead_at = global_epoch.plan_counters(d) if plans and whole else {}
-                    before = global_epoch.threads_now(pids)
-                    got = global_epoch.read_groups(
-                        [g * rounds for g in groups], n, client, _read_files, plans
-                    )
-                    by_thread = global_epoch.by_kind(
-                        global_epoch.spent(before, global_epoch.threads_now(pids))
-                    )
+                    got, by_thread, cpus, budget = global_epoch.timed_groups(
+                        d, pids, [g * rounds for g in groups], n, client, _read_files, plans,
+                        reader == "fanfs" and temp == "cold")  # fmt: skip
                     spent = sum(by_thread.values())
                     files = [len(g) * rounds for g in groups]
                     s = global_epoch.summary(got, files)
                     results.append(Result(case, reader, s["seconds"], int(s["files"]),
                                           int(s["nbytes"]), s["p50_ms"], s["p99_ms"], None,
                                           cold_by, spent, max_ms=s["max_ms"],
-                                          cpu_by_thread=by_thread))  # fmt: skip
+                                          mean_ms=s["mean_ms"], budget=budget,
+                                          cpu_by_thread=by_thread, cpus_busy=cpus,
+                                          tail=s["tail"]))  # fmt: skip
                     if reader == "fanfs":
                         cpu_per_file.append(spent / max(1, sum(files)) * 1e6)
                         threads.append(by_thread)

@@ -58,6 +58,9 @@ def test_bench_runs_and_reports(tmp_path: Path) -> None:
         for side in ("native", "fanfs"):  # as root the page-cache folios are measured
             assert 4 <= r[f"{side}_folio_kib"] <= r["size"] // 1024, r
             assert r[f"{side}_max_ms"] >= r[f"{side}_p99_ms"] > 0
+            # The machine's CPUs busy while the side read; the slowest 5 % of its reads' part
+            # of the readers' time (at least 5 %).
+            assert r[f"{side}_cpus_busy"] > 0 and 0.05 <= r[f"{side}_tail"] <= 1, r
         # The daemon's latency by source: the front's READs locally, peers' for remote files.
         source = "peer" if r["where"] == "remote" else "front (C)"
         p50, p99, longest = r["daemon_latency_ms"][source]
@@ -88,6 +91,9 @@ def test_bench_runs_and_reports(tmp_path: Path) -> None:
                      r".*fetch away \d+.*owner read \d+.*MPI both ways \d+",
                      done.stdout)  # fmt: skip
     assert re.search(r"cpu local 64K cold x1 \(us/file\): .*front \d+", done.stdout)
+    assert re.search(r"machine remote 64K warm x2: CPUs busy of \d+: native [\d.]+, fanfs "
+                     r"[\d.]+; the slowest 5% of reads took of the readers' time: native \d+%, "
+                     r"fanfs \d+%", done.stdout)  # fmt: skip
     assert not list((tmp_path / "work").glob("*/src"))  # datasets removed after the run
 
 
@@ -119,11 +125,19 @@ def test_bench_global_epoch_over_three_daemons(tmp_path: Path) -> None:
         assert_speeds_measured(r)
         if r["temp"] == "cold":  # its remote files cost the daemons CPU (a warm one may not)
             assert r["daemon_cpu_us_per_file"] > 0, r
+            # ... and their latency budget: a node's READs of peers' files, their fetches.
+            b = r["budget_us"]
+            assert b["remote_reads"] > 0 and b["fetch_away"] > 0 and b["owner_read"] > 0, b
+        assert r["fanfs_cpus_busy"] > 0 and 0.05 <= r["fanfs_tail"] <= 1, r
         # By kind of thread, per file read on any node (not per node's file), as the whole is.
         spent = sum(r["cpu_by_thread_us"].values())
         assert spent == pytest.approx(r["daemon_cpu_us_per_file"], rel=0.02, abs=1), r
         assert 0 <= r["daemon_idle_cpu_pct"] < 100, r
     assert "remote" in done.stderr and "idle" in done.stderr
+    assert re.search(r"budget epoch 64K cold x1 \(us/file\): native \d+, fanfs \d+ = READ, "
+                     r".*fetch away \d+", done.stdout)  # fmt: skip
+    assert re.search(r"machine epoch-planned 64K cold x1: CPUs busy of \d+: native [\d.]+",
+                     done.stdout)  # fmt: skip
     bad = fanfs("bench", "--epoch", "global", "--workdir", tmp_path / "w2")
     assert bad.returncode == ExitCode.USAGE and "--ranks 2 or more" in bad.stderr
 

@@ -1,6 +1,7 @@
 """Unit tier: fanfs.bench.epoch's CPU by thread (what `fanfs bench`'s "cpu" lines report):
 what kind a thread is from its name, and the time each kind spent between two readings,
-read from a real process's threads."""
+read from a real process's threads; and fanfs.bench.machine's figures (the "machine" lines):
+the machine's busy CPUs, and the slowest reads' share of a pass."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import os
 import threading
 import time
 
-from fanfs.bench import epoch
+import pytest
+
+from fanfs.bench import epoch, machine
 from fanfs.threads import name_os_thread
 
 
@@ -54,3 +57,25 @@ def test_a_renamed_threads_past_is_not_counted_again() -> None:
         for step in steps:
             step.set()
         t.join()
+
+
+def test_the_machines_busy_cpus_count_a_burn() -> None:
+    """fanfs.bench.machine.busy_cpu_s counts what a thread of this process burns (the machine's
+    other work only adds to it): the bench's "machine" lines divide it by a pass's time."""
+    before, own = machine.busy_cpu_s(), time.process_time()
+    end = time.thread_time() + 0.3
+    while time.thread_time() < end:
+        pass
+    burnt = time.process_time() - own
+    # (/proc/stat counts in ticks: 10 ms here, so a tick's worth less may show)
+    assert machine.busy_cpu_s() - before >= burnt - 2 / os.sysconf("SC_CLK_TCK")
+
+
+def test_the_slowest_reads_share_of_a_pass() -> None:
+    """What the "machine" lines call the part of the readers' time the slowest 5 % took."""
+    even = [1.0] * 100
+    assert machine.tail_share(even) == pytest.approx(0.05)
+    stalled = [1.0] * 95 + [100.0] * 5  # five stalls of a hundred times a read
+    assert machine.tail_share(stalled) == pytest.approx(500 / 595)
+    assert machine.tail_share([3.0, 1.0]) == pytest.approx(0.75)  # at least one read
+    assert machine.tail_share([]) == 0.0 and machine.tail_share([0.0, 0.0]) == 0.0

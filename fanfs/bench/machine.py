@@ -1,0 +1,38 @@
+"""What a pass says beside its speed: whether the machine's CPUs were all busy while it ran, and
+how much of the readers' time its slowest reads held.
+
+The two tell a slow case's kind apart. A case bound by the CPUs keeps them all busy; a case
+that waits (a queue, a sleep, a lock) leaves some idle. A pass held up by a few stalls shows
+most of the readers' time in its slowest reads; a pass that is slow evenly does not. On `vm`
+a planned global epoch over 4 daemons kept 1.3-1.5 of its 2 CPUs busy, and its slowest 5 % of
+reads held about two thirds of the readers' time (docs/performance.md, "A planned epoch's
+time, read by read").
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+
+TAIL = 0.05  # the share of a pass's reads, the slowest, whose part of its time is reported
+
+
+def busy_cpu_s() -> float:
+    """CPU seconds the whole machine has spent since boot on anything but idling and waiting
+    for I/O (/proc/stat: user, nice, system, irq, softirq, and steal, the time a virtual CPU
+    wanted to run and its host ran something else)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:9]]
+    fields += [0] * (8 - len(fields))  # (an older kernel lists fewer: those it lacks are 0)
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def tail_share(lat: Sequence[float], share: float = TAIL) -> float:
+    """The part of the summed per-file times that the slowest `share` of the files took (at
+    least one file); 0 for no files."""
+    if not lat:
+        return 0.0
+    slowest = sorted(lat, reverse=True)[: max(1, math.ceil(len(lat) * share))]
+    total = math.fsum(lat)
+    return math.fsum(slowest) / total if total > 0 else 0.0
