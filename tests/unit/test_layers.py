@@ -44,6 +44,7 @@ LAYERS = {
     "bench.data": 3, "bench.loader": 0, "bench.childmount": 1, "bench.readers": 1,
     "bench.squashfs": 2, "bench.floor": 2,
     "bench.launch": 8, "bench.epoch": 8, "bench.passes": 8, "bench.report": 8, "bench.budget": 1,
+    "bench.machine": 1,
     "bench.runs": 9, "bench": 10, "bench.calibrate": 10,
     "cli": 11, "cli.__main__": 12, "cli.options": 9, "cli.image": 11, "cli.mount": 11,
     "cli.bench": 11, "cli.report": 9, "cli.output": 11, "cli.reach": 10, "cli.keep": 11,
