@@ -61,10 +61,12 @@ def read_groups(
     client: str,
     read_files: Any,
     plans: Sequence[Path] | None = None,
+    window: machine.Window | None = None,
 ) -> list[tuple[float, int, list[float]]]:
     """Every group read by `readers` processes of its own running `read_files(paths, client,
     start, out, plan)`, all groups at once; per group (wall seconds, bytes, per-file latencies).
-    With `plans` (group g's mount point), process i of group g publishes its order as share i."""
+    With `plans` (group g's mount point), process i of group g publishes its order as share i;
+    `window` watches the machine's CPUs while they read (readers.run)."""
     ctx = mp.get_context("fork")
     out = ctx.Queue()
     start = ctx.Barrier(len(groups) * readers + 1)  # every reader ready, then all at once
@@ -74,28 +76,29 @@ def read_groups(
                          daemon=True)
              for g, paths in enumerate(groups) for i in range(readers)]  # fmt: skip
     got: dict[int, list[Any]] = {g: [] for g in range(len(groups))}
-    for tag, item in reader_procs.run(procs, start, out):
+    for tag, item in reader_procs.run(procs, start, out, window):
         got[tag].append(item)
     return [(max(x[1] for x in items) - min(x[0] for x in items), sum(x[2] for x in items),
              [v for x in items for v in x[3]]) for _, items in sorted(got.items())]  # fmt: skip
 
 
 def timed_groups(d: Daemons, pids: Sequence[int], groups: list[list[str]], readers: int,
-                 client: str, read_files: Any, plans: Sequence[Path] | None, budget: bool
+                 client: str, read_files: Any, plans: Sequence[Path] | None,
+                 budget_at: dict[str, int] | None
                  ) -> tuple[list[tuple[float, int, list[float]]], dict[str, float], float,
                             dict[str, int]]:  # fmt: skip
     """`read_groups`, watched: (its groups' walls, bytes and latencies; the daemons' CPU
-    seconds by kind of thread; the machine's CPUs busy on average over the call; with
-    `budget`, the daemons' latency budget over it, else {})."""
-    # (asked before the daemons' CPU is taken: the asking is not the reads')
-    at = budgets(d) if budget else {}
-    before, busy, began = threads_now(pids), machine.busy_cpu_s(), time.monotonic()
-    got = read_groups(groups, readers, client, read_files, plans)
-    cpus = (machine.busy_cpu_s() - busy) / max(1e-3, time.monotonic() - began)
+    seconds by kind of thread; the machine's CPUs busy on average while the readers read;
+    given `budgets(d)` from before the pass (asked before its caches were emptied: the status
+    is the heaviest request a daemon answers, and what it leaves running is not the pass's),
+    the daemons' latency budget over the pass, else {})."""
+    before, window = threads_now(pids), machine.Window()
+    got = read_groups(groups, readers, client, read_files, plans, window)
     by_thread = by_kind(spent(before, threads_now(pids)))
-    if budget:
-        at = {k: v - at.get(k, 0) for k, v in budgets(d).items()}
-    return got, by_thread, cpus, at
+    if budget_at is None:
+        return got, by_thread, window.cpus, {}
+    return got, by_thread, window.cpus, {k: v - budget_at.get(k, 0)
+                                         for k, v in budgets(d).items()}  # fmt: skip
 
 
 def budgets(d: Daemons) -> dict[str, int]:

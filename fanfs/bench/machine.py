@@ -4,7 +4,7 @@ how much of the readers' time its slowest reads held.
 The two tell a slow case's kind apart. A case bound by the CPUs keeps them all busy; a case
 that waits (a queue, a sleep, a lock) leaves some idle. A pass held up by a few stalls shows
 most of the readers' time in its slowest reads; a pass that is slow evenly does not. On `vm`
-a planned global epoch over 4 daemons kept 1.3-1.5 of its 2 CPUs busy, and its slowest 5 % of
+a planned global epoch over 4 daemons kept 1.5-1.7 of its 2 CPUs busy, and its slowest 5 % of
 reads held about two thirds of the readers' time (docs/performance.md, "A planned epoch's
 time, read by read").
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Sequence
 
 TAIL = 0.05  # the share of a pass's reads, the slowest, whose part of its time is reported
@@ -20,12 +21,42 @@ TAIL = 0.05  # the share of a pass's reads, the slowest, whose part of its time 
 
 def busy_cpu_s() -> float:
     """CPU seconds the whole machine has spent since boot on anything but idling and waiting
-    for I/O (/proc/stat: user, nice, system, irq, softirq, and steal, the time a virtual CPU
-    wanted to run and its host ran something else)."""
+    for I/O (/proc/stat's first line, `busy_ticks`)."""
     with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:9]]
+        return busy_ticks(f.readline()) / os.sysconf("SC_CLK_TCK")
+
+
+def busy_ticks(line: str) -> int:
+    """/proc/stat's "cpu" line's ticks of user, nice, system, irq, softirq and steal (the time
+    a virtual CPU wanted to run and its host ran something else); not idle, not iowait, and
+    not guest and guest_nice, which user and nice count already."""
+    fields = [int(x) for x in line.split()[1:9]]
     fields += [0] * (8 - len(fields))  # (an older kernel lists fewer: those it lacks are 0)
-    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+    return sum(fields) - fields[3] - fields[4]
+
+
+class Window:
+    """The machine's CPUs busy over a pass, on average (`cpus`): from `begin` to `end`. The
+    reader processes' runner (fanfs/bench/readers.py) takes them as the readers are let go
+    and as the last one's measure comes in, so that their start (a 64 MiB buffer each) and
+    exit are not counted; a pass with no such runner (a DataLoader's) is taken over the
+    caller's own call. The kernel counts in ticks (10 ms here): a pass of a few ticks gets a
+    coarse figure, and a shorter one may get none at all (the bench's passes last 0.5 s or
+    more, but for the smallest `--total`)."""
+
+    def __init__(self) -> None:
+        self.cpus = 0.0
+        self._began: tuple[float, float] | None = None
+
+    def begin(self) -> None:
+        self._began = (busy_cpu_s(), time.monotonic())
+
+    def end(self) -> None:
+        """(Once after each `begin`: a second call changes nothing.)"""
+        if self._began is not None:
+            busy, at = self._began
+            self.cpus = (busy_cpu_s() - busy) / max(1e-3, time.monotonic() - at)
+            self._began = None
 
 
 def tail_share(lat: Sequence[float], share: float = TAIL) -> float:

@@ -181,10 +181,12 @@ def _read_files(
 
 
 def read_all(
-    paths: Sequence[str], readers: int, client: str = "raw", plan: Path | None = None
-) -> tuple[float, int, list[float]]:
+    paths: Sequence[str], readers: int, client: str = "raw", plan: Path | None = None,
+    window: machine.Window | None = None,
+) -> tuple[float, int, list[float]]:  # fmt: skip
     """Read every path whole with `readers` processes; (wall seconds, bytes, latencies). With
-    `plan` (a mount point) each process first publishes its order as its own share."""
+    `plan` (a mount point) each process first publishes its order as its own share; `window`
+    watches the machine's CPUs while they read (readers.run)."""
     ctx = mp.get_context("fork")
     start = ctx.Barrier(readers + 1)  # every reader ready, then all start at once
     out = ctx.Queue()
@@ -192,7 +194,7 @@ def read_all(
                                                    None if plan is None else (plan, i)),
                          daemon=True)
              for i in range(readers)]  # fmt: skip
-    got = reader_procs.run(procs, start, out)
+    got = reader_procs.run(procs, start, out, window)
     wall = max(g[1] for g in got) - min(g[0] for g in got)
     return wall, sum(g[2] for g in got), [x for g in got for x in g[3]]
 
@@ -240,10 +242,10 @@ def measure(case: Case, side: Side, rels: list[str], seed: int) -> Result:
         wall = _pass(paths, case, None)[0]  # warm up what is measured
         rounds = max(1, min(WARM_MAX_ROUNDS, round(WARM_MIN_S / max(wall, 1e-3))))
     plan = side.root if planned and side.name == "fanfs" else None
-    before, busy, began = threads_now(side.pids), machine.busy_cpu_s(), time.monotonic()
-    wall, nbytes, lat, samples = _pass(paths * rounds, case, plan)
-    # (over the call: its readers' start and end too, the same for every side)
-    cpus = (machine.busy_cpu_s() - busy) / max(1e-3, time.monotonic() - began)
+    before, window = threads_now(side.pids), machine.Window()
+    window.begin()  # (begun again as the readers are let go: readers.run)
+    wall, nbytes, lat, samples = _pass(paths * rounds, case, plan, window)
+    window.end()
     by_thread = by_kind(spent(before, threads_now(side.pids)))
     if timed is not None:
         budget = {k: v - budget.get(k, 0) for k, v in timed().items()}
@@ -253,14 +255,14 @@ def measure(case: Case, side: Side, rels: list[str], seed: int) -> Result:
     folio = pagecache.folio_kib(paths[:FOLIO_SAMPLE]) if case.client != "torch" else None
     return Result(case, side.name, wall, len(paths) * rounds, nbytes, float(p50), float(p99),
                   folio, cold_by, sum(by_thread.values()), samples, max(lat) * 1e3,
-                  float(np.mean(lat)) * 1e3, budget, by_thread, cpus,
+                  float(np.mean(lat)) * 1e3, budget, by_thread, window.cpus,
                   machine.tail_share(lat))  # fmt: skip
 
 
-def _pass(paths: list[str], case: Case, plan: Path | None
+def _pass(paths: list[str], case: Case, plan: Path | None, window: machine.Window | None = None
           ) -> tuple[float, int, list[float], list[int] | None]:  # fmt: skip
     if case.client == "torch":
         from fanfs.bench.loader import read_loader
 
         return read_loader(paths, case.readers)
-    return (*read_all(paths, case.readers, case.client, plan), None)
+    return (*read_all(paths, case.readers, case.client, plan, window), None)

@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from fanfs.bench.machine import Window
 from fanfs.errors import FanfsError
 
 PASS_LIMIT_S = 3600.0  # a pass's readers all done within this, or the bench fails
@@ -73,9 +74,10 @@ def _ready(procs: Sequence[Any], start: Any) -> None:
         watcher.join(KILL_WAIT_S)  # (stuck in abort() only in the case not covered above)
 
 
-def run(procs: Sequence[Any], start: Any, out: Any) -> list[Any]:
+def run(procs: Sequence[Any], start: Any, out: Any, window: Window | None = None) -> list[Any]:
     """Start the reader processes `procs` (daemonic), let them go at once (`start`: a barrier
-    they wait at too) and return what each put on `out` (`results`). Whatever ends a pass
+    they wait at too) and return what each put on `out` (`results`); `window` is begun as they
+    are let go and ended as the last measure comes in. Whatever ends a pass
     early (a reader's error, a stop signal) kills the readers still running, which would
     otherwise wait at the barrier for ever, so that the bench can unmount and exit."""
     done = False
@@ -83,7 +85,11 @@ def run(procs: Sequence[Any], start: Any, out: Any) -> list[Any]:
         for p in procs:
             p.start()
         _ready(procs, start)
+        if window is not None:
+            window.begin()
         got = results(out, procs)
+        if window is not None:
+            window.end()
         done = True
         return got
     finally:

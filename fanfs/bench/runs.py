@@ -326,8 +326,9 @@ def _epoch_cases(
                 sides = [("native", [src] * d.ranks), ("fanfs", d.mnts)]
                 for reader, roots in sides if i % 2 == 0 else sides[::-1]:
                     groups = global_epoch.epoch_paths(roots, rels, split)
-                    rounds, cold_by = 1, ""
+                    rounds, cold_by, budget_at = 1, "", None
                     if temp == "cold":
+                        budget_at = global_epoch.budgets(d) if reader == "fanfs" else None
                         cold_by = make_cold(natives, d.mnts if reader == "fanfs" else ())
                         if planned:
                             for root in set(roots):
@@ -341,7 +342,7 @@ def _epoch_cases(
                     ahead_at = global_epoch.plan_counters(d) if plans and whole else {}
                     got, by_thread, cpus, budget = global_epoch.timed_groups(
                         d, pids, [g * rounds for g in groups], n, client, _read_files, plans,
-                        reader == "fanfs" and temp == "cold")  # fmt: skip
+                        budget_at)  # fmt: skip
                     spent = sum(by_thread.values())
                     files = [len(g) * rounds for g in groups]
                     s = global_epoch.summary(got, files)

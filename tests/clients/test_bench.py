@@ -58,9 +58,10 @@ def test_bench_runs_and_reports(tmp_path: Path) -> None:
         for side in ("native", "fanfs"):  # as root the page-cache folios are measured
             assert 4 <= r[f"{side}_folio_kib"] <= r["size"] // 1024, r
             assert r[f"{side}_max_ms"] >= r[f"{side}_p99_ms"] > 0
-            # The machine's CPUs busy while the side read; the slowest 5 % of its reads' part
-            # of the readers' time (at least 5 %).
-            assert r[f"{side}_cpus_busy"] > 0 and 0.05 <= r[f"{side}_tail"] <= 1, r
+            # The machine's CPUs busy while the side read (in 10 ms ticks: a warm pass of 8
+            # small files may see none); the slowest 5 % of its reads' part of the readers'
+            # time (at least 5 %).
+            assert r[f"{side}_cpus_busy"] >= 0 and 0.05 <= r[f"{side}_tail"] <= 1, r
         # The daemon's latency by source: the front's READs locally, peers' for remote files.
         source = "peer" if r["where"] == "remote" else "front (C)"
         p50, p99, longest = r["daemon_latency_ms"][source]
@@ -125,10 +126,13 @@ def test_bench_global_epoch_over_three_daemons(tmp_path: Path) -> None:
         assert_speeds_measured(r)
         if r["temp"] == "cold":  # its remote files cost the daemons CPU (a warm one may not)
             assert r["daemon_cpu_us_per_file"] > 0, r
-            # ... and their latency budget: a node's READs of peers' files, their fetches.
+            # ... and their latency budget, per file read: a READ for each peer's file (a
+            # daemon's budget against a node's files: summed over the daemons, it would be 3
+            # times that), its fetch's legs.
             b = r["budget_us"]
-            assert b["remote_reads"] > 0 and b["fetch_away"] > 0 and b["owner_read"] > 0, b
-        assert r["fanfs_cpus_busy"] > 0 and 0.05 <= r["fanfs_tail"] <= 1, r
+            assert 0.5 * r["remote_share"] <= b["remote_reads"] <= 1.5 * r["remote_share"], b
+            assert b["fetch_away"] > 0 and b["owner_read"] > 0, b
+        assert r["fanfs_cpus_busy"] >= 0 and 0.05 <= r["fanfs_tail"] <= 1, r
         # By kind of thread, per file read on any node (not per node's file), as the whole is.
         spent = sum(r["cpu_by_thread_us"].values())
         assert spent == pytest.approx(r["daemon_cpu_us_per_file"], rel=0.02, abs=1), r
@@ -167,7 +171,13 @@ def test_bench_compressible_data_against_raw_and_squashfs(tmp_path: Path) -> Non
     assert row["data"] == "text" and row["temp"] == "cold"
     for side in ("native", "fanfs", "fanfs_raw", "squashfs", "squashfs_raw"):
         assert row[f"{side}_files_per_s"] > 0, row
+        assert row[f"{side}_cpus_busy"] >= 0 and 0.05 <= row[f"{side}_tail"] <= 1, row
     assert row["vs_squashfs"] > 0 and row["vs_raw"] > 0 and row["daemon_cpu_us_per_file"] > 0
+    # The "machine" line names every side as the table does.
+    (line,) = [x for x in done.stdout.splitlines() if x.startswith("machine local ")]
+    for side in ("native", "fanfs", "fanfs-raw", "squashfs", "squashfs-raw"):
+        assert re.search(rf"[:,] {side} [\d.]+[,;]", line), line
+        assert re.search(rf"[:,] {side} \d+%", line), line
     assert "fanfs/squashfs" in done.stderr and not mounts_left(tmp_path / "work")
 
 

@@ -60,15 +60,27 @@ def test_a_renamed_threads_past_is_not_counted_again() -> None:
 
 
 def test_the_machines_busy_cpus_count_a_burn() -> None:
-    """fanfs.bench.machine.busy_cpu_s counts what a thread of this process burns (the machine's
-    other work only adds to it): the bench's "machine" lines divide it by a pass's time."""
-    before, own = machine.busy_cpu_s(), time.process_time()
+    """fanfs.bench.machine's Window counts what a thread of this process burns (the machine's
+    other work only adds to it): the bench's "machine" lines."""
+    window, before, own = machine.Window(), machine.busy_cpu_s(), time.process_time()
+    window.begin()
     end = time.thread_time() + 0.3
     while time.thread_time() < end:
         pass
     burnt = time.process_time() - own
+    window.end()
     # (/proc/stat counts in ticks: 10 ms here, so a tick's worth less may show)
     assert machine.busy_cpu_s() - before >= burnt - 2 / os.sysconf("SC_CLK_TCK")
+    assert window.cpus >= 0.8, window.cpus  # one CPU burnt all along, at least
+    cpus = window.cpus
+    window.end()  # (once a begin: again, nothing)
+    assert window.cpus == cpus
+
+
+def test_busy_ticks_are_neither_idle_nor_iowait_nor_guest_twice() -> None:
+    """/proc/stat: user nice system idle iowait irq softirq steal guest guest_nice."""
+    assert machine.busy_ticks("cpu  100 5 50 1000 30 1 2 3 40 0") == 161
+    assert machine.busy_ticks("cpu 1 2 3 4") == 6  # an older kernel's shorter line
 
 
 def test_the_slowest_reads_share_of_a_pass() -> None:
