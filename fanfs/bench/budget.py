@@ -93,7 +93,14 @@ def cpu_by_thread(spent: list[dict[str, float]], files: int) -> dict[str, float]
 
 
 def thread_line(row: dict[str, Any], where: str) -> str:
-    """Where a case's daemon CPU per file went, by kind of thread."""
-    spent = row["cpu_by_thread_us"]
-    return (f"cpu {where} (us/file): " + " ".join(f"{k} {v:.0f}" for k, v in spent.items()
-                                                  if round(v) > 0))  # fmt: skip
+    """Where a case's daemon CPU per file went, by kind of thread; and how long those threads
+    waited for a CPU, runnable on the scheduler's queue (a thread that polls, as the data
+    plane's does while a fetch is out, waits whenever another thread has its CPU)."""
+
+    def kinds(us: dict[str, float]) -> str:
+        return " ".join(f"{k} {v:.0f}" for k, v in us.items() if round(v) > 0)
+
+    line = f"cpu {where} (us/file): " + kinds(row["cpu_by_thread_us"])
+    if waited := kinds(row.get("waited_by_thread_us", {})):
+        line += f"; waited for a CPU: {waited}"
+    return line

@@ -85,16 +85,17 @@ def read_groups(
 def timed_groups(d: Daemons, pids: Sequence[int], groups: list[list[str]], readers: int,
                  client: str, read_files: Any, plans: Sequence[Path] | None,
                  budget_at: dict[str, int] | None
-                 ) -> tuple[list[tuple[float, int, list[float]]], dict[str, float], float,
-                            dict[str, int]]:  # fmt: skip
+                 ) -> tuple[list[tuple[float, int, list[float]]], tuple[dict[str, float], ...],
+                            float, dict[str, int]]:  # fmt: skip
     """`read_groups`, watched: (its groups' walls, bytes and latencies; the daemons' CPU
-    seconds by kind of thread; the machine's CPUs busy on average while the readers read;
-    given `budgets(d)` from before the pass (asked before its caches were emptied: the status
-    is the heaviest request a daemon answers, and what it leaves running is not the pass's),
-    the daemons' latency budget over the pass, else {})."""
+    seconds by kind of thread, and their seconds waiting for a CPU; the machine's CPUs busy on
+    average while the readers read; given `budgets(d)` from before the pass (asked before its
+    caches were emptied: the status is the heaviest request a daemon answers, and what it
+    leaves running is not the pass's), the daemons' latency budget over the pass, else {})."""
     before, window = threads_now(pids), machine.Window()
     got = read_groups(groups, readers, client, read_files, plans, window)
-    by_thread = by_kind(spent(before, threads_now(pids)))
+    after = threads_now(pids)
+    by_thread = tuple(by_kind(spent(before, after, what)) for what in (ON_CPU, WAITED))
     if budget_at is None:
         return got, by_thread, window.cpus, {}
     return got, by_thread, window.cpus, {k: v - budget_at.get(k, 0)
@@ -111,10 +112,11 @@ def budgets(d: Daemons) -> dict[str, int]:
     return {k: v // d.ranks for k, v in total.items()}
 
 
-# Each daemon thread's kind and CPU time when last seen (ns, by (pid, thread id)): a thread
-# that ended keeps counting what it had used, so no total ever goes down.
-_THREAD_NS: dict[tuple[int, str], tuple[str, int]] = {}
-Threads = dict[tuple[int, str], tuple[str, int]]  # a reading of them (threads_now)
+# Each daemon thread's kind, CPU time and time waiting for a CPU when last seen (ns, by (pid,
+# thread id)): a thread that ended keeps counting what it had used, so no total ever goes down.
+_THREAD_NS: dict[tuple[int, str], tuple[str, tuple[int, int]]] = {}
+Threads = dict[tuple[int, str], tuple[str, tuple[int, int]]]  # a reading of them (threads_now)
+ON_CPU, WAITED = 0, 1  # what `spent` sums: a thread's time on a CPU, or runnable and waiting
 
 
 def thread_kind(comm: str, main: bool, process: str = "fanfs") -> str:
@@ -132,9 +134,10 @@ def thread_kind(comm: str, main: bool, process: str = "fanfs") -> str:
 
 
 def threads_now(pids: Sequence[int]) -> Threads:
-    """Each thread of the processes: its kind (thread_kind) and its time on a CPU so far, in
-    nanoseconds (schedstat: /proc/PID/stat counts in 10 ms ticks, coarser than a pass over a
-    few small files; where schedstat is missing, that, as the process's thread "all"). A
+    """Each thread of the processes: its kind (thread_kind), its time on a CPU so far and its
+    time runnable but waiting for a CPU (the scheduler's run queue), in nanoseconds
+    (schedstat: /proc/PID/stat counts in 10 ms ticks, coarser than a pass over a few small
+    files; where schedstat is missing, that, as the process's thread "all", and no wait). A
     thread's time since it was last seen is lost when it ends (a daemon's own threads live as
     long as it does)."""
     for pid in pids:
@@ -142,27 +145,27 @@ def threads_now(pids: Sequence[int]) -> Threads:
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
             ticks = int(fields[11]) + int(fields[12])
-            _THREAD_NS[pid, "all"] = ("all", ticks * 10**9 // os.sysconf("SC_CLK_TCK"))
+            _THREAD_NS[pid, "all"] = ("all", (ticks * 10**9 // os.sysconf("SC_CLK_TCK"), 0))
             continue
         with contextlib.suppress(OSError), open(f"/proc/{pid}/comm") as f:
             process = f.read().strip()
         for task in os.listdir(f"/proc/{pid}/task"):
             with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # ended: gone
                 with open(f"/proc/{pid}/task/{task}/schedstat") as f:
-                    ns = int(f.read().split()[0])
+                    on_cpu, waited = (int(v) for v in f.read().split()[:2])
                 with open(f"/proc/{pid}/task/{task}/comm") as f:
                     kind = thread_kind(f.read().strip(), int(task) == pid, process)
-                _THREAD_NS[pid, task] = (kind, ns)
+                _THREAD_NS[pid, task] = (kind, (on_cpu, waited))
     return {k: v for k, v in _THREAD_NS.items() if k[0] in pids}
 
 
-def spent(before: Threads, after: Threads) -> dict[tuple[int, str], float]:
-    """CPU seconds each process's threads spent between two readings, by (pid, kind): each
-    thread's own time, counted as the kind it has at the later reading (a renamed thread's
-    past is not counted again)."""
+def spent(before: Threads, after: Threads, what: int = ON_CPU) -> dict[tuple[int, str], float]:
+    """CPU seconds each process's threads spent between two readings (`what`: WAITED, the
+    seconds they waited for a CPU), by (pid, kind): each thread's own time, counted as the kind
+    it has at the later reading (a renamed thread's past is not counted again)."""
     out: dict[tuple[int, str], float] = {}
-    for key, (kind, ns) in after.items():
-        took = ns - before.get(key, (kind, 0))[1]
+    for key, (kind, now) in after.items():
+        took = now[what] - before.get(key, (kind, (0, 0)))[1][what]
         if took > 0:
             out[key[0], kind] = out.get((key[0], kind), 0.0) + took / 1e9
     return out
@@ -178,7 +181,7 @@ def by_kind(seconds: dict[tuple[int, str], float]) -> dict[str, float]:
 
 def cpu_seconds(pids: Sequence[int]) -> float:
     """CPU time the processes' threads have used so far."""
-    return sum(ns for _, ns in threads_now(pids).values()) / 1e9
+    return sum(ns[ON_CPU] for _, ns in threads_now(pids).values()) / 1e9
 
 
 def idle_cpu_percent(pids: Sequence[int], seconds: float = IDLE_S) -> float:

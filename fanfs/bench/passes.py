@@ -90,8 +90,10 @@ class Result:
     max_ms: float = 0.0  # the slowest file
     mean_ms: float = 0.0  # a file's mean time (open, read, close)
     budget: dict[str, int] = field(default_factory=dict)  # the daemons' budget over the pass
-    # daemon_cpu_s by kind of thread (fanfs.bench.epoch.thread_kind)
+    # daemon_cpu_s by kind of thread (fanfs.bench.epoch.thread_kind), and the seconds they
+    # waited for a CPU (runnable, on the scheduler's queue)
     cpu_by_thread: dict[str, float] = field(default_factory=dict)
+    waited_by_thread: dict[str, float] = field(default_factory=dict)
     cpus_busy: float = 0.0  # the machine's CPUs busy during the pass, on average (machine.py)
     tail: float = 0.0  # the part of the readers' time its slowest reads took (machine.py)
 
@@ -221,7 +223,7 @@ def make_dataset(root: Path, size: int, count: int, seed: int) -> list[str]:
 def measure(case: Case, side: Side, rels: list[str], seed: int) -> Result:
     """One pass of `side`'s files. Case "planned": cold, the directories listed after the
     caches were dropped (both sides), and fanfs's readers publish their order before reading."""
-    from fanfs.bench.epoch import by_kind, spent, threads_now
+    from fanfs.bench.epoch import WAITED, by_kind, spent, threads_now
 
     order = rels[:]
     random.Random(seed).shuffle(order)
@@ -246,7 +248,8 @@ def measure(case: Case, side: Side, rels: list[str], seed: int) -> Result:
     window.begin()  # (begun again as the readers are let go: readers.run)
     wall, nbytes, lat, samples = _pass(paths * rounds, case, plan, window)
     window.end()
-    by_thread = by_kind(spent(before, threads_now(side.pids)))
+    after = threads_now(side.pids)
+    by_thread, waited = by_kind(spent(before, after)), by_kind(spent(before, after, WAITED))
     if timed is not None:
         budget = {k: v - budget.get(k, 0) for k, v in timed().items()}
     if samples is not None:  # in the order of the files' names, so that sides compare
@@ -255,7 +258,7 @@ def measure(case: Case, side: Side, rels: list[str], seed: int) -> Result:
     folio = pagecache.folio_kib(paths[:FOLIO_SAMPLE]) if case.client != "torch" else None
     return Result(case, side.name, wall, len(paths) * rounds, nbytes, float(p50), float(p99),
                   folio, cold_by, sum(by_thread.values()), samples, max(lat) * 1e3,
-                  float(np.mean(lat)) * 1e3, budget, by_thread, window.cpus,
+                  float(np.mean(lat)) * 1e3, budget, by_thread, waited, window.cpus,
                   machine.tail_share(lat))  # fmt: skip
 
 

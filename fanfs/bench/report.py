@@ -51,9 +51,11 @@ def summarize(results: list[Result]) -> list[dict[str, Any]]:
         if case.temp == "cold" and (spent := budget.per_file(by.get("fanfs", []))):
             row["budget_us"] = spent
         fanfs = by.get("fanfs", [])
-        if threads := budget.cpu_by_thread([r.cpu_by_thread for r in fanfs],
-                                           sum(r.files for r in fanfs)):  # fmt: skip
+        read = sum(r.files for r in fanfs)
+        if threads := budget.cpu_by_thread([r.cpu_by_thread for r in fanfs], read):
             row["cpu_by_thread_us"] = threads
+            row["waited_by_thread_us"] = budget.cpu_by_thread([r.waited_by_thread for r in fanfs],
+                                                              read)  # fmt: skip
         row["ratio"] = statistics.median(ratios)
         row["ratio_min"], row["ratio_max"] = min(ratios), max(ratios)
         for name, (a, b) in VERSUS.items():

@@ -319,7 +319,7 @@ def _epoch_cases(
     for n in readers:
         for temp in temps:
             case = Case(size, n, temp, "epoch-planned" if planned else "epoch", client, kind)
-            cpu_per_file, remote, threads, read, ahead = [], [], [], 0, []
+            cpu_per_file, remote, threads, waits, read, ahead = [], [], [], [], 0, []
             for i in range(repeat):
                 split = global_epoch.shares(len(rels), d.ranks, seed=i)
                 remote.append(global_epoch.remote_share(split, part_of, owners))
@@ -340,7 +340,7 @@ def _epoch_cases(
                     plans = d.mnts if planned and reader == "fanfs" else None
                     # (asked before the daemons' CPU is taken: the asking is not the reads')
                     ahead_at = global_epoch.plan_counters(d) if plans and whole else {}
-                    got, by_thread, cpus, budget = global_epoch.timed_groups(
+                    got, (by_thread, waited), cpus, budget = global_epoch.timed_groups(
                         d, pids, [g * rounds for g in groups], n, client, _read_files, plans,
                         budget_at)  # fmt: skip
                     spent = sum(by_thread.values())
@@ -350,11 +350,12 @@ def _epoch_cases(
                                           int(s["nbytes"]), s["p50_ms"], s["p99_ms"], None,
                                           cold_by, spent, max_ms=s["max_ms"],
                                           mean_ms=s["mean_ms"], budget=budget,
-                                          cpu_by_thread=by_thread, cpus_busy=cpus,
-                                          tail=s["tail"]))  # fmt: skip
+                                          cpu_by_thread=by_thread, waited_by_thread=waited,
+                                          cpus_busy=cpus, tail=s["tail"]))  # fmt: skip
                     if reader == "fanfs":
                         cpu_per_file.append(spent / max(1, sum(files)) * 1e6)
                         threads.append(by_thread)
+                        waits.append(waited)
                         read += sum(files)
                     if ahead_at:
                         ahead.append(global_epoch.read_ahead(
@@ -367,6 +368,7 @@ def _epoch_cases(
                 "nodes": d.ranks,
                 # (Result.files is a node's: the rows' own sums would count a node's files)
                 "cpu_by_thread_us": cpu_by_thread(threads, read),
+                "waited_by_thread_us": cpu_by_thread(waits, read),
             }
             if ahead:  # (the means over the repeats)
                 extras[case]["read_ahead"] = {k: round(statistics.mean(a[k] for a in ahead), 3)

@@ -1,11 +1,14 @@
 """Unit tier: fanfs.bench.epoch's CPU by thread (what `fanfs bench`'s "cpu" lines report):
-what kind a thread is from its name, and the time each kind spent between two readings,
-read from a real process's threads; and fanfs.bench.machine's figures (the "machine" lines):
-the machine's busy CPUs, and the slowest reads' share of a pass."""
+what kind a thread is from its name, and the time each kind spent (on a CPU, or waiting for
+one) between two readings, read from real processes' threads; and fanfs.bench.machine's
+figures (the "machine" lines): the machine's busy CPUs, and the slowest reads' share of a
+pass."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -57,6 +60,45 @@ def test_a_renamed_threads_past_is_not_counted_again() -> None:
         for step in steps:
             step.set()
         t.join()
+
+
+# Says it is ready, burns argv[1] seconds of CPU once told to, says so, and waits to be ended.
+BURN = (
+    "import sys, time\nprint(flush=True)\nsys.stdin.readline()\n"
+    "end = time.process_time() + float(sys.argv[1])\n"
+    "while time.process_time() < end:\n    pass\nprint(flush=True)\nsys.stdin.readline()\n"
+)
+
+
+def test_burns_on_one_cpu_wait_for_it() -> None:
+    """A process burning 0.4 s and one burning 0.1 s on one CPU: each is runnable while the
+    other runs, and what the "cpu" lines call "waited for a CPU" counts that (schedstat's
+    run-queue time): the short one waits through the long one's turns, the long one about as
+    long as the short one ran, not its own time."""
+    cpu = min(os.sched_getaffinity(0))
+    procs = [subprocess.Popen([sys.executable, "-c", BURN, burn], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True,
+                              preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
+             for burn in ("0.4", "0.1")]  # fmt: skip
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline() == "\n"
+        before = epoch.threads_now([p.pid for p in procs])
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write("\n")
+            p.stdin.flush()
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline() == "\n"
+        after = epoch.threads_now([p.pid for p in procs])
+        burnt, waited = epoch.spent(before, after), epoch.spent(before, after, epoch.WAITED)
+        long, short = ((p.pid, "loop") for p in procs)  # (each process's main thread)
+        assert burnt[long] >= 0.39 and burnt[short] >= 0.09, burnt
+        assert waited[short] >= 0.05 and waited[long] < 0.3, waited
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate()  # (and its pipes closed)
 
 
 def test_the_machines_busy_cpus_count_a_burn() -> None:
