@@ -79,9 +79,9 @@ def line(row: dict[str, Any], where: str) -> str:
 
 
 def cpu_by_thread(spent: list[dict[str, float]], files: int) -> dict[str, float]:
-    """The daemons' CPU per file read, in microseconds, by kind of thread
-    (fanfs.bench.epoch.thread_kind), the largest first: `spent` holds each pass's CPU seconds
-    by kind, `files` the files all of them read. Empty where no daemon was watched."""
+    """The daemons' CPU (or their wait for one) per file read, in microseconds, by kind of
+    thread (fanfs.bench.epoch.thread_kind), the largest first: `spent` holds each pass's
+    seconds by kind, `files` the files all of them read. Empty where no daemon was watched."""
     total: dict[str, float] = {}
     for by_kind in spent:
         for kind, seconds in by_kind.items():
@@ -94,8 +94,8 @@ def cpu_by_thread(spent: list[dict[str, float]], files: int) -> dict[str, float]
 
 def thread_line(row: dict[str, Any], where: str) -> str:
     """Where a case's daemon CPU per file went, by kind of thread; and how long those threads
-    waited for a CPU, runnable on the scheduler's queue (a thread that polls, as the data
-    plane's does while a fetch is out, waits whenever another thread has its CPU)."""
+    waited for a CPU, runnable on the scheduler's queue (docs/commands.md says what that
+    holds for a thread that polls)."""
 
     def kinds(us: dict[str, float]) -> str:
         return " ".join(f"{k} {v:.0f}" for k, v in us.items() if round(v) > 0)

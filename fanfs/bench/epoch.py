@@ -85,8 +85,9 @@ def read_groups(
 def timed_groups(d: Daemons, pids: Sequence[int], groups: list[list[str]], readers: int,
                  client: str, read_files: Any, plans: Sequence[Path] | None,
                  budget_at: dict[str, int] | None
-                 ) -> tuple[list[tuple[float, int, list[float]]], tuple[dict[str, float], ...],
-                            float, dict[str, int]]:  # fmt: skip
+                 ) -> tuple[list[tuple[float, int, list[float]]],
+                            tuple[dict[str, float], dict[str, float]], float,
+                            dict[str, int]]:  # fmt: skip
     """`read_groups`, watched: (its groups' walls, bytes and latencies; the daemons' CPU
     seconds by kind of thread, and their seconds waiting for a CPU; the machine's CPUs busy on
     average while the readers read; given `budgets(d)` from before the pass (asked before its
@@ -95,7 +96,7 @@ def timed_groups(d: Daemons, pids: Sequence[int], groups: list[list[str]], reade
     before, window = threads_now(pids), machine.Window()
     got = read_groups(groups, readers, client, read_files, plans, window)
     after = threads_now(pids)
-    by_thread = tuple(by_kind(spent(before, after, what)) for what in (ON_CPU, WAITED))
+    by_thread = by_kind(spent(before, after)), by_kind(spent(before, after, WAITED))
     if budget_at is None:
         return got, by_thread, window.cpus, {}
     return got, by_thread, window.cpus, {k: v - budget_at.get(k, 0)
