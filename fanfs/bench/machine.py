@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 
 TAIL = 0.05  # the share of a pass's reads, the slowest, whose part of its time is reported
+WAKE_NAP_S = 20e-6  # the data plane's nap between looks while traffic flows (csrc/plane.h)
 
 
 def busy_cpu_s() -> float:
@@ -67,3 +68,16 @@ def tail_share(lat: Sequence[float], share: float = TAIL) -> float:
     slowest = sorted(lat, reverse=True)[: max(1, math.ceil(len(lat) * share))]
     total = math.fsum(lat)
     return math.fsum(slowest) / total if total > 0 else 0.0
+
+
+def wake_cpu_us(naps: int = 2000) -> tuple[float, float]:
+    """What one short sleep of a thread costs this machine, in microseconds: (its CPU time,
+    its time). A thread that polls by napping, as the data plane does between its looks for
+    MPI's messages, pays that CPU each look. On `vm` (a VM whose idle virtual CPUs halt) a 20 us
+    nap costs 15-20 us of CPU, whatever the system call (ppoll, nanosleep, futex), so a plane
+    that looks every 40 us spends about 40 % of a core while traffic flows
+    (docs/performance.md, "What a look costs")."""
+    began, at = time.thread_time(), time.monotonic()
+    for _ in range(naps):
+        time.sleep(WAKE_NAP_S)
+    return ((time.thread_time() - began) / naps * 1e6, (time.monotonic() - at) / naps * 1e6)

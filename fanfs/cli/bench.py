@@ -44,6 +44,7 @@ def _default_workdir() -> str:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from fanfs import bench
+    from fanfs.bench import machine
 
     workdir = Path(args.workdir).absolute()
     if args.calibrate:
@@ -80,11 +81,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     writable(args.report, "--report")
     writable(args.plot, "--plot")
     _take_stop_signals()
+    wake_cpu, wake = machine.wake_cpu_us()
+    _log(f"bench: a {machine.WAKE_NAP_S * 1e6:.0f} us sleep of a thread costs this machine "
+         f"{wake_cpu:.1f} us of CPU (it took {wake:.0f} us): each look of a thread that polls "
+         "by napping pays that")  # fmt: skip
     rows = bench.run(workdir, args.sizes, args.total, args.min_files, args.readers, args.repeat,
                      args.ranks, args.temps, log=_log, client=args.client, epoch=args.epoch,
                      planned=args.plan, kinds=args.data, against=args.against)  # fmt: skip
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": os.uname().nodename,
               "cpus": os.cpu_count(), "argv": sys.argv[1:], "uid": os.geteuid(),
+              "wake_cpu_us": round(wake_cpu, 2),
               "cold_by": sorted({c for r in rows for c in r["cold_by"]}), "rows": rows}  # fmt: skip
     print(json.dumps(report, indent=2) if args.json else bench.format_table(rows))
     Path(args.report).write_text(json.dumps(report, indent=2))

@@ -89,6 +89,9 @@ def test_bench_runs_and_reports(tmp_path: Path) -> None:
             spent = sum(threads.values())
             assert spent == pytest.approx(r["daemon_cpu_us_per_file"], rel=0.02, abs=1), r
             assert threads.get("front", 0) > 0, threads
+    report = json.loads(out_json.read_text())
+    assert report["wake_cpu_us"] > 0, report["wake_cpu_us"]
+    assert re.search(r"a 20 us sleep of a thread costs this machine [\d.]+ us of CPU", done.stderr)
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "ratio" in done.stdout and "local" in done.stdout and "remote" in done.stdout
     assert re.search(r"daemon latency \(random 64K, remote\): .*peer p50/p99/max", done.stdout)

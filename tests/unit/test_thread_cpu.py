@@ -144,3 +144,11 @@ def test_the_slowest_reads_share_of_a_pass() -> None:
     assert machine.tail_share(stalled) == pytest.approx(500 / 595)
     assert machine.tail_share([3.0, 1.0]) == pytest.approx(0.75)  # at least one read
     assert machine.tail_share([]) == 0.0 and machine.tail_share([0.0, 0.0]) == 0.0
+
+
+def test_a_naps_cost_is_cpu_no_longer_than_the_nap() -> None:
+    """What the bench says a thread's short sleep costs the machine: some CPU (the system call
+    and the wake-up), never more than the time the sleep took."""
+    cpu, took = machine.wake_cpu_us(200)
+    assert took >= machine.WAKE_NAP_S * 1e6, (cpu, took)
+    assert 0 < cpu <= took, (cpu, took)
