@@ -95,8 +95,7 @@ def timed_groups(d: Daemons, pids: Sequence[int], groups: list[list[str]], reade
     leaves running is not the pass's), the daemons' latency budget over the pass, else {})."""
     before, window = threads_now(pids), machine.Window()
     got = read_groups(groups, readers, client, read_files, plans, window)
-    after = threads_now(pids)
-    by_thread = by_kind(spent(before, after)), by_kind(spent(before, after, WAITED))
+    by_thread = since(before, pids)
     if budget_at is None:
         return got, by_thread, window.cpus, {}
     return got, by_thread, window.cpus, {k: v - budget_at.get(k, 0)
@@ -170,6 +169,13 @@ def spent(before: Threads, after: Threads, what: int = ON_CPU) -> dict[tuple[int
         if took > 0:
             out[key[0], kind] = out.get((key[0], kind), 0.0) + took / 1e9
     return out
+
+
+def since(before: Threads, pids: Sequence[int]) -> tuple[dict[str, float], dict[str, float]]:
+    """The processes' threads' CPU seconds since the reading `before`, and their seconds
+    waiting for a CPU, each by kind of thread (`by_kind`)."""
+    after = threads_now(pids)
+    return by_kind(spent(before, after)), by_kind(spent(before, after, WAITED))
 
 
 def by_kind(seconds: dict[tuple[int, str], float]) -> dict[str, float]:

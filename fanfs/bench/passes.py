@@ -223,7 +223,7 @@ def make_dataset(root: Path, size: int, count: int, seed: int) -> list[str]:
 def measure(case: Case, side: Side, rels: list[str], seed: int) -> Result:
     """One pass of `side`'s files. Case "planned": cold, the directories listed after the
     caches were dropped (both sides), and fanfs's readers publish their order before reading."""
-    from fanfs.bench.epoch import WAITED, by_kind, spent, threads_now
+    from fanfs.bench.epoch import since, threads_now
 
     order = rels[:]
     random.Random(seed).shuffle(order)
@@ -248,8 +248,7 @@ def measure(case: Case, side: Side, rels: list[str], seed: int) -> Result:
     window.begin()  # (begun again as the readers are let go: readers.run)
     wall, nbytes, lat, samples = _pass(paths * rounds, case, plan, window)
     window.end()
-    after = threads_now(side.pids)
-    by_thread, waited = by_kind(spent(before, after)), by_kind(spent(before, after, WAITED))
+    by_thread, waited = since(before, side.pids)
     if timed is not None:
         budget = {k: v - budget.get(k, 0) for k, v in timed().items()}
     if samples is not None:  # in the order of the files' names, so that sides compare
