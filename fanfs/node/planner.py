@@ -146,7 +146,8 @@ class ReadAhead:
 
     def _queue(self, job: Job) -> None:
         entry = job[3]
-        self.sources.local.advise(entry)  # the disk starts on it now
+        if not self.c.direct(entry):  # (the C reads those with O_DIRECT when they are due)
+            self.sources.local.advise(entry)  # the disk starts on it now
         self.pool.ahead(entry, True)
         peer = self._batch_peer(entry)
         if peer is None:

@@ -1,14 +1,14 @@
 """The read-ahead engine's C path (fanfs/node/planner.py): which files the C reads ahead, and
 the calls that read, check, decode and store them with no Python per byte.
 
-A file stored whole in a partition staged here is read through the page cache (the engine
-advised the kernel to read it when it was due), checked, decoded and stored into the kernel's
-page cache by fanfs_pool_push_file, in the pusher's thread with the GIL let go. A peer's small
-file the data plane fetches (fanfs/csrc/plane.c) goes the same way, its piece fetched into the
-pool's cache as a front READ's is; several of them asked together go through
-fanfs_pool_push_files. Stores go through a FUSE device descriptor of the engine's own
-(`open`, `close`): once the session has closed its own, a late store reaches a dead
-connection, never a file that reused the number.
+A file stored whole in a partition staged here is read as a READ reads it (from the page cache
+when it holds the whole file, else with O_DIRECT: no second copy of the file in the page
+cache), checked, decoded and stored into the kernel's page cache by fanfs_pool_push_file, in
+the pusher's thread with the GIL let go. A peer's small file the data plane fetches
+(fanfs/csrc/plane.c) goes the same way, its piece fetched into the pool's cache as a front
+READ's is; several of them asked together go through fanfs_pool_push_files. Stores go
+through a FUSE device descriptor of the engine's own (`open`, `close`): once the session has
+closed its own, a late store reaches a dead connection, never a file that reused the number.
 
 Concurrency: `open` and `close` are the event loop's, before the pushers start and after they
 have all stopped; the rest is called from any pusher thread (read-only looks at the pool's
@@ -62,6 +62,17 @@ class CReads:
         kinds = self.pool.kinds
         return self.device >= 0 and kinds is not None and kinds[entry] != lib.FAST_NO
 
+    def direct(self, entry: int) -> bool:
+        """Whether `job` reads `entry` with O_DIRECT when the page cache does not hold it: a
+        file of this daemon's, in a partition staged where O_DIRECT works. The engine does not
+        advise the kernel to read such a file ahead: the advice would cost the event loop the
+        page cache's pages for it (about 0.2 ms a MiB here) and leave a second copy of it."""
+        local = self.sources.local
+        if not (self.reads(entry) and local.mine(entry)):
+            return False
+        part = local.where(entry)[0]
+        return local.staged(part) and local.dfd(part) >= 0
+
     def by_plane(self, entry: int) -> bool:
         """Whether the data plane fetches a peer's file for `push` or `push_together` (no
         Python on either side)."""
@@ -91,15 +102,14 @@ class CReads:
         if not self.reads(entry):
             return None
         part = local.where(entry)[0]
+        dfd = -1
         if local.mine(entry):
             if not local.staged(part):
                 return None
-            # Read through the page cache (no O_DIRECT descriptor): the engine advised the
-            # kernel to read the file when it was due; an O_DIRECT read would read it again.
-            fd = local.fd(part)
+            fd, dfd = local.fd(part), local.dfd(part)  # read as a READ reads it (`direct`)
         elif self.plane_takes(entry):
             fd = lib.remote_fd(part)  # fetched into the pool's cache as the front's READ is
         else:
             return None
-        return native_job(fd, -1, entry, 0, 0, int(c.size[entry]), 0,
+        return native_job(fd, dfd, entry, 0, 0, int(c.size[entry]), 0,
                           [whole_piece(c, entry, int(fd < 0))])  # fmt: skip

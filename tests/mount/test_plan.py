@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import FANFS, Mount, fanfs, mounted, prepare, wait_until
+from conftest import FANFS, STEP_TIMEOUT, Mount, fanfs, mounted, prepare, wait_until
 
 from fanfs import mounts, plan
 from fanfs.errors import FanfsError
@@ -67,6 +67,17 @@ def plan_status(m: Mount) -> dict[str, int]:
     return m.status()["plan"]  # type: ignore[no-any-return]
 
 
+def takes_direct(directory: Path) -> bool:
+    """Whether files in `directory` open with O_DIRECT (not on tmpfs, say)."""
+    probe = directory / ".direct-probe"
+    try:
+        os.close(os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600))
+    except OSError:
+        return False
+    probe.unlink()
+    return True
+
+
 def read_ahead(m: Mount, n: int) -> dict[str, int]:
     assert wait_until(lambda: plan_status(m)["prefetched"] >= n, 30), plan_status(m)
     return plan_status(m)
@@ -77,12 +88,23 @@ def test_listed_files_go_into_the_page_cache(tree: Path, mount: Mount) -> None:
     for d in mount.mountpoint.iterdir():  # as ImageFolder does: the kernel learns every inode
         list(os.scandir(d))
     assert wait_until(lambda: mount.status()["store"]["staging_done"], 30)
+    # The staged copies' pages out of the page cache, as on a node that staged them long ago
+    dropped = subprocess.run([*FANFS, "drop", str(mount.mountpoint)], capture_output=True,
+                             text=True, timeout=STEP_TIMEOUT, check=False)  # fmt: skip
+    assert dropped.returncode == 0, dropped.stderr
+    for d in mount.mountpoint.iterdir():
+        list(os.scandir(d))
+    direct_before = mount.status()["native_direct_reads"]
     taken = plan.publish(mount.mountpoint, [mount.mountpoint / r for r in rels])
     assert (taken.planned, taken.missing) == (N_FILES, 0)
     s = read_ahead(mount, N_FILES)
     assert s["pushed_to_kernel"] == N_FILES and s["held_bytes"] == 0
     if mount.status()["front"]["running"]:  # staged here: read, checked, stored with no Python
         assert s["pushed_in_c"] == N_FILES
+        if takes_direct(Path(mount.status()["store"]["local_dir"])):
+            # read as READs read them: from the disk, not through a second copy in the page
+            # cache that advice to the kernel would have made
+            assert mount.status()["native_direct_reads"] - direct_before == N_FILES
     reads = mount.status()["reader"]["reads"]
     for r in rels:
         assert (mount.mountpoint / r).read_bytes() == (tree / r).read_bytes(), r
