@@ -6,7 +6,8 @@ that waits (a queue, a sleep, a lock) leaves some idle. A pass held up by a few 
 most of the readers' time in its slowest reads; a pass that is slow evenly does not. On `vm`
 a planned global epoch over 4 daemons kept 1.5-1.7 of its 2 CPUs busy, and its slowest 5 % of
 reads held about two thirds of the readers' time (docs/performance.md, "A planned epoch's
-time, read by read").
+time, read by read"). From the two, `cpu_bound` says how fast the machine's CPUs would let a
+case read at the CPU it spent a file.
 """
 
 from __future__ import annotations
@@ -58,6 +59,16 @@ class Window:
             busy, at = self._began
             self.cpus = (busy_cpu_s() - busy) / max(1e-3, time.monotonic() - at)
             self._began = None
+
+
+def cpu_bound(ratio: float, busy: float, cpus: int) -> float | None:
+    """The most of native's speed the machine's `cpus` allow a side that read at `ratio` of
+    native's while keeping `busy` CPUs busy on average: the pass's CPU work, the same a file,
+    spread over every CPU with none idle (`ratio` x `cpus` / `busy`). None when the pass kept
+    nothing busy that the kernel counted. A case near its bound is held by the cores, one far
+    below it by something it waits for. The work is what the pass spent here, with every
+    process of every "node" on the same cores: nodes of their own may spend less a file."""
+    return ratio * cpus / busy if busy > 0 else None
 
 
 def tail_share(lat: Sequence[float], share: float = TAIL) -> float:

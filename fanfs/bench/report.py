@@ -58,6 +58,10 @@ def summarize(results: list[Result]) -> list[dict[str, Any]]:
                                                               read)  # fmt: skip
         row["ratio"] = statistics.median(ratios)
         row["ratio_min"], row["ratio_max"] = min(ratios), max(ratios)
+        bounds = [machine.cpu_bound(x, f.cpus_busy, os.cpu_count() or 1)
+                  for x, f in zip(ratios, by["fanfs"], strict=True)]  # fmt: skip
+        if known := [b for b in bounds if b is not None]:
+            row["fanfs_cpu_bound"] = statistics.median(known)
         for name, (a, b) in VERSUS.items():
             if a in by and b in by:
                 row[name] = statistics.median(_ratios(by, a, b))
@@ -119,14 +123,19 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 def _machine_line(r: dict[str, Any]) -> str:
     """Whether a case kept the machine's CPUs busy, and how much of the readers' time its
-    slowest reads took, each side (bench/machine.py)."""
+    slowest reads took, each side; the most of native's speed the CPUs allow fanfs at the CPU
+    its passes spent a file (bench/machine.py)."""
     sides = [k.removesuffix("_cpus_busy") for k in r if k.endswith("_cpus_busy")]
+    bound = r.get("fanfs_cpu_bound")
+    most = (f"; at the CPU it spent a file, the {os.cpu_count()} CPUs would let fanfs read at "
+            f"{bound:.2f} of native at most" if bound is not None else "")  # fmt: skip
     return (
         f"machine {_where(r)} {size_label(r['size'])} {r['temp']} x{r['readers']}: CPUs "
         f"busy of {os.cpu_count()}: "
         + ", ".join(f"{k.replace('_', '-')} {r[f'{k}_cpus_busy']:.2f}" for k in sides)
         + f"; the slowest {machine.TAIL:.0%} of reads took of the readers' time: "
         + ", ".join(f"{k.replace('_', '-')} {r[f'{k}_tail']:.0%}" for k in sides)
+        + most
     )
 
 

@@ -140,6 +140,12 @@ def test_bench_global_epoch_over_three_daemons(tmp_path: Path) -> None:
             assert 0.5 * r["remote_share"] <= b["remote_reads"] <= 1.5 * r["remote_share"], b
             assert b["fetch_away"] > 0 and b["owner_read"] > 0, b
         assert r["fanfs_cpus_busy"] >= 0 and 0.05 <= r["fanfs_tail"] <= 1, r
+        if r["fanfs_cpus_busy"] > 0:  # (a pass too short for the kernel's ticks counts none)
+            bound = r["ratio"] * (os.cpu_count() or 1) / r["fanfs_cpus_busy"]
+            assert r["fanfs_cpu_bound"] == pytest.approx(bound), r
+            assert f"would let fanfs read at {r['fanfs_cpu_bound']:.2f} of native" in done.stdout
+        else:
+            assert "fanfs_cpu_bound" not in r, r
         # By kind of thread, per file read on any node (not per node's file), as the whole is.
         spent = sum(r["cpu_by_thread_us"].values())
         assert spent == pytest.approx(r["daemon_cpu_us_per_file"], rel=0.02, abs=1), r

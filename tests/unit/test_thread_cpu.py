@@ -146,6 +146,16 @@ def test_the_slowest_reads_share_of_a_pass() -> None:
     assert machine.tail_share([]) == 0.0 and machine.tail_share([0.0, 0.0]) == 0.0
 
 
+def test_the_most_the_cpus_allow() -> None:
+    """What the "machine" lines call the most of native's speed the CPUs allow: a pass that read
+    at 0.68 of native with 1.66 of 2 CPUs busy could read at 0.82 with both busy at the same
+    CPU a file; with every CPU busy a pass is at its bound; with none counted, no bound."""
+    assert machine.cpu_bound(0.68, 1.66, 2) == pytest.approx(0.819, abs=1e-3)
+    assert machine.cpu_bound(0.5, 2.0, 2) == pytest.approx(0.5)
+    assert machine.cpu_bound(0.34, 1.74, 16) == pytest.approx(3.126, abs=1e-3)
+    assert machine.cpu_bound(0.9, 0.0, 2) is None
+
+
 def test_a_naps_cost_is_cpu_no_longer_than_the_nap() -> None:
     """What the bench says a thread's short sleep costs the machine: some CPU (the system call
     and the wake-up), never more than the time the sleep took."""
