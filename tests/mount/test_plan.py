@@ -29,6 +29,7 @@ from conftest import FANFS, STEP_TIMEOUT, Mount, fanfs, mounted, prepare, wait_u
 from fanfs import mounts, plan
 from fanfs.errors import FanfsError
 from fanfs.image import catalog as cat
+from fanfs.node.partfile import open_direct
 from fanfs.node.plans import MIN_WINDOW as SLACK
 from fanfs.plan import PlanRefused
 
@@ -68,14 +69,18 @@ def plan_status(m: Mount) -> dict[str, int]:
 
 
 def takes_direct(directory: Path) -> bool:
-    """Whether files in `directory` open with O_DIRECT (not on tmpfs, say)."""
+    """Whether the store gets O_DIRECT descriptors for files in `directory` (not on tmpfs, say):
+    the store's own test, on a probe file there."""
     probe = directory / ".direct-probe"
+    fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.close(os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600))
-    except OSError:
-        return False
-    probe.unlink()
-    return True
+        dfd = open_direct(fd)
+    finally:
+        os.close(fd)
+        probe.unlink()
+    if dfd >= 0:
+        os.close(dfd)
+    return dfd >= 0
 
 
 def read_ahead(m: Mount, n: int) -> dict[str, int]:
@@ -83,7 +88,7 @@ def read_ahead(m: Mount, n: int) -> dict[str, int]:
     return plan_status(m)
 
 
-def test_listed_files_go_into_the_page_cache(tree: Path, mount: Mount) -> None:
+def test_listed_files_go_into_the_page_cache(tree: Path, mount: Mount, tmp_path: Path) -> None:
     rels = order(tree, 1)
     for d in mount.mountpoint.iterdir():  # as ImageFolder does: the kernel learns every inode
         list(os.scandir(d))
@@ -101,7 +106,7 @@ def test_listed_files_go_into_the_page_cache(tree: Path, mount: Mount) -> None:
     assert s["pushed_to_kernel"] == N_FILES and s["held_bytes"] == 0
     if mount.status()["front"]["running"]:  # staged here: read, checked, stored with no Python
         assert s["pushed_in_c"] == N_FILES
-        if takes_direct(Path(mount.status()["store"]["local_dir"])):
+        if takes_direct(tmp_path):  # (the daemon's staging directory is in it)
             # read as READs read them: from the disk, not through a second copy in the page
             # cache that advice to the kernel would have made
             assert mount.status()["native_direct_reads"] - direct_before == N_FILES
